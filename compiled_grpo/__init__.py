@@ -1,0 +1,21 @@
+"""compiled_grpo: a torch.compile-native GRPO loss that never materializes [tokens, vocab] logits.
+
+Public contract (DESIGN.md): ``grpo_loss``, ``GRPOConfig``, ``GRPOOutput``, ``GRPOMetrics``,
+``metric``, and the pure per-token functions ``token_logprobs``, ``importance_ratio``,
+``kl_penalty``, ``advantage_stats``, ``policy_objective``, ``aggregate``; ``reference_grpo_loss``
+and ``reference_token_logprobs`` define the result every fast path is tested against.
+"""
+from compiled_grpo.api import GRPOOutput, grpo_loss
+from compiled_grpo.config import GRPOConfig
+from compiled_grpo.logprobs import TokenLogprobs, token_logprobs
+from compiled_grpo.loss import (Aggregate, AdvantageStats, ImportanceRatio, KLPenalty, PolicyObjective,
+                                advantage_stats, aggregate, importance_ratio, kl_penalty, policy_objective)
+from compiled_grpo.metrics import GRPOMetrics, TokenStats, metric
+from compiled_grpo.reference import reference_grpo_loss, reference_token_logprobs
+
+__all__ = [
+    "GRPOConfig", "GRPOOutput", "GRPOMetrics", "TokenStats", "TokenLogprobs", "grpo_loss", "metric",
+    "token_logprobs", "importance_ratio", "kl_penalty", "advantage_stats", "policy_objective", "aggregate",
+    "ImportanceRatio", "KLPenalty", "AdvantageStats", "PolicyObjective", "Aggregate",
+    "reference_grpo_loss", "reference_token_logprobs",
+]

@@ -1,0 +1,131 @@
+"""grpo_loss: the GRPO loss family from hidden states and the lm_head weight, logits never stored.
+
+Shape legend: B sequences, T completion positions, H hidden size, V vocab size.
+
+Composition order (Liger 0.8.5 ``ppo_loss_fn`` / TRL 1.16 ``_compute_loss``)::
+
+    p          = token_logprobs(hidden, weight, ids)                 # [B, T]  fused op
+    rho        = importance_ratio(p, old)                            # [B, T] or [B, 1] (GSPO)
+    l          = policy_objective(rho, A, p)                         # clip rule of loss_type
+    l          = l * sampling_ratio                                  # train/inference IS weights
+    l          = l + beta * kl_penalty(p, ref) [* rho if use_bias_correction_kl]
+    loss       = aggregate(l, mask)                                  # normalizer of loss_type
+    loss       = loss - entropy_coef * masked_mean(entropy)          # TRL's entropy bonus
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from compiled_grpo._checks import FLOAT_DTYPES, check_shape, check_tensor
+from compiled_grpo.config import GRPOConfig
+from compiled_grpo.logprobs import token_logprobs
+from compiled_grpo.loss import (advantage_stats, aggregate, importance_ratio, kl_penalty, masked_mean,
+                                policy_objective)
+from compiled_grpo.metrics import GRPOMetrics, TokenStats, compute_metrics
+
+_DEFAULT = GRPOConfig()
+
+
+class GRPOOutput(NamedTuple):
+    loss: Tensor                     # 0-dim
+    per_token_loss: Tensor           # [B, T], 0 at masked positions (differentiable)
+    logprobs: Tensor                 # [B, T] detached, 0 at masked positions
+    entropy: Optional[Tensor]        # [B, T] (differentiable), 0 at masked positions; None unless computed
+    metrics: Optional[GRPOMetrics]   # None when config.metrics is "none"
+
+
+def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Tensor, mask: Tensor,
+              old_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None, *,
+              bias: Optional[Tensor] = None, sampling_ratio: Optional[Tensor] = None,
+              num_items_in_batch=None, config: GRPOConfig = _DEFAULT) -> GRPOOutput:
+    """GRPO-family loss of ``config.loss_type`` (README: loss table).
+
+    hidden [B, T, H] bf16/fp16/fp32(/fp64), weight [V, H], token_ids [B, T] int64, advantages [B] or
+    [B, T], mask [B, T] bool or 0/1, old/ref log-probs [B, T], bias [V], sampling_ratio [B, T] or
+    [B, 1], num_items_in_batch: int or 0-dim tensor (dapo/cispo normalizer across micro-batches).
+    ``old_logprobs=None`` means on-policy (old = sg(p), ratio exactly 1). Entropy is computed (in
+    the same pass as the log-probs) when ``entropy_coef > 0`` or ``metrics`` asks for it.
+    Hidden states at masked positions must be finite (true of any model); inf/NaN in old/ref
+    log-probs, advantages or sampling_ratio at masked positions never reach the loss or grads.
+    """
+    return _grpo_loss(token_logprobs, hidden, weight, token_ids, advantages, mask, old_logprobs, ref_logprobs,
+                      bias=bias, sampling_ratio=sampling_ratio, num_items_in_batch=num_items_in_batch,
+                      config=config)
+
+
+def _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio,
+                  num_items_in_batch, config) -> None:
+    if not isinstance(config, GRPOConfig):
+        raise TypeError(f"config must be a compiled_grpo.GRPOConfig, got {type(config).__name__}")
+    check_tensor("hidden", hidden, ndims=(3,), dtypes=FLOAT_DTYPES)
+    bt, dev = tuple(hidden.shape[:2]), hidden.device
+    check_tensor("mask", mask, ndims=(2,), device=dev)
+    check_shape("mask", mask, bt, "[B, T]")
+    check_tensor("advantages", advantages, ndims=(1, 2), dtypes=FLOAT_DTYPES, device=dev)
+    check_shape("advantages", advantages, bt[: advantages.dim()], "[B] or [B, T]")
+    for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if x is not None:
+            check_tensor(name, x, ndims=(2,), dtypes=FLOAT_DTYPES, device=dev)
+            check_shape(name, x, bt, "[B, T]")
+    if sampling_ratio is not None:
+        check_tensor("sampling_ratio", sampling_ratio, ndims=(2,), dtypes=FLOAT_DTYPES, device=dev)
+        if tuple(sampling_ratio.shape) not in (bt, (bt[0], 1)):
+            raise ValueError(f"sampling_ratio must have shape [B, T] = {bt} or [B, 1], got {tuple(sampling_ratio.shape)}")
+    if config.beta != 0.0 and ref_logprobs is None:
+        raise ValueError(f"ref_logprobs is required when config.beta={config.beta} > 0 (the KL penalty needs "
+                         "the reference policy's log-probs; compute them with token_logprobs under no_grad)")
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            if num_items_in_batch.dim() != 0:
+                raise ValueError(f"num_items_in_batch must be an int or a 0-dim tensor, got shape "
+                                 f"{tuple(num_items_in_batch.shape)}")
+        elif not isinstance(num_items_in_batch, int) or isinstance(num_items_in_batch, bool) or num_items_in_batch < 0:
+            raise ValueError(f"num_items_in_batch must be an int >= 0 or a 0-dim tensor, got {num_items_in_batch!r}")
+
+
+def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logprobs=None, ref_logprobs=None, *,
+               bias=None, sampling_ratio=None, num_items_in_batch=None, config: GRPOConfig = _DEFAULT) -> GRPOOutput:
+    cfg = config
+    _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio,
+                  num_items_in_batch, cfg)
+    valid = mask if mask.dtype == torch.bool else mask != 0  # [B, T]
+    want_entropy = cfg.entropy_coef > 0 or cfg.metrics_level == "with_entropy"
+    tok = logprob_fn(hidden, weight, token_ids, bias, mask=valid, temperature=cfg.temperature,
+                     fp32_lm_head=cfg.fp32_lm_head, with_entropy=want_entropy)
+    logp = tok.logprobs  # [B, T] fp32 (fp64 for fp64 inputs)
+    dtype = logp.dtype
+    old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)  # [B, T]
+    rho = importance_ratio(logp, old, valid, level=cfg.importance_sampling_level,
+                           log_ratio_clamp=cfg.log_ratio_clamp)
+    adv = advantage_stats(advantages.to(dtype), valid)
+    pol = policy_objective(rho.ratio, adv.advantages, logp, cfg)
+    per_token = pol.per_token_loss  # [B, T] or [B, 1]
+    if sampling_ratio is not None:
+        per_token = per_token * torch.where(valid, sampling_ratio.to(dtype), 0)  # [B, T]
+    kl = None
+    if cfg.beta != 0.0:
+        kl = kl_penalty(logp, ref_logprobs.to(dtype), valid, estimator=cfg.kl_estimator,
+                        input_clamp=cfg.kl_input_clamp, output_clamp=cfg.kl_output_clamp).kl  # [B, T]
+        if cfg.use_bias_correction_kl:  # DeepSeek-V3.2: KL * rho (un-delta'd ratio, as TRL/Liger)
+            kl = kl * rho.ratio
+        per_token = per_token + cfg.beta * kl
+    per_token = torch.where(valid, per_token, 0)  # [B, T]
+    loss = aggregate(per_token, valid, cfg, num_items_in_batch).loss
+    entropy = tok.entropy  # [B, T] or None, 0 at masked positions
+    if cfg.entropy_coef > 0:
+        loss = loss - cfg.entropy_coef * masked_mean(entropy, valid)
+    metrics = None
+    if cfg.metrics:
+        d = lambda x: None if x is None else x.detach()  # noqa: E731
+        stats = TokenStats(
+            logprobs=logp.detach(), old_logprobs=torch.where(valid, old, 0).detach(),
+            log_ratio=rho.log_ratio.detach(), ratio=torch.exp(rho.log_ratio).detach(),
+            coef=rho.ratio.detach().expand(valid.shape), advantages=adv, mask=valid,
+            per_token_loss=per_token.detach(), is_low_clipped=pol.is_low_clipped.expand(valid.shape),
+            is_high_clipped=pol.is_high_clipped.expand(valid.shape), kl_ref=d(kl), entropy=d(entropy),
+            epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high)
+        metrics = compute_metrics(stats, cfg.metrics_level, cfg.custom_metrics)
+    return GRPOOutput(loss, per_token, logp.detach(), entropy, metrics)

@@ -1,0 +1,114 @@
+"""GRPOConfig: every knob of the GRPO loss family, validated once at construction.
+
+The config is a frozen (hashable) dataclass, so ``torch.compile`` guards on its field values
+and a step function closes over it without recompiling. Defaults follow Liger-Kernel 0.8.5
+``LigerFusedLinearGRPOLoss`` / TRL 1.16 ``GRPOConfig`` except where noted:
+
+- ``beta`` defaults to 0.0 (TRL) rather than Liger's 0.04.
+- ``use_bias_correction_kl`` defaults to False (Liger; TRL defaults to True).
+- ``log_ratio_clamp``, ``kl_input_clamp``, ``kl_output_clamp`` are numerical guards that neither
+  Liger nor TRL apply (after NeMo-RL's ``calculate_kl`` and verl). Set all three to None to get
+  Liger/TRL's exact numbers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+IS_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+METRIC_LEVELS = ("none", "basic", "with_entropy")
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """Options of :func:`compiled_grpo.grpo_loss`; see README's loss table for the formulas.
+
+    ``metrics`` is ``"none" | "basic" | "with_entropy"``, the name of a metric registered with
+    :func:`compiled_grpo.metric`, or a tuple mixing one level and registered names, e.g.
+    ``("basic", "my_metric")``. It is stored normalized as a tuple of names.
+    """
+
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: Optional[float] = None
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    use_bias_correction_kl: bool = False
+    temperature: float = 1.0
+    log_ratio_clamp: Optional[float] = 20.0
+    kl_input_clamp: Optional[float] = 20.0
+    kl_output_clamp: Optional[float] = 10.0
+    max_completion_length: Optional[int] = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    entropy_coef: float = 0.0
+    fp32_lm_head: bool = False
+    grad_divisor: Optional[float] = None
+    metrics: Union[str, tuple] = "none"
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise ValueError(f"GRPOConfig.{field}={getattr(self, field)!r}: {why}")
+
+        for field, choices in (("loss_type", LOSS_TYPES), ("importance_sampling_level", IS_LEVELS),
+                               ("kl_estimator", KL_ESTIMATORS)):
+            if getattr(self, field) not in choices:
+                bad(field, f"must be one of {choices}")
+        for field in ("epsilon_low", "epsilon_high", "beta", "entropy_coef"):
+            if not _is_real(getattr(self, field)) or getattr(self, field) < 0:
+                bad(field, "must be a finite number >= 0")
+        for field in ("temperature", "sapo_temperature_pos", "sapo_temperature_neg"):
+            if not _is_real(getattr(self, field)) or getattr(self, field) <= 0:
+                bad(field, "must be a finite number > 0")
+        for field in ("delta", "log_ratio_clamp", "kl_input_clamp", "kl_output_clamp", "grad_divisor"):
+            v = getattr(self, field)
+            if v is not None and (not _is_real(v) or v <= 0):
+                bad(field, "must be None or a finite number > 0")
+        for field in ("use_bias_correction_kl", "fp32_lm_head"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, "must be a bool")
+        m = self.max_completion_length
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m <= 0):
+            bad("max_completion_length", "must be None or a positive int")
+        if self.loss_type == "dr_grpo" and m is None:
+            bad("max_completion_length", "loss_type='dr_grpo' normalizes by B * max_completion_length; set it")
+        if self.importance_sampling_level == "sequence" and self.loss_type in ("cispo", "sapo"):
+            bad("importance_sampling_level", f"sequence-level importance sampling is not defined for "
+                f"loss_type={self.loss_type!r} (as in Liger and TRL); use 'token'")
+        object.__setattr__(self, "metrics", _normalize_metrics(self.metrics))
+
+    @property
+    def metrics_level(self) -> str:
+        """The built-in metric level requested: 'none', 'basic' or 'with_entropy'."""
+        levels = [m for m in self.metrics if m in METRIC_LEVELS]
+        return levels[0] if levels else "none"
+
+    @property
+    def custom_metrics(self) -> tuple:
+        """Names of registered metrics requested, in request order."""
+        return tuple(m for m in self.metrics if m not in METRIC_LEVELS)
+
+
+def _normalize_metrics(metrics) -> tuple:
+    from compiled_grpo.metrics import registered_metrics  # late: the registry grows at import time
+
+    names = (metrics,) if isinstance(metrics, str) else metrics
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"GRPOConfig.metrics={metrics!r}: must be a str or a tuple of str")
+    levels = [n for n in names if n in METRIC_LEVELS]
+    if len(levels) > 1:
+        raise ValueError(f"GRPOConfig.metrics={metrics!r}: at most one of {METRIC_LEVELS}")
+    unknown = [n for n in names if n not in METRIC_LEVELS and n not in registered_metrics()]
+    if unknown:
+        raise ValueError(f"GRPOConfig.metrics={metrics!r}: unknown metric name(s) {unknown}; the levels are "
+                         f"{METRIC_LEVELS} and registered metrics are {sorted(registered_metrics())}")
+    return tuple(n for n in names if n != "none")

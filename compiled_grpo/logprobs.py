@@ -1,0 +1,57 @@
+"""token_logprobs: per-token log-prob (and entropy) from hidden states and the lm_head weight.
+
+Shape legend: B batch, T positions, H hidden, V vocab. Logits [B, T, V] are never materialized:
+this calls ``torch.ops.compiled_grpo.linear_logprobs`` (Triton on CUDA, a chunked PyTorch loop
+elsewhere). Call it under ``torch.no_grad()`` for old/ref log-probs: the same kernel then makes
+an on-policy ratio exactly 1.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from compiled_grpo._checks import INT_DTYPES, check_lm_head, check_tensor, check_token_ids
+from lowerings import LinearLogprobs as TokenLogprobs
+from lowerings import linear_logprobs
+
+
+def _prepare(hidden, weight, token_ids, bias, mask, temperature):
+    check_lm_head(hidden, weight, bias)
+    check_tensor("token_ids", token_ids, dtypes=INT_DTYPES, device=hidden.device)
+    if tuple(token_ids.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"token_ids must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
+                         f"got {tuple(token_ids.shape)}")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    if mask is None:
+        valid = torch.ones_like(token_ids, dtype=torch.bool)
+    else:
+        check_tensor("mask", mask, device=hidden.device)
+        if tuple(mask.shape) != tuple(token_ids.shape):
+            raise ValueError(f"mask must have the shape of token_ids {tuple(token_ids.shape)}, got {tuple(mask.shape)}")
+        valid = mask if mask.dtype == torch.bool else mask != 0
+    check_token_ids(token_ids, weight.shape[0], valid)
+    # Masked positions may hold padding ids such as -100: read row 0 there instead.
+    ids = torch.where(valid, token_ids, 0).long()
+    return ids, valid
+
+
+def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Optional[Tensor] = None, *,
+                   mask: Optional[Tensor] = None, temperature: float = 1.0, fp32_lm_head: bool = False,
+                   with_entropy: bool = False) -> TokenLogprobs:
+    """log_softmax((hidden @ weight.T + bias) / temperature)[token_ids], without the logits.
+
+    hidden [..., H], weight [V, H], token_ids [...]; returns ``TokenLogprobs(logprobs, entropy, lse)``,
+    each [...] fp32 (fp64 for fp64 inputs), entropy None unless ``with_entropy``. With ``mask``,
+    masked positions may hold any id and report logprob/entropy 0. Differentiable in hidden,
+    weight and bias.
+    """
+    ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature)
+    out = linear_logprobs(hidden, weight, ids, bias, temperature=float(temperature),
+                          fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
+    if mask is None:
+        return out
+    ent = None if out.entropy is None else torch.where(valid, out.entropy, 0)
+    return TokenLogprobs(torch.where(valid, out.logprobs, 0), ent, out.lse)

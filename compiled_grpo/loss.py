@@ -1,0 +1,198 @@
+"""The GRPO loss family as pure PyTorch functions on [B, T] per-token tensors: the one definition.
+
+Shape legend: B sequences, T completion positions, N = B*T tokens. ``mask`` is a bool [B, T].
+Notation: p = log pi_theta(y_t) (``logprobs``), q = old log-prob, r = reference log-prob,
+rho = exp(p - q), A = advantage, m = mask, L_i = sum_t m_{i,t}.
+
+Every fast path (eager, compiled, benchmark peers built on this package) calls these functions;
+``reference.py`` calls them too, with log-probs from materialized logits. Numerical guards
+select *before* ``exp`` (``torch.where``), so an inf/NaN at a masked position never becomes
+``inf * 0 = NaN`` in the loss or the gradient (OpenRLHF PR #1335, TRL #3015).
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+
+def _clamp(x: Tensor, bound: Optional[float]) -> Tensor:
+    return x if bound is None else x.clamp(-bound, bound)
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """sum(x * m) / max(sum(m), 1) over valid tokens, with masked entries selected away."""
+    m = mask.to(x.dtype)
+    return torch.where(mask, x, 0).sum() / m.sum().clamp(min=1.0)
+
+
+class ImportanceRatio(NamedTuple):
+    log_ratio: Tensor   # [B, T] p - q (clamped), 0 at masked positions
+    log_weight: Tensor  # [B, T] token level, [B, 1] sequence level (GSPO)
+    ratio: Tensor       # exp(log_weight), same shape as log_weight
+
+
+def importance_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *, level: str = "token",
+                     log_ratio_clamp: Optional[float] = 20.0) -> ImportanceRatio:
+    """rho = exp(clamp(p - q)); GSPO: rho_i = exp(clamp(sum_t m (p - q) / max(L_i, 1))).
+
+    Equals TRL 1.16 / Liger 0.8.5 ``coef_1`` when ``log_ratio_clamp`` is None. The clamp (verl,
+    NeMo-RL: +-20) applies to the token log-ratio and to the sequence log-weight.
+    """
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0)  # [B, T]
+    if level == "token":
+        log_ratio = _clamp(log_ratio, log_ratio_clamp)
+        log_weight = log_ratio  # [B, T]
+    else:
+        lengths = mask.sum(-1, keepdim=True).to(log_ratio.dtype).clamp(min=1.0)  # [B, 1]
+        log_weight = _clamp(log_ratio.sum(-1, keepdim=True) / lengths, log_ratio_clamp)  # [B, 1]
+        log_ratio = _clamp(log_ratio, log_ratio_clamp)
+    return ImportanceRatio(log_ratio, log_weight, torch.exp(log_weight))
+
+
+class KLPenalty(NamedTuple):
+    kl: Tensor  # [B, T] per-token KL(pi_theta || pi_ref) estimate, 0 at masked positions
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *, estimator: str = "k3",
+               input_clamp: Optional[float] = 20.0, output_clamp: Optional[float] = 10.0) -> KLPenalty:
+    """Schulman's estimators with d = clamp(r - p, +-input_clamp) (NeMo-RL ``calculate_kl``):
+
+    k1 = -d,  k2 = d**2 / 2,  k3 = exp(d) - d - 1 (TRL/Liger's only estimator),
+    then clamp(kl, +-output_clamp). With both clamps None, k3 equals Liger's ``k3_loss_fn``.
+    """
+    d = _clamp(torch.where(mask, ref_logprobs - logprobs, 0), input_clamp)  # [B, T]
+    if estimator == "k1":
+        kl = -d
+    elif estimator == "k2":
+        kl = 0.5 * d * d
+    else:
+        kl = torch.exp(d) - d - 1.0
+    return KLPenalty(_clamp(kl, output_clamp))
+
+
+class AdvantageStats(NamedTuple):
+    advantages: Tensor  # [B, 1] or [B, T], 0 at masked positions when [B, T]
+    mean: Tensor        # 0-dim, over valid tokens
+    max: Tensor         # 0-dim, -inf when no token is valid
+    min: Tensor         # 0-dim, +inf when no token is valid
+
+
+def advantage_stats(advantages: Tensor, mask: Tensor) -> AdvantageStats:
+    """Broadcastable advantages plus masked mean/max/min (detached) over valid tokens.
+
+    [B] advantages become [B, 1] (TRL's ``unsqueeze(1)``); [B, T] ones are selected to 0 at masked
+    positions so a NaN there stays out. Empty max/min are -inf/+inf, the identities of max/min,
+    so per-rank values combine with all_reduce(MAX/MIN); never sum them (see README, Metrics).
+    """
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else torch.where(mask, advantages, 0)
+    full = adv.detach().expand(mask.shape)  # [B, T]
+    mean = masked_mean(full, mask)
+    amax = torch.where(mask, full, -torch.inf).amax()
+    amin = torch.where(mask, full, torch.inf).amin()
+    return AdvantageStats(adv, mean, amax, amin)
+
+
+class PolicyObjective(NamedTuple):
+    per_token_loss: Tensor   # [B, T] or [B, 1] (sequence-level IS with [B] advantages)
+    is_low_clipped: Tensor   # bool, broadcastable to [B, T]: the lower clip bound is active
+    is_high_clipped: Tensor  # bool, broadcastable to [B, T]: the upper clip bound is active
+
+
+def _ppo_clip(ratio, adv, logprobs, cfg) -> PolicyObjective:
+    """-min(min(rho, delta) * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) (PPO; INTELLECT-2 delta)."""
+    lo, hi = 1 - cfg.epsilon_low, 1 + cfg.epsilon_high
+    capped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
+    loss = -torch.min(capped * adv, ratio.clamp(lo, hi) * adv)
+    return PolicyObjective(loss, (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0))
+
+
+def _cispo(ratio, adv, logprobs, cfg) -> PolicyObjective:
+    """-sg(min(rho, eps_high)) * A * p: eps_high is an absolute cap (TRL/Liger form, e.g. 5.0)."""
+    loss = -ratio.clamp(max=cfg.epsilon_high).detach() * adv * logprobs
+    return PolicyObjective(loss, torch.zeros_like(ratio, dtype=torch.bool), (ratio > cfg.epsilon_high) & (adv > 0))
+
+
+def _sapo(ratio, adv, logprobs, cfg) -> PolicyObjective:
+    """-(4 / tau) * sigmoid(tau * (rho - 1)) * A, tau = tau_pos if A > 0 else tau_neg (SAPO)."""
+    pos = adv > 0
+    gate_pos = torch.sigmoid(cfg.sapo_temperature_pos * (ratio - 1)) * 4 / cfg.sapo_temperature_pos
+    gate_neg = torch.sigmoid(cfg.sapo_temperature_neg * (ratio - 1)) * 4 / cfg.sapo_temperature_neg
+    loss = -torch.where(pos, gate_pos, gate_neg) * adv
+    none = torch.zeros_like(loss, dtype=torch.bool)
+    return PolicyObjective(loss, none, none)
+
+
+class LossType(NamedTuple):
+    """A loss type is a clip rule plus a normalizer, picked once from the frozen config."""
+
+    clip_rule: Callable[..., PolicyObjective]
+    per_sequence_mean: bool   # divide each sequence's token sum by max(L_i, 1) first (grpo, sapo)
+    divisor: str              # "batch" (B), "tokens" (local sum m), "dr_grpo" (B * max_len), "items"
+
+
+LOSS_TYPES = {
+    "grpo": LossType(_ppo_clip, True, "batch"),
+    "sapo": LossType(_sapo, True, "batch"),
+    "bnpo": LossType(_ppo_clip, False, "tokens"),
+    "dr_grpo": LossType(_ppo_clip, False, "dr_grpo"),
+    "dapo": LossType(_ppo_clip, False, "items"),
+    "cispo": LossType(_cispo, False, "items"),
+    "luspo": LossType(_ppo_clip, False, "batch"),
+}
+
+
+def policy_objective(ratio: Tensor, advantages: Tensor, logprobs: Tensor, config) -> PolicyObjective:
+    """The per-token policy term of ``config.loss_type`` (before the sampling ratio and KL)."""
+    return LOSS_TYPES[config.loss_type].clip_rule(ratio, advantages, logprobs, config)
+
+
+class Aggregate(NamedTuple):
+    loss: Tensor     # 0-dim, value = numerator / divisor, gradient as if / grad_divisor when set
+    divisor: Tensor  # 0-dim, the loss type's own divisor
+
+
+def _world_size() -> int:
+    # TRL and Liger divide num_items_in_batch by the process count: DDP averages the gradients.
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def aggregate(per_token_loss: Tensor, mask: Tensor, config, num_items_in_batch=None) -> Aggregate:
+    """Reduce the masked per-token loss [B, T] the way ``config.loss_type`` does (TRL 1.16):
+
+    grpo, sapo     sum_i [sum_t l m / max(L_i, 1)] / B
+    bnpo           sum l m / max(sum m, 1)                (local micro-batch tokens)
+    dr_grpo        sum l m / (B * max_completion_length)
+    dapo, cispo    sum l m / max(num_items_in_batch / world_size, 1)   (local sum m if None)
+    luspo          sum l m / B   (TRL 1.16 ``(l * m).sum(-1).mean()``; Liger 0.8.5 instead divides
+                   sum_{i,t} l L_i by B * T without masking l: we follow TRL)
+
+    ``grad_divisor`` (Fast-LLM): the value keeps its divisor, the gradient is that of
+    numerator / grad_divisor (value + (num/G - sg(num/G)), which adds exactly 0).
+    """
+    kind = LOSS_TYPES[config.loss_type]
+    dtype = per_token_loss.dtype
+    masked = torch.where(mask, per_token_loss, 0)  # [B, T]
+    if kind.per_sequence_mean:
+        lengths = mask.sum(-1).to(dtype).clamp(min=1.0)  # [B]
+        numerator = (masked.sum(-1) / lengths).sum()
+    else:
+        numerator = masked.sum()
+    one = torch.ones((), dtype=dtype, device=mask.device)
+    batch = mask.shape[0]  # a SymInt under dynamic shapes: multiply, never float() it (would specialize)
+    if kind.divisor == "batch":
+        divisor = one * batch
+    elif kind.divisor == "dr_grpo":
+        divisor = one * (batch * config.max_completion_length)
+    elif kind.divisor == "items" and num_items_in_batch is not None:
+        items = torch.as_tensor(num_items_in_batch, dtype=dtype, device=mask.device)
+        divisor = (items / _world_size()).clamp(min=1.0)
+    else:
+        divisor = mask.sum().to(dtype).clamp(min=1.0)
+    loss = numerator / divisor
+    if config.grad_divisor is not None:
+        scaled = numerator / config.grad_divisor
+        loss = loss.detach() + (scaled - scaled.detach())
+    return Aggregate(loss, divisor)

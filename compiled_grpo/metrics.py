@@ -1,0 +1,120 @@
+"""Detached GRPO metrics from the per-token statistics the loss already has (no second softmax).
+
+Names follow Fast-LLM PR #494 (``metrics: none | basic | with_entropy``) plus TRL's clip ratios.
+All means are token-weighted over valid tokens: sum(x * m) / max(sum(m), 1).
+
+A note for pipeline / micro-batch accumulation: ``*_sum`` fields and ``num_tokens`` add across
+partial batches, and a mean recombines as sum(mean_k * num_tokens_k) / sum(num_tokens_k). The
+extrema ``max_advantage`` / ``min_advantage`` do not: summing (or averaging) partial maxima over
+pipeline ranks gives a meaningless number, and a rank holding no valid token must not contribute
+a 0. They are reduced with all_reduce(MAX) / all_reduce(MIN), and an empty partial batch reports
+the identity of that reduction (-inf for max, +inf for min) so it drops out.
+
+User metrics: ``@compiled_grpo.metric("name")`` registers ``fn(stats: TokenStats) -> Tensor``; it
+runs only when ``"name"`` is in ``GRPOConfig.metrics``, and its detached value appears in
+``GRPOMetrics.custom["name"]``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from compiled_grpo.loss import AdvantageStats, masked_mean
+
+_REGISTRY: Dict[str, Callable] = {}
+
+
+class TokenStats(NamedTuple):
+    """Detached per-token statistics shared by the built-in and the user metrics. [B, T] unless noted."""
+
+    logprobs: Tensor
+    old_logprobs: Tensor          # 0 at masked positions
+    log_ratio: Tensor             # clamped p - q, 0 at masked positions
+    ratio: Tensor                 # exp(log_ratio)
+    coef: Tensor                  # the importance weight the clip rule saw (sequence-level: broadcast)
+    advantages: AdvantageStats    # .advantages broadcastable to [B, T]; .mean/.max/.min over valid tokens
+    mask: Tensor                  # bool
+    per_token_loss: Tensor        # 0 at masked positions
+    is_low_clipped: Tensor        # bool
+    is_high_clipped: Tensor       # bool
+    kl_ref: Optional[Tensor]      # per-token KL to the reference, None when beta == 0
+    entropy: Optional[Tensor]     # None unless entropy was computed (with_entropy or entropy_coef > 0)
+    epsilon_low: float
+    epsilon_high: float
+
+
+class GRPOMetrics(NamedTuple):
+    """0-dim detached tensors; None where not requested (kl_ref needs beta > 0)."""
+
+    old_logprobs: Optional[Tensor] = None
+    ratio_new_old: Optional[Tensor] = None
+    ratio_new_old_sum: Optional[Tensor] = None
+    ratio_new_old_squared_sum: Optional[Tensor] = None
+    kl_new_old: Optional[Tensor] = None
+    clipped_ratio_fraction: Optional[Tensor] = None
+    clip_ratio_low: Optional[Tensor] = None
+    clip_ratio_high: Optional[Tensor] = None
+    clip_ratio: Optional[Tensor] = None
+    advantage: Optional[Tensor] = None
+    max_advantage: Optional[Tensor] = None
+    min_advantage: Optional[Tensor] = None
+    num_tokens: Optional[Tensor] = None
+    kl_ref: Optional[Tensor] = None
+    entropy: Optional[Tensor] = None
+    custom: Dict[str, Tensor] = {}
+
+
+def metric(name: str):
+    """Register ``fn(stats: TokenStats) -> Tensor`` as a metric requestable by ``name``."""
+    from compiled_grpo.config import METRIC_LEVELS
+
+    if not isinstance(name, str) or not name or name in METRIC_LEVELS or name in GRPOMetrics._fields:
+        raise ValueError(f"metric name {name!r} must be a non-empty str and not a built-in metric or level")
+
+    def register(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise TypeError(f"@metric({name!r}) must decorate a callable, got {type(fn).__name__}")
+        _REGISTRY[name] = fn
+        return fn
+
+    return register
+
+
+def registered_metrics() -> Dict[str, Callable]:
+    return dict(_REGISTRY)
+
+
+def compute_metrics(stats: TokenStats, level: str, custom_names: tuple) -> GRPOMetrics:
+    """Built-in metrics for ``level`` ('basic' or 'with_entropy') plus the requested custom ones."""
+    out = {}
+    m = stats.mask
+    if level in ("basic", "with_entropy"):
+        dtype = stats.ratio.dtype
+        ratio = torch.where(m, stats.ratio, 0)  # [B, T]
+        coef = stats.coef
+        outside = (coef < 1 - stats.epsilon_low) | (coef > 1 + stats.epsilon_high)  # [B, T]
+        adv = stats.advantages
+        out.update(
+            old_logprobs=masked_mean(stats.old_logprobs, m),
+            ratio_new_old=masked_mean(ratio, m),
+            ratio_new_old_sum=ratio.sum(),
+            ratio_new_old_squared_sum=(ratio * ratio).sum(),
+            # k3 between old and current policy: rho - log(rho) - 1 (Fast-LLM ``kl_new_old``)
+            kl_new_old=masked_mean(stats.ratio - stats.log_ratio - 1, m),
+            clipped_ratio_fraction=masked_mean(outside.to(dtype), m),
+            clip_ratio_low=masked_mean(stats.is_low_clipped.to(dtype), m),
+            clip_ratio_high=masked_mean(stats.is_high_clipped.to(dtype), m),
+            clip_ratio=masked_mean((stats.is_low_clipped | stats.is_high_clipped).to(dtype), m),
+            advantage=adv.mean,
+            max_advantage=adv.max,
+            min_advantage=adv.min,
+            num_tokens=m.sum().to(dtype),
+        )
+        if stats.kl_ref is not None:
+            out["kl_ref"] = masked_mean(stats.kl_ref, m)
+        if level == "with_entropy":
+            out["entropy"] = masked_mean(stats.entropy, m)
+    custom = {name: _REGISTRY[name](stats).detach() for name in custom_names}
+    return GRPOMetrics(**out, custom=custom)
