@@ -1,28 +1,113 @@
-"""TEMPORARY placeholder (materializes logits); replaced by the fused op. Contract only."""
+"""`compiled_grpo::linear_logprobs`: per-token log-probs, entropy and lse of a linear head,
+without ever materializing the [N, V] logits.
+
+Legend: N = B*T tokens (dynamic), H hidden size, V vocab size.
+
+    z        = (hidden @ weight.T + bias) / temperature          # [N, V], never stored
+    lse      = z.logsumexp(-1)                                    # [N] fp32
+    logprobs = z.gather(-1, ids[:, None])[:, 0] - lse             # [N] fp32
+    entropy  = lse - (z.softmax(-1) * z).sum(-1)                  # [N] fp32
+
+Two `torch.library.triton_op`s joined by `register_autograd` (research/inductor-apis.md §1):
+the forward returns (logprobs, entropy, lse); the backward takes their three grads (None grads
+become zeros) and returns (d_hidden, d_weight, d_bias). lse is differentiable
+(d lse / dz = softmax(z)), so a z-loss on it gets the right gradient. When with_entropy=False the
+entropy slot holds zeros (not computed; the kernels skip that work) and its grad is ignored.
+
+Each op body branches on `hidden.device.type`, settled at trace time because fake tensors keep
+their device: CUDA launches the Triton kernels of `_linear_logprobs_triton` through
+`wrap_triton`, so Inductor sees and schedules them; every other device runs the chunked
+pure-PyTorch body of `_linear_logprobs_torch`, which Inductor compiles like any aten code.
+Neither path allocates an [N, V] tensor (see those modules for workspace sizes), and neither
+reads a tensor value on the host, so dynamic N compiles once.
+
+Gradients: d_weight only when weight requires grad (frozen / LoRA heads pay no dW GEMM), same for
+bias and hidden (`ctx.needs_input_grad`). Grads come back in the inputs' dtypes.
+"""
 from typing import NamedTuple, Optional
 
 import torch
+from torch import Tensor
+from torch.library import triton_op
+
+from lowerings import _linear_logprobs_torch as _torch_impl
 
 
 class LinearLogprobs(NamedTuple):
-    logprobs: torch.Tensor            # [...] fp32
-    entropy: Optional[torch.Tensor]   # [...] fp32 or None
-    lse: torch.Tensor                 # [...] fp32
+    logprobs: Tensor            # [...] fp32, differentiable
+    entropy: Optional[Tensor]   # [...] fp32, differentiable; None unless with_entropy=True
+    lse: Tensor                 # [...] fp32, differentiable (d lse / dz = softmax(z))
 
 
-def linear_logprobs(hidden, weight, ids, bias=None, *, temperature=1.0, fp32_lm_head=False,
-                    with_entropy=False) -> LinearLogprobs:
+def _on_cuda(hidden: Tensor) -> bool:
+    return hidden.device.type == "cuda"
+
+
+@triton_op("compiled_grpo::linear_logprobs", mutates_args=())
+def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
+                        temperature: float, fp32_lm_head: bool, with_entropy: bool
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """hidden [N, H], weight [V, H], ids [N] int64, bias [V] -> (logprobs, entropy, lse) [N]."""
+    if _on_cuda(hidden):
+        from lowerings import _linear_logprobs_triton as _triton_impl
+        return _triton_impl.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
+                                    with_entropy)
+    return _torch_impl.forward(hidden, weight, ids, bias, temperature, with_entropy)
+
+
+@triton_op("compiled_grpo::linear_logprobs_backward", mutates_args=())
+def _linear_logprobs_backward_op(
+        hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
+        entropy: Tensor, grad_logprobs: Tensor, grad_entropy: Tensor, grad_lse: Tensor,
+        temperature: float, fp32_lm_head: bool, with_entropy: bool, need_hidden: bool,
+        need_weight: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (d_hidden [N, H], d_weight [V, H], d_bias [V]); a [0]-shaped tensor where not needed."""
+    if _on_cuda(hidden):
+        from lowerings import _linear_logprobs_triton as _triton_impl
+        return _triton_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
+                                     grad_entropy, grad_lse, temperature, fp32_lm_head,
+                                     with_entropy, need_hidden, need_weight, need_bias)
+    return _torch_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
+                                grad_entropy, grad_lse, temperature, with_entropy, need_hidden,
+                                need_weight, need_bias)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, ids, bias, lse, entropy)
+    ctx.temperature, ctx.fp32_lm_head, ctx.with_entropy = temperature, fp32_lm_head, with_entropy
+
+
+def _backward(ctx, g_lp, g_ent, g_lse):
+    hidden, weight, ids, bias, lse, entropy = ctx.saved_tensors
+    need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+    need_b = need_b and bias is not None
+    zeros = torch.zeros_like(lse)
+    g_lp = zeros if g_lp is None else g_lp
+    g_ent = zeros if (g_ent is None or not ctx.with_entropy) else g_ent
+    g_lse = zeros if g_lse is None else g_lse
+    dx, dw, db = _linear_logprobs_backward_op(
+        hidden, weight, ids, bias, lse, entropy, g_lp, g_ent, g_lse, ctx.temperature,
+        ctx.fp32_lm_head, ctx.with_entropy, need_x, need_w, need_b)
+    return (dx if need_x else None, dw if need_w else None, None, db if need_b else None,
+            None, None, None)
+
+
+_linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor] = None,
+                    *, temperature: float = 1.0, fp32_lm_head: bool = False,
+                    with_entropy: bool = False) -> LinearLogprobs:
+    """hidden [..., H], weight [V, H], ids [...] int64 in [0, V), bias [V] -> LinearLogprobs [...].
+
+    Callers guarantee ids in [0, V) (the loss maps masked positions to 0); no device check here.
+    fp32_lm_head upcasts the GEMM operands to fp32 (for bf16/fp16 inputs the products are exact
+    in fp32 either way, so on CUDA it only changes fp32-input precision; see the kernels)."""
     lead = ids.shape
-    h = hidden.reshape(-1, hidden.shape[-1])
-    dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    logits = (h.to(dt) @ weight.to(dt).T) if fp32_lm_head else (h @ weight.T).to(dt)
-    if bias is not None:
-        logits = logits + bias.to(dt)
-    logits = logits / temperature
-    lse = logits.logsumexp(-1)
-    lp = logits.gather(-1, ids.reshape(-1, 1)).squeeze(-1) - lse
-    ent = None
-    if with_entropy:
-        ent = lse - (logits.softmax(-1) * logits).sum(-1)
-        ent = ent.view(lead)
-    return LinearLogprobs(lp.view(lead), ent, lse.view(lead))
+    h = hidden.reshape(-1, hidden.shape[-1])                               # [N, H]
+    lp, ent, lse = _linear_logprobs_op(h, weight, ids.reshape(-1), bias, float(temperature),
+                                       bool(fp32_lm_head), bool(with_entropy))
+    return LinearLogprobs(lp.view(lead), ent.view(lead) if with_entropy else None,
+                          lse.view(lead))
