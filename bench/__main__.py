@@ -1,0 +1,125 @@
+"""python -m bench [--shapes NAME ...] [--providers NAME ...] [--out DIR]
+
+Times GRPO (DAPO, beta=0.04) loss forward+backward for every provider at every shape, in one
+process, with the compute floor measured in the same run; appends to DIR/results.csv, draws
+DIR/results.png and prints the run as Markdown. See bench/README.md for the method.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from bench import measure, providers, report, shapes, table
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=None,
+                    help=f"default: qwen3-8b on CUDA, cpu-small otherwise; known: "
+                         f"{', '.join([*shapes.SHAPES, *shapes.GROUPS])}")
+    ap.add_argument("--providers", nargs="+", default=None,
+                    help=f"default: all ({', '.join(providers.PROVIDERS)}); floor always runs")
+    ap.add_argument("--out", default="bench_out", help="directory for results.csv / results.png")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--warmup", type=int, default=2, help="untimed calls (the first compiles)")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls (default: sized to --target-s)")
+    ap.add_argument("--target-s", type=float, default=None,
+                    help="seconds of timed calls per provider (default 1.0 on CUDA, 0.2 on CPU)")
+    ap.add_argument("--no-check", action="store_true", help="skip the fp32 reference and error columns")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # The reference is float32 and must stay so: no TF32 in its GEMMs (bf16 providers unaffected).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    shape_list = shapes.resolve(a.shapes or (["qwen3-8b"] if device.type == "cuda" else ["cpu-small"]))
+    prov_list = providers.resolve(a.providers)
+    timing = measure.Timing(warmup=max(1, a.warmup), reps=a.reps,
+                            target_s=a.target_s or (1.0 if device.type == "cuda" else 0.2))
+    dtype = getattr(torch, a.dtype)
+    params = providers.Params()
+    header = dict(report.run_header(device), dtype=a.dtype)
+    writer = report.CsvWriter(f"{a.out}/results.csv")
+    _log(f"bench: {header['device']}, torch {header['torch']}, commit {header['commit']}, "
+         f"{len(shape_list)} shape(s) x {len(prov_list)} provider(s) -> {writer.path}")
+
+    rows: list[dict] = []
+    total, k, t_run = len(shape_list) * len(prov_list), 0, time.perf_counter()
+    for shape in shape_list:
+        info = dict(header, shape=shape.name, B=shape.B, T=shape.T, H=shape.H, V=shape.V, N=shape.N)
+        _log(f"== {shape.name}: B={shape.B} T={shape.T} H={shape.H} V={shape.V} N={shape.N}, "
+             f"6NHV = {shape.useful_flops / 1e12:.2f} TFLOP")
+        x = ref = None
+        try:
+            x = shapes.make_inputs(shape, device, dtype, seed=a.seed)
+            if not a.no_check:
+                t0 = time.perf_counter()
+                ref = measure.reference(x, params, device, _log)
+                _log(f"  reference: {ref.name if ref else 'n/a'} ({time.perf_counter() - t0:.1f} s)")
+        except Exception as e:  # inputs alone do not fit: every provider is OOM at this shape
+            if not measure.is_oom(e):
+                raise
+        if x is None:
+            measure.free_memory(device)
+            for pr in prov_list:
+                k += 1
+                row = dict(info, provider=pr.name, status="OOM", note="inputs do not fit")
+                writer.write(row)
+                rows.append(row)
+            _log(f"  inputs OOM: {len(prov_list)} rows recorded as OOM")
+            continue
+        floor_ms = None
+        for pr in prov_list:
+            k += 1
+            t0 = time.perf_counter()
+            _log(f"[{k}/{total} {time.perf_counter() - t_run:6.0f}s] {shape.name} / {pr.name} ...")
+            row = dict(info, **measure.run_one(pr, shape, x, params, device, timing, ref, _log))
+            ms = row.get("ms")
+            if pr.name == "floor" and ms is not None:
+                floor_ms = ms
+            if ms is not None:
+                row["ratio_to_floor"] = ms / floor_ms if floor_ms else None
+                row["tflops"] = shape.useful_flops / (ms * 1e-3) / 1e12
+            writer.write(row)
+            rows.append(row)
+            _log(f"    {_summary(row)}  [{time.perf_counter() - t0:.1f} s]")
+        del x, ref
+        measure.free_memory(device)
+
+    png = report.plot(rows, f"{a.out}/results.png")
+    _log(f"bench: {k} rows in {time.perf_counter() - t_run:.0f} s -> {writer.path}"
+         + (f", {png}" if png else ""))
+    print(table.markdown([{c: report._fmt(r.get(c)) for c in report.COLUMNS} for r in rows]))
+    return 0
+
+
+def _summary(row: dict) -> str:
+    if row.get("status") != "ok":
+        return row.get("status", "?")
+    parts = [f"{row['ms']:.2f} ms"]
+    if row.get("ratio_to_floor") is not None:
+        parts.append(f"{row['ratio_to_floor']:.2f}x floor")
+    if row.get("peak_mem_beyond_grads_mib") is not None:
+        parts.append(f"{row['peak_mem_beyond_grads_mib']:.0f} MiB beyond grads")
+    for c in ("loss_rel_err", "dx_rel_err", "dw_rel_err"):
+        if row.get(c) is not None:
+            parts.append(f"{c.split('_')[0]} {row[c]:.1e}")
+    if row.get("note"):
+        parts.append(row["note"])
+    return ", ".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Shape registry and the inputs of one GRPO step.
+
+Legend: B sequences, T completion tokens per sequence, H hidden size, V vocabulary, N = B*T.
+Every number the bench reports is relative to the N*H*V GEMM work of one shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    B: int
+    T: int
+    H: int
+    V: int
+
+    @property
+    def N(self) -> int:
+        return self.B * self.T
+
+    @property
+    def useful_flops(self) -> int:
+        # Three GEMMs of 2*N*H*V each (logits, dX, dW): what any provider must do at least.
+        # Recompute-style providers do 8*N*H*V; we still count 6 so TFLOP/s compare across them.
+        return 6 * self.N * self.H * self.V
+
+
+_QWEN = dict(H=4096, V=151936)
+SHAPES: dict[str, Shape] = {
+    s.name: s
+    for s in [
+        Shape("qwen3-8b", B=8, T=2048, **_QWEN),
+        Shape("llama3-8b", B=8, T=2048, H=4096, V=128256),
+        Shape("gemma2-2b", B=8, T=2048, H=2304, V=256000),
+        Shape("long", B=32, T=2048, **_QWEN),  # N = 65536
+        Shape("cpu-small", B=2, T=64, H=64, V=1000),  # default without a GPU; seconds on 2 cores
+        Shape("cpu-tiny", B=2, T=16, H=32, V=128),  # for tests/test_bench.py
+    ]
+}
+# N from 4k to 128k at T=2048; the memory-vs-N curve of the plot. Large N is expected to OOM
+# for the providers that hold [N, V] logits: that is recorded, not an error.
+SWEEP = [Shape(f"sweep-n{b * 2048 // 1024}k", B=b, T=2048, **_QWEN) for b in (2, 4, 8, 16, 32, 64)]
+GROUPS: dict[str, list[Shape]] = {"sweep": SWEEP}
+SHAPES.update({s.name: s for s in SWEEP})
+
+
+def resolve(names: list[str]) -> list[Shape]:
+    """Expand group names ("sweep") and check the rest against the registry."""
+    out: list[Shape] = []
+    for n in names:
+        if n in GROUPS:
+            out.extend(GROUPS[n])
+        elif n in SHAPES:
+            out.append(SHAPES[n])
+        else:
+            raise SystemExit(f"unknown shape {n!r}; known: {', '.join([*SHAPES, *GROUPS])}")
+    return out
+
+
+class StepInputs(NamedTuple):
+    hidden: torch.Tensor  # [B, T, H] dtype, leaf, requires_grad
+    weight: torch.Tensor  # [V, H] dtype, leaf, requires_grad
+    token_ids: torch.Tensor  # [B, T] int64
+    advantages: torch.Tensor  # [B] fp32
+    mask: torch.Tensor  # [B, T] fp32 0/1
+    old_logprobs: torch.Tensor  # [B, T] fp32
+    ref_logprobs: torch.Tensor  # [B, T] fp32
+
+
+@torch.no_grad()
+def _chunked_logprobs(h2d: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """log_softmax(h @ W.T).gather(ids) in row chunks: one [rows, V] fp32 tile alive, not [N, V]."""
+    out = torch.empty(h2d.shape[0], dtype=torch.float32, device=h2d.device)
+    for i in range(0, h2d.shape[0], rows):
+        z = (h2d[i:i + rows] @ w.T).float()  # [rows, V]
+        out[i:i + rows] = z.gather(1, ids[i:i + rows, None]).squeeze(1) - z.logsumexp(1)
+        del z
+    return out
+
+
+def make_inputs(shape: Shape, device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
+                seed: int = 0, logit_std: float = 3.0, old_noise: float = 0.1,
+                ref_noise: float = 0.1) -> StepInputs:
+    """Inputs that look like one step of GRPO training, not zeros or a degenerate on-policy batch.
+
+    - hidden ~ N(0, 1), W ~ N(0, logit_std^2 / H): logits have std ~logit_std, so the softmax is
+      peaked (a few tokens carry most mass), as for a trained LM head. Near-uniform softmax would
+      flatter sparsity tricks (CCE's gradient filter) less than real models do, and vice versa.
+    - old/ref log-probs: the current policy's own log-probs (no_grad) plus N(0, noise^2): the
+      importance ratio is near 1 with a few percent clipped at eps=0.2, and KL(ref) is small.
+    - advantages ~ N(0, 1) per sequence; mask: completion lengths ~ U[1, T] per sequence.
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    B, T, H, V = shape.B, shape.T, shape.H, shape.V
+
+    def randn(*size, std=1.0, dt=dtype):
+        # drawn on the device (CPU randn of a 1 GiB weight takes seconds) in chunks of 2^26, so the
+        # fp32 staging tile stays at 256 MiB.
+        flat = torch.empty(torch.Size(size).numel(), dtype=dt, device=device)
+        for i in range(0, flat.numel(), 1 << 26):
+            n = min(1 << 26, flat.numel() - i)
+            flat[i:i + n] = torch.randn(n, generator=g, device=device).mul_(std)
+        return flat.view(*size)
+
+    hidden = randn(B, T, H).requires_grad_()
+    weight = randn(V, H, std=logit_std / H ** 0.5).requires_grad_()
+    token_ids = torch.randint(0, V, (B, T), generator=g, device=device)
+    advantages = randn(B, dt=torch.float32)
+    lengths = torch.randint(1, T + 1, (B, 1), generator=g, device=device)
+    mask = (torch.arange(T, device=device)[None, :] < lengths).float()
+    rows = max(1, (1 << 28) // (4 * V))  # 1 GiB fp32 tile
+    lp = _chunked_logprobs(hidden.detach().view(-1, H), weight.detach(), token_ids.view(-1), rows).view(B, T)
+    old = lp + randn(B, T, std=old_noise, dt=torch.float32)
+    ref = lp + randn(B, T, std=ref_noise, dt=torch.float32)
+    return StepInputs(hidden, weight, token_ids, advantages, mask, old, ref)
