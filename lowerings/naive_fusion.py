@@ -1,0 +1,488 @@
+"""Inductor pre-grad pass: a user's naive log-prob / entropy code -> `linear_logprobs`.
+
+Legend: H hidden size, V vocab size, [...] the leading dims of hidden (B, T or N), N = prod([...]).
+
+Rewrites, on the Dynamo torch-IR graph (before AOTAutograd, so the backward is the op's own
+autograd and training, inference, frozen and trainable W are all one rewrite):
+
+    logits = GEMM(h, W)                          # h @ W.T | torch.matmul(h, W.t()) | F.linear(h, W[, b])
+             [.float() | .to(float32) on h and W]  -> fp32_lm_head=True   (cast before the GEMM)
+             [.float() | .to(dtype) on logits]     -> bf16 GEMM, fp32 accumulate (cast after)
+             [+ b] [/ c | * c]                     -> bias=, temperature=  (c a Python number)
+    logp  = logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1))          # [..., 1]
+    ce    = F.cross_entropy(logits.view(-1, V), ids.view(-1), reduction="none")   # [N]
+    negH  = (softmax(logits, -1) * log_softmax(logits, -1)).sum(-1)      # [...]; also logp.exp()
+
+into one `linear_logprobs(h, W, ids, b, temperature=, fp32_lm_head=, with_entropy=)` call per
+logits node. The `[N, V]` logits then never exist (4*N*V bytes per copy; naive training code keeps
+two to three copies). cross_entropy keeps its `ignore_index` semantics exactly: the op sees
+`where(ids == ignore_index, 0, ids)` and the result is `where(ids == ignore_index, 0, -logp)`.
+
+The pass is conservative: it rewrites only when *every* user of the logits is one of the matched
+consumers (otherwise the logits are needed anyway), when no in-place op, grad-mode or autocast
+switch lies between the GEMM and its consumers, and when the dtypes are fp32/bf16/fp16 (fp64 code
+is left alone: the op computes in fp32). Each replaced node gets the dtype the naive node had.
+Every rewrite bumps `torch._dynamo.utils.counters["compiled_grpo"]["naive_logprob_fusion"]`
+and/or `["naive_entropy_fusion"]`.
+
+Usage: `enable_naive_logprob_fusion()` before the first call of a `torch.compile`d function
+(Dynamo caches compiled frames, so a later toggle does not recompile them).
+"""
+import contextlib
+import glob
+import logging
+import operator
+import os
+import sys
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.fx import Graph, Node
+
+from lowerings.linear_logprobs import linear_logprobs
+
+log = logging.getLogger(__name__)
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_MISSING = object()
+
+
+def fused_linear_logprobs(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy):
+    """The call the pass inserts: a stable FX target returning a plain (logprobs, entropy) tuple."""
+    out = linear_logprobs(hidden, weight, ids, bias, temperature=temperature,
+                          fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
+    return out.logprobs, out.entropy
+
+
+# ---------------------------------------------------------------------------------------------
+# Node predicates on Dynamo torch-IR. `call_method` nodes carry `self` as args[0], so argument
+# index i below counts the input tensor as 0 for both call_method and call_function spellings.
+
+def _is(n: Any, fns=(), methods=()) -> bool:
+    return isinstance(n, Node) and (
+        (n.op == "call_function" and n.target in fns) or (n.op == "call_method" and n.target in methods))
+
+
+def _arg(n: Node, i: int, name: str, default: Any = _MISSING) -> Any:
+    if i < len(n.args):
+        return n.args[i]
+    return n.kwargs.get(name, default)
+
+
+def _val(n: Any) -> Optional[torch.Tensor]:
+    v = n.meta.get("example_value") if isinstance(n, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _last_dim(d: Any, ndim: int) -> bool:
+    if isinstance(d, (list, tuple)) and len(d) == 1:
+        d = d[0]
+    return isinstance(d, int) and not isinstance(d, bool) and d in (-1, ndim - 1)
+
+
+def _number(x: Any) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+_MATMUL = (operator.matmul, torch.matmul, torch.mm)
+_LINEAR = (F.linear,)
+_LOG_SOFTMAX = (torch.log_softmax, F.log_softmax, torch.special.log_softmax)
+_SOFTMAX = (torch.softmax, F.softmax, torch.special.softmax)
+_MUL = (operator.mul, torch.mul)
+_DIV = (operator.truediv, torch.div, torch.true_divide)
+_ADD = (operator.add, torch.add)
+_NEG = (operator.neg, torch.neg)
+_VIEW = (torch.reshape, torch.flatten)
+_MUTATING_FNS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem)
+_REGION_FNS = (torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
+               torch.amp.autocast_mode._exit_autocast)
+
+
+def _cast_dtype(n: Node) -> Optional[torch.dtype]:
+    """Dtype of a pure dtype cast (`.float()`, `.half()`, `.bfloat16()`, `.to(dtype)`), else None."""
+    if n.op != "call_method":
+        return None
+    simple = {"float": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16}
+    if n.target in simple and len(n.args) == 1 and not n.kwargs:
+        return simple[n.target]
+    if n.target == "to" and not (set(n.kwargs) - {"dtype"}):
+        rest = list(n.args[1:]) + list(n.kwargs.values())
+        if len(rest) == 1 and isinstance(rest[0], torch.dtype):
+            return rest[0]
+    return None
+
+
+def _transposed(n: Node) -> Optional[Node]:
+    """W for a node that is W.T / W.mT / W.t() / W.transpose(0, 1) / W.permute(1, 0) of a 2-D W."""
+    v = _val(n)
+    if v is None or v.dim() != 2:
+        return None
+    if n.op == "call_function" and n.target is getattr and n.args[1] in ("T", "mT"):
+        return n.args[0]
+    if _is(n, (torch.t,), ("t",)) and len(n.args) == 1:
+        return n.args[0]
+    if _is(n, (torch.transpose,), ("transpose",)):
+        dims = (_arg(n, 1, "dim0"), _arg(n, 2, "dim1"))
+        if all(isinstance(d, int) for d in dims) and sorted(d % 2 for d in dims) == [0, 1]:
+            return n.args[0]
+    if _is(n, (torch.permute,), ("permute",)):
+        dims = n.args[1:] if n.op == "call_method" and len(n.args) == 3 else _arg(n, 1, "dims")
+        if isinstance(dims, (list, tuple)) and [d % 2 for d in dims] == [1, 0]:
+            return n.args[0]
+    return None
+
+
+def _strip_fp32_casts(n: Any) -> tuple:
+    """(source, stripped?) with casts to float32 removed."""
+    stripped = False
+    while isinstance(n, Node) and _cast_dtype(n) == torch.float32:
+        n, stripped = n.args[0], True
+    return n, stripped
+
+
+def _match_gemm(n: Node) -> Optional[dict]:
+    """logits = h @ W.T in any supported spelling -> dict(h, w, bias, fp32_lm_head, gemm)."""
+    if _is(n, _LINEAR):
+        h, wt, bias = n.args[0], _arg(n, 1, "weight"), _arg(n, 2, "bias", None)
+        w, w_cast = _strip_fp32_casts(wt)
+    elif _is(n, _MATMUL, ("matmul", "mm")) and len(n.args) == 2 and not n.kwargs:
+        h, bias, wt = n.args[0], None, n.args[1]
+        w, pre = _strip_fp32_casts(wt)
+        w = _transposed(w) if isinstance(w, Node) else None
+        if w is None:
+            return None
+        w, post = _strip_fp32_casts(w)
+        w_cast = pre or post
+    else:
+        return None
+    h, h_cast = _strip_fp32_casts(h)
+    out, vh, vw, vwt, vh_gemm = _val(n), _val(h), _val(w), _val(wt), _val(n.args[0])
+    if any(v is None for v in (out, vh, vw, vwt, vh_gemm)):
+        return None
+    # Same dtype into and out of the GEMM: excludes autocast regions and mixed-dtype GEMMs.
+    if not (out.dtype == vh_gemm.dtype == vwt.dtype) or out.dtype not in _FLOATS:
+        return None
+    if vw.dim() != 2 or vh.dim() < 2 or vh.shape[-1] != vw.shape[1] or out.shape[-1] != vw.shape[0]:
+        return None
+    if vh.dtype not in _FLOATS or vw.dtype not in _FLOATS:
+        return None
+    if bias is not None and (_val(bias) is None or _val(bias).dim() != 1):
+        return None
+    return dict(h=h, w=w, bias=bias, fp32_lm_head=h_cast or w_cast, gemm=n,
+                mixed=vh.dtype != vw.dtype)
+
+
+def _walk_logits(m: dict) -> tuple:
+    """Follow single-user casts, `+ b`, `/ c`, `* c` from the GEMM to the logits node.
+
+    Returns (logits, chain, temperature, bias, bias_temperature): the logits equal
+    GEMM / temperature + bias / bias_temperature (bias added before a scale is scaled with it).
+    """
+    cur, chain, temp, bias, bias_temp = m["gemm"], [m["gemm"]], 1.0, m["bias"], 1.0
+    while len(cur.users) == 1:
+        nxt = next(iter(cur.users))
+        if nxt.op == "call_method" and nxt.args and nxt.args[0] is not cur:
+            break
+        other = [a for a in list(nxt.args) + list(nxt.kwargs.values()) if a is not cur]
+        if _cast_dtype(nxt) in _FLOATS:
+            pass
+        elif _is(nxt, _DIV, ("div", "true_divide")) and nxt.args[0] is cur and len(nxt.args) == 2 \
+                and not nxt.kwargs and _number(nxt.args[1]):
+            temp, bias_temp = temp * nxt.args[1], bias_temp * nxt.args[1]
+        elif _is(nxt, _MUL, ("mul",)) and len(nxt.args) == 2 and not nxt.kwargs \
+                and len(other) == 1 and _number(other[0]):
+            temp, bias_temp = temp / other[0], bias_temp / other[0]
+        elif _is(nxt, _ADD, ("add",)) and len(nxt.args) == 2 and not nxt.kwargs and bias is None \
+                and len(other) == 1 and _val(other[0]) is not None and _val(other[0]).dim() == 1 \
+                and _val(other[0]).dtype in _FLOATS:
+            bias, bias_temp = other[0], 1.0
+        else:
+            break
+        chain.append(nxt)
+        cur = nxt
+    return cur, chain, temp, bias, bias_temp
+
+
+def _ids_source(idx: Node) -> Any:
+    """ids for `idx = ids.unsqueeze(-1)` / `ids[..., None]`; None when idx is something else."""
+    vi = _val(idx)
+    if _is(idx, (torch.unsqueeze,), ("unsqueeze",)) and _last_dim(_arg(idx, 1, "dim"), vi.dim()):
+        return idx.args[0]
+    key = idx.args[1] if idx.op == "call_function" and idx.target is operator.getitem else None
+    if isinstance(key, tuple) and key and key[-1] is None and (
+            key[:-1] == (Ellipsis,) or (len(key) == vi.dim() and all(k == slice(None) for k in key[:-1]))):
+        return idx.args[0]
+    return None
+
+
+def _match_consumers(L: Node) -> Optional[dict]:
+    """Classify every user of the logits; None unless all of them are matched consumers."""
+    vL = _val(L)
+    if vL is None or vL.dtype not in _FLOATS:
+        return None
+    nd = vL.dim()
+    lsm, sm, ce, others = [], [], [], []
+    for u in L.users:
+        if _is(u, _LOG_SOFTMAX + _SOFTMAX, ("log_softmax", "softmax")) and u.args[0] is L \
+                and _last_dim(_arg(u, 1, "dim", None), nd) \
+                and _arg(u, 3 if u.target in (F.log_softmax, F.softmax) else 2, "dtype", None) in (None,) + _FLOATS:
+            (lsm if u.target in _LOG_SOFTMAX + ("log_softmax",) else sm).append(u)
+        else:
+            others.append(u)
+    for u in others:    # cross_entropy(logits | logits.view(-1, V), target, reduction="none")
+        x = u
+        if _is(u, _VIEW, ("view", "reshape", "flatten")) and len(u.users) == 1:
+            x = next(iter(u.users))
+        if not _is(x, (F.cross_entropy,)) or x.args[0] is not (L if x is u else u):
+            return None
+        vx, tg = _val(x.args[0]), _arg(x, 1, "target")
+        kw = {k: _arg(x, i, k, d) for i, k, d in ((2, "weight", None), (3, "size_average", None),
+              (4, "ignore_index", -100), (5, "reduce", None), (6, "reduction", "mean"),
+              (7, "label_smoothing", 0.0))}
+        vt = _val(tg)
+        if vx is None or vt is None or vx.dim() != 2 or vx.shape[1] != vL.shape[-1] \
+                or vt.shape != vx.shape[:1] or vt.dtype != torch.int64 \
+                or kw["weight"] is not None or kw["size_average"] is not None \
+                or kw["reduce"] is not None or kw["reduction"] != "none" \
+                or kw["label_smoothing"] != 0.0 or not isinstance(kw["ignore_index"], int):
+            return None
+        ce.append((x, u if x is not u else None, tg, kw["ignore_index"]))
+    gathers, muls, exps = [], {}, []
+    for ls in lsm:
+        for u in ls.users:
+            if _is(u, (torch.gather,), ("gather",)) and u.args[0] is ls \
+                    and _last_dim(_arg(u, 1, "dim"), nd) and not _arg(u, 3, "sparse_grad", False):
+                idx, vi = _arg(u, 2, "index"), _val(_arg(u, 2, "index"))
+                if vi is None or vi.dtype != torch.int64 or tuple(vi.shape) != tuple(vL.shape[:-1]) + (1,):
+                    return None
+                gathers.append((u, idx))
+            elif _is(u, (torch.exp,), ("exp",)) and len(u.args) == 1:
+                exps.append(u)
+            elif _is(u, _MUL, ("mul",)) and len(u.args) == 2 and not u.kwargs:
+                muls[u] = None
+            else:
+                return None
+    probs = set(exps) | set(sm)
+    for p in probs:
+        for u in p.users:
+            if not (_is(u, _MUL, ("mul",)) and len(u.args) == 2 and not u.kwargs):
+                return None
+            muls[u] = None
+    sums = []
+    for m in muls:      # m = p * logp (either order); then .sum(-1) or -(...) then .sum(-1)
+        a, b = m.args
+        if not ({a, b} & probs and {a, b} & set(lsm)) or len(m.users) != 1:
+            return None
+        s, sign = next(iter(m.users)), -1.0
+        if _is(s, _NEG, ("neg",)) and len(s.users) == 1:
+            s, sign = next(iter(s.users)), 1.0
+        if not (_is(s, (torch.sum,), ("sum",)) and _last_dim(_arg(s, 1, "dim", None), nd)
+                and _arg(s, 3, "dtype", None) is None and len(s.args) <= 3):
+            return None
+        sums.append((s, sign, bool(_arg(s, 2, "keepdim", False)), m))
+    ids = {_ids_source(i) or i for _, i in gathers} | {(t, ii) for _, _, t, ii in ce}
+    if len(ids) > 1 or not (gathers or ce or sums):
+        return None
+    return dict(lsm=lsm, sm=sm, exps=exps, gathers=gathers, ce=ce, sums=sums, muls=list(muls))
+
+
+def _mutating(n: Node) -> bool:
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    return (n.op == "call_function" and n.target in _MUTATING_FNS) or (
+        n.op in ("call_method", "call_function") and isinstance(name, str)
+        and name.endswith("_") and not name.startswith("_"))
+
+
+def _region_is_clean(graph: Graph, first: Node, last: Node) -> bool:
+    """No in-place op, grad-mode or autocast switch between the GEMM and its last consumer."""
+    inside = False
+    for n in graph.nodes:
+        inside = inside or n is first
+        if inside and (_mutating(n) or (n.op == "call_function" and n.target in _REGION_FNS)):
+            return False
+        if n is last:
+            return True
+    return True
+
+
+def _erase_dead(graph: Graph, seeds: list) -> None:
+    work = list(seeds)
+    while work:
+        n = work.pop()
+        if getattr(n, "_erased", False) or n.users or n.op not in ("call_function", "call_method") \
+                or _mutating(n) or (n.op == "call_function" and n.is_impure()):
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        work.extend(inputs)
+
+
+def _rewrite(graph: Graph, m: dict, L: Node, chain: list, temp: float, bias: Any,
+             bias_temp: float, c: dict) -> None:
+    vL = _val(L)
+    replaced = [g for g, _ in c["gathers"]] + [s for s, *_ in c["sums"]] + [x for x, *_ in c["ce"]]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = min(replaced, key=order.__getitem__)
+
+    def cast(node: Node, like: Node) -> Node:
+        dt = _val(like).dtype
+        return node if dt == torch.float32 else graph.call_method("to", (node, dt))
+
+    with graph.inserting_before(anchor):
+        h, w = m["h"], m["w"]
+        if m["mixed"]:          # e.g. bf16 h, fp32 W, both cast by the user: keep fp32 inputs
+            h, w = (x if _val(x).dtype == torch.float32 else graph.call_method("float", (x,))
+                    for x in (h, w))
+        if bias is not None and bias_temp != temp:   # b added before a scale: fold the ratio in
+            bias = graph.call_function(operator.mul, (bias, temp / bias_temp))
+        lead_ref = graph.call_function(operator.getitem, (h, (Ellipsis, 0)))    # [...]
+        ignored = None
+        if c["gathers"]:
+            idx = c["gathers"][0][1]
+            ids = _ids_source(idx)
+            ids = graph.call_method("squeeze", (idx, -1)) if ids is None else ids
+        elif c["ce"]:
+            _, _, tg, ignore_index = c["ce"][0]
+            ignored = graph.call_function(operator.eq, (tg, ignore_index))          # [N]
+            ids = graph.call_method("masked_fill", (tg, ignored, 0))
+            if vL.dim() != 2:
+                ids = graph.call_method("view_as", (ids, lead_ref))                 # [...]
+        else:
+            ids = graph.call_function(torch.zeros_like, (lead_ref,), {"dtype": torch.int64})
+        out = graph.call_function(fused_linear_logprobs, (
+            h, w, ids, bias, float(temp), bool(m["fp32_lm_head"]), bool(c["sums"])))
+        lp = graph.call_function(operator.getitem, (out, 0))                        # [...] fp32
+        for g, _ in c["gathers"]:
+            g.replace_all_uses_with(cast(graph.call_method("unsqueeze", (lp, -1)), g))
+        if c["sums"]:
+            ent = graph.call_function(operator.getitem, (out, 1))                   # [...] fp32
+            neg_ent = None
+            for s, sign, keepdim, _ in c["sums"]:
+                if sign < 0:
+                    neg_ent = neg_ent or graph.call_function(operator.neg, (ent,))
+                r = ent if sign > 0 else neg_ent
+                r = graph.call_method("unsqueeze", (r, -1)) if keepdim else r
+                s.replace_all_uses_with(cast(r, s))
+        if c["ce"]:
+            nll = graph.call_function(operator.neg, (lp,))
+            nll = graph.call_method("reshape", (nll, -1)) if vL.dim() != 2 else nll     # [N]
+            nll = graph.call_method("masked_fill", (nll, ignored, 0.0))
+            for x, *_ in c["ce"]:
+                x.replace_all_uses_with(cast(nll, x))
+    _erase_dead(graph, [lead_ref, *replaced])     # cascades up through the naive chain
+
+
+def naive_logprob_fusion_pass(graph: Graph) -> int:
+    """Rewrite every matched naive log-prob / entropy computation in `graph`; return the count."""
+    rewrites = 0
+    for node in [n for n in graph.nodes if _is(n, _MATMUL + _LINEAR, ("matmul", "mm"))]:
+        if getattr(node, "_erased", False):
+            continue
+        m = _match_gemm(node)
+        if m is None:
+            continue
+        L, chain, temp, bias, bias_temp = _walk_logits(m)
+        c = _match_consumers(L)
+        if c is None or temp <= 0:
+            log.debug("naive_logprob_fusion: %s has unmatched users; left alone", L)
+            continue
+        replaced = [g for g, _ in c["gathers"]] + [s for s, *_ in c["sums"]] + [x for x, *_ in c["ce"]]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if not _region_is_clean(graph, node, max(replaced, key=order.__getitem__)):
+            continue
+        _rewrite(graph, m, L, chain, temp, bias, bias_temp, c)
+        rewrites += 1
+        if c["gathers"] or c["ce"]:
+            counters["compiled_grpo"]["naive_logprob_fusion"] += 1
+        if c["sums"]:
+            counters["compiled_grpo"]["naive_entropy_fusion"] += 1
+    if rewrites:
+        stable_topological_sort(graph)
+        graph.lint()
+    return rewrites
+
+
+# ---------------------------------------------------------------------------------------------
+# Installation into torch._inductor.config.pre_grad_custom_pass.
+
+def _source_files() -> tuple:
+    here = os.path.dirname(os.path.abspath(__file__))
+    op_file = os.path.abspath(sys.modules[linear_logprobs.__module__].__file__)
+    files = set(glob.glob(os.path.join(here, "**", "*.py"), recursive=True)) | {op_file}
+    return tuple(sorted(files))
+
+
+class NaiveLogprobFusion(CustomGraphPass):
+    """The pass object; `uuid()` hashes the lowerings sources (this pass and the op it emits)."""
+
+    def __call__(self, graph: Graph) -> None:
+        naive_logprob_fusion_pass(graph)
+
+    def uuid(self) -> Optional[Any]:
+        return get_hash_for_files(_source_files())
+
+
+class _Chained(CustomGraphPass):
+    """The user's earlier pre-grad pass(es), then ours: torch 2.11 takes one callable per hook."""
+
+    def __init__(self, previous: Any, ours: CustomGraphPass):
+        self.previous, self.ours = previous, ours
+
+    def __call__(self, graph: Graph) -> None:
+        for p in (self.previous if isinstance(self.previous, (list, tuple)) else (self.previous,)):
+            p(graph)
+        self.ours(graph)
+
+    def uuid(self) -> Optional[Any]:
+        prev = self.previous if isinstance(self.previous, (list, tuple)) else (self.previous,)
+        if not all(isinstance(p, CustomGraphPass) for p in prev):
+            return None                 # a plain callable: Inductor bypasses its caches, as before
+        uuids = [p.uuid() for p in prev]
+        return None if any(u is None for u in uuids) else (*uuids, self.ours.uuid())
+
+
+_PASS = NaiveLogprobFusion()
+
+
+def is_naive_logprob_fusion_enabled() -> bool:
+    cur = inductor_config.pre_grad_custom_pass
+    return cur is _PASS or (isinstance(cur, _Chained) and cur.ours is _PASS)
+
+
+def enable_naive_logprob_fusion() -> None:
+    """Install the pass (idempotent), after any pre-grad pass the user already set."""
+    if is_naive_logprob_fusion_enabled():
+        return
+    cur = inductor_config.pre_grad_custom_pass
+    empty = cur is None or (isinstance(cur, (list, tuple)) and not cur)
+    inductor_config.pre_grad_custom_pass = _PASS if empty else _Chained(cur, _PASS)
+
+
+def disable_naive_logprob_fusion() -> None:
+    """Remove the pass, restoring exactly the pre-grad pass that was set before enabling."""
+    cur = inductor_config.pre_grad_custom_pass
+    if cur is _PASS:
+        inductor_config.pre_grad_custom_pass = None
+    elif isinstance(cur, _Chained) and cur.ours is _PASS:
+        inductor_config.pre_grad_custom_pass = cur.previous
+
+
+@contextlib.contextmanager
+def naive_logprob_fusion():
+    """`with naive_logprob_fusion(): compiled_fn(...)`: enabled for compiles inside the block."""
+    was_enabled = is_naive_logprob_fusion_enabled()
+    enable_naive_logprob_fusion()
+    try:
+        yield
+    finally:
+        if not was_enabled:
+            disable_naive_logprob_fusion()
+
+
+__all__ = ["NaiveLogprobFusion", "enable_naive_logprob_fusion", "disable_naive_logprob_fusion",
+           "is_naive_logprob_fusion_enabled", "naive_logprob_fusion", "naive_logprob_fusion_pass"]
