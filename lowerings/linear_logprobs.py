@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
-from torch.library import triton_op
+from torch.library import triton_op, wrap_triton
 
 from lowerings import _linear_logprobs_torch as _torch_impl
 
@@ -51,7 +51,7 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optio
     if _on_cuda(hidden):
         from lowerings import _linear_logprobs_triton as _triton_impl
         return _triton_impl.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
-                                    with_entropy)
+                                    with_entropy, wrap=wrap_triton)
     return _torch_impl.forward(hidden, weight, ids, bias, temperature, with_entropy)
 
 
@@ -66,7 +66,8 @@ def _linear_logprobs_backward_op(
         from lowerings import _linear_logprobs_triton as _triton_impl
         return _triton_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
                                      grad_entropy, grad_lse, temperature, fp32_lm_head,
-                                     with_entropy, need_hidden, need_weight, need_bias)
+                                     with_entropy, need_hidden, need_weight, need_bias,
+                                     wrap=wrap_triton)
     return _torch_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
                                 grad_entropy, grad_lse, temperature, with_entropy, need_hidden,
                                 need_weight, need_bias)

@@ -1,0 +1,219 @@
+"""Triton kernels and launchers for `compiled_grpo::linear_logprobs` on CUDA.
+
+Legend: N tokens (dynamic), H hidden, V vocab (static), S vocab splits of the forward,
+C vocab columns per backward chunk (CHUNK_V), BN/BV/BK tile sizes.
+
+Forward, 2NHV FLOPs: grid (row blocks, S vocab splits). Each program runs a BN x BV logits
+tile GEMM (fp32 accumulator, K loop over H) for each vocab tile of its split and folds it into
+online fp32 statistics per row: max m, sum exp(z - m), sum exp(z - m) * z (only when entropy is
+asked: a constexpr), and the target logit. The S partial statistics ([S, N] fp32, 16 bytes a
+row and split) are combined by a few torch ops that Inductor fuses into one kernel: split
+statistics plus a combine step, no atomics, so the result is deterministic. The splits are there
+to fill the GPU when N/BN row blocks alone would not.
+
+Backward, 6NHV FLOPs (2NHV recompute + the dX and dW GEMMs): a Python loop over vocab chunks of
+C columns (V is static, so the loop does not specialize N):
+  1. `_dlogits_kernel` recomputes the logits tile, forms
+     dz = (g_lp * onehot - p * (g_lp - g_lse + g_H * (log p + H))) / T in registers, and
+     writes it in the input dtype to a workspace ws [N, C] (N*C*2 bytes: 64 MiB at N=16384,
+     C=2048), plus fp32 per-row-block column sums for d_bias.
+  2. dW[c] = ws.T @ X: one cuBLAS GEMM reducing over all N with an fp32 accumulator, written
+     once into the dW slice (no fp32 dW buffer: each dW row is complete after its chunk).
+  3. dX_acc += ws @ W[c]: cuBLAS with an fp32 output (`out_dtype`), cast to the input dtype
+     once at the end. dX_acc is N*H*4 bytes (256 MiB at N=16384, H=4096), the price of an
+     exact fp32 accumulation of dX across vocab chunks without atomics; see the measurements
+     in the linear_logprobs docstring for the alternatives.
+A frozen weight skips step 2, a hidden without grad skips step 3.
+
+Precision: bf16/fp16 tiles use tensor-core dots with fp32 accumulation; their products are exact
+in fp32, so `fp32_lm_head` changes nothing for them. fp32 inputs use IEEE fp32 dots (no tf32).
+All pointer offsets are int64 (N*V and V*H exceed 2^31 at real sizes).
+
+`forward`/`backward` take `wrap`, the function applied to each kernel before launch:
+`torch.library.wrap_triton` inside the triton_op, identity in the TRITON_INTERPRET tests.
+"""
+import os
+from typing import Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Tiles of the logits GEMM: (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages). Overridable for
+# the interpreter tests (tiles of 16) and for tuning runs (LINEAR_LOGPROBS_TILES="128,128,64,8,3").
+TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_TILES", "128,128,64,8,3").split(","))
+FWD_COLS_PER_SPLIT = 8192   # S = cdiv(V, 8192): 19 splits of 8064 at V=151936, 2432 programs at N=16384
+CHUNK_V = 2048              # backward workspace N * CHUNK_V elements
+
+
+@triton.jit
+def _logits_tile(x_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, H, stride_x, stride_w,
+                 inv_temp, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """z = (x[rows] @ w[cols].T + b[cols]) * inv_temp, fp32 [BLOCK_N, BLOCK_V]."""
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = (ks + k0) < H
+        a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return acc * inv_temp
+
+
+@triton.jit
+def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, N, V, H, stride_x,
+                stride_w, inv_temp, cols_per_split, HAS_BIAS: tl.constexpr,
+                WITH_ENTROPY: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    t = tl.zeros((BLOCK_N,), tl.float32)
+    zt = tl.zeros((BLOCK_N,), tl.float32)
+    # The first tile of each split has a valid column, so m is finite after it; tiles past V
+    # (only in the last split, under BLOCK_V * splits columns in all) are fully masked.
+    for i in range(0, cols_per_split, BLOCK_V):
+        cols = split * cols_per_split + i + tl.arange(0, BLOCK_V)
+        col_mask = cols < V
+        z = _logits_tile(x_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, H, stride_x,
+                         stride_w, inv_temp, HAS_BIAS, DOT_PREC, BLOCK_N, BLOCK_V, BLOCK_K)
+        z = tl.where(col_mask[None, :], z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, 1))
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(z - m_new[:, None])                    # 0 on masked columns
+        s = s * alpha + tl.sum(e, 1)
+        if WITH_ENTROPY:
+            t = t * alpha + tl.sum(tl.where(col_mask[None, :], e * z, 0.0), 1)
+        zt += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
+        m = m_new
+    out = split.to(tl.int64) * N + rows
+    tl.store(m_ptr + out, m, mask=row_mask)
+    tl.store(s_ptr + out, s, mask=row_mask)
+    tl.store(t_ptr + out, t, mask=row_mask)
+    tl.store(zt_ptr + out, zt, mask=row_mask)
+
+
+@triton.jit
+def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, glse_ptr,
+                    ws_ptr, dbp_ptr, N, V, H, v_first, stride_x, stride_w, stride_ws, inv_temp,
+                    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr,
+                    DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """ws[rows, cols - v_first] = dz; dbp[pid_n, cols - v_first] = sum over the tile's rows."""
+    pid_n, pid_v = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)     # column inside the chunk
+    cols = v_first + local
+    row_mask = rows < N
+    col_mask = (local < stride_ws) & (cols < V)
+    z = _logits_tile(x_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, H, stride_x, stride_w,
+                     inv_temp, HAS_BIAS, DOT_PREC, BLOCK_N, BLOCK_V, BLOCK_K)
+    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
+    coef = g_lp - tl.load(glse_ptr + rows, mask=row_mask, other=0.0)
+    logp = z - lse[:, None]
+    p = tl.exp(logp)
+    if WITH_ENTROPY:
+        g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
+        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
+        dz = -p * (coef[:, None] + g_ent[:, None] * (logp + ent[:, None]))
+    else:
+        dz = -p * coef[:, None]
+    dz = tl.where(cols[None, :] == ids[:, None], dz + g_lp[:, None], dz) * inv_temp
+    mask = row_mask[:, None] & col_mask[None, :]
+    dz = tl.where(mask, dz, 0.0)                      # padded rows/cols may hold inf/nan
+    ws_ptrs = ws_ptr + rows.to(tl.int64)[:, None] * stride_ws + local[None, :]
+    tl.store(ws_ptrs, dz.to(ws_ptr.dtype.element_ty), mask=mask)
+    if NEED_DB:
+        tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_ws + local, tl.sum(dz, 0),
+                 mask=col_mask)
+
+
+def _prepare(hidden: Tensor, weight: Tensor, fp32_lm_head: bool):
+    """Common operand dtype (a mixed-dtype head is cast once) and the dot precision."""
+    dt = torch.promote_types(hidden.dtype, weight.dtype)
+    x, w = hidden.to(dt).contiguous(), weight.to(dt).contiguous()
+    return x, w, ("ieee" if dt == torch.float32 else "tf32")
+
+
+def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
+            temperature: float, fp32_lm_head: bool, with_entropy: bool,
+            wrap: Callable = lambda k: k) -> tuple[Tensor, Tensor, Tensor]:
+    """(logprobs, entropy, lse), each [N] fp32; entropy is zeros unless with_entropy."""
+    bn, bv, bk, warps, stages = TILES
+    x, w, prec = _prepare(hidden, weight, fp32_lm_head)
+    n, h = x.shape
+    v = w.shape[0]
+    splits = triton.cdiv(v, FWD_COLS_PER_SPLIT)            # balanced splits, whole tiles
+    cols = triton.cdiv(triton.cdiv(v, splits), bv) * bv
+    splits = triton.cdiv(v, cols)
+    m, s, t, zt = (x.new_empty((splits, n), dtype=torch.float32) for _ in range(4))  # [S, N]
+    wrap(_fwd_kernel)[(triton.cdiv(n, bn), splits)](
+        x, w, bias if bias is not None else x, ids, m, s, t, zt, n, v, h, x.stride(0),
+        w.stride(0), 1.0 / temperature, cols, HAS_BIAS=bias is not None,
+        WITH_ENTROPY=with_entropy, DOT_PREC=prec, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages)
+    m_all = m.amax(0)                                                      # [N]
+    scale = torch.exp(m - m_all)                                           # [S, N]
+    s_all = (s * scale).sum(0)                                             # [N]
+    lse = m_all + torch.log(s_all)                                         # [N]
+    ent = lse - (t * scale).sum(0) / s_all if with_entropy else torch.zeros_like(lse)
+    return zt.sum(0) - lse, ent, lse          # one split holds the target logit, others 0
+
+
+def _acc_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b with an fp32 accumulator and output (in place; a, b in the input dtype)."""
+    if a.dtype == torch.float32 or not a.is_cuda:    # the CPU interpreter tests: no out_dtype
+        acc.addmm_(a.float(), b.float())
+    else:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
+def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
+             entropy: Tensor, g_lp: Tensor, g_ent: Tensor, g_lse: Tensor, temperature: float,
+             fp32_lm_head: bool, with_entropy: bool, need_x: bool, need_w: bool, need_b: bool,
+             wrap: Callable = lambda k: k) -> tuple[Tensor, Tensor, Tensor]:
+    """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes; [0]-shaped where not needed."""
+    bn, bv, bk, warps, stages = TILES
+    x, w, prec = _prepare(hidden, weight, fp32_lm_head)
+    n, h = x.shape
+    v = w.shape[0]
+    c = min(CHUNK_V, triton.cdiv(v, bv) * bv)
+    ws = x.new_empty((n, c))                                               # [N, C]
+    n_blocks = triton.cdiv(n, bn)
+    dbp = x.new_empty((n_blocks, c), dtype=torch.float32) if need_b else ws  # [N/BN, C]
+    dx = x.new_zeros((n, h), dtype=torch.float32) if need_x else None      # [N, H] fp32
+    dw = weight.new_empty(weight.shape) if need_w else None                # [V, H]
+    db = []
+    for v0 in range(0, v, c):
+        v1 = min(v0 + c, v)
+        wrap(_dlogits_kernel)[(n_blocks, triton.cdiv(v1 - v0, bv))](
+            x, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse, ws,
+            dbp, n, v, h, v0, x.stride(0), w.stride(0), c, 1.0 / temperature,
+            HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, NEED_DB=need_b,
+            DOT_PREC=prec, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=warps,
+            num_stages=stages)
+        ws_c = ws[:, : v1 - v0]                                            # [N, C]
+        if need_w:
+            torch.mm(ws_c.T, x, out=dw[v0:v1]) if dw.dtype == x.dtype else \
+                dw[v0:v1].copy_(ws_c.T.float() @ x.float())
+        if need_x:
+            _acc_mm(dx, ws_c, w[v0:v1])
+        if need_b:
+            db.append(dbp[:, : v1 - v0].sum(0))                           # [C] fp32
+    empty = hidden.new_empty(0)
+    return (dx.to(hidden.dtype) if need_x else empty,
+            dw if need_w else weight.new_empty(0),
+            torch.cat(db).to(bias.dtype) if need_b else empty)
