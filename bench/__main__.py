@@ -35,6 +35,9 @@ def parse(argv=None) -> argparse.Namespace:
                     help="seconds of timed calls per provider (default 1.0 on CUDA, 0.2 on CPU)")
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 reference and error columns")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-limit-s", type=float, default=None,
+                    help="start no provider after this many seconds (rows say so): the CSV, plot and "
+                         "table still get written inside a remote runner's wall-clock limit")
     return ap.parse_args(argv)
 
 
@@ -57,11 +60,21 @@ def main(argv=None) -> int:
 
     rows: list[dict] = []
     total, k, t_run = len(shape_list) * len(prov_list), 0, time.perf_counter()
+
+    def over_limit() -> bool:
+        return a.time_limit_s is not None and time.perf_counter() - t_run > a.time_limit_s
     for shape in shape_list:
         info = dict(header, shape=shape.name, B=shape.B, T=shape.T, H=shape.H, V=shape.V, N=shape.N)
         _log(f"== {shape.name}: B={shape.B} T={shape.T} H={shape.H} V={shape.V} N={shape.N}, "
              f"6NHV = {shape.useful_flops / 1e12:.2f} TFLOP")
         x = ref = None
+        if over_limit():
+            for pr in prov_list:
+                k += 1
+                row = dict(info, provider=pr.name, status=f"skip: --time-limit-s {a.time_limit_s:g} reached")
+                writer.write(row)
+                rows.append(row)
+            continue
         try:
             x = shapes.make_inputs(shape, device, dtype, seed=a.seed)
             if not a.no_check:
@@ -85,7 +98,10 @@ def main(argv=None) -> int:
             k += 1
             t0 = time.perf_counter()
             _log(f"[{k}/{total} {time.perf_counter() - t_run:6.0f}s] {shape.name} / {pr.name} ...")
-            row = dict(info, **measure.run_one(pr, shape, x, params, device, timing, ref, _log))
+            if over_limit():
+                row = dict(info, provider=pr.name, status=f"skip: --time-limit-s {a.time_limit_s:g} reached")
+            else:
+                row = dict(info, **measure.run_one(pr, shape, x, params, device, timing, ref, _log))
             ms = row.get("ms")
             if pr.name == "floor" and ms is not None:
                 floor_ms = ms

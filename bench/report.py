@@ -127,6 +127,15 @@ def plot(rows: Iterable[dict], path: str) -> Optional[str]:
         ax.scatter(mem / 1024 if mem is not None else 0.0, ms, color=colors[r["provider"]],
                    marker=markers[shapes.index(r["shape"]) % len(markers)], s=60,
                    label=f"{r['provider']} ({r['shape']})" if len(shapes) > 1 else r["provider"])
+    times = [num(r.get("ms")) for r in fixed if num(r.get("ms"))]
+    if times and max(times) / min(times) > 20:  # liger ~10x the floor: a linear axis hides the rest
+        ax.set_yscale("log")
+    if len(shapes) == 1:  # one shape (the usual GPU run): name each point, the legend is far away
+        for r in fixed:
+            if num(r.get("ms")) is not None:
+                mem = num(r.get("peak_mem_beyond_grads_mib"))
+                ax.annotate(r["provider"], ((mem or 0.0) / 1024, num(r["ms"])), fontsize=7,
+                            xytext=(4, 4), textcoords="offset points")
     ax.set_xlabel("peak memory beyond inputs and grads [GiB] (0 where not measured: CPU)")
     ax.set_ylabel("median fwd+bwd [ms]")
     ax.set_title("time vs memory (lower left is better)")
