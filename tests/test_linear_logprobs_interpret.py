@@ -2,17 +2,20 @@
 
 The launchers are called directly with the raw kernels (`wrap` = identity): the interpreter
 cannot run through wrap_triton (research/inductor-apis.md §6). TRITON_INTERPRET is read when
-triton is first imported, so it is set here before any import; when another test module has
-imported triton first without it, this module is skipped rather than run on a missing GPU.
+@triton.jit decorates the kernels, so it is set before the kernel module is imported; if the
+kernels were decorated without it (or on a CUDA machine), this module is skipped.
 
 Legend: N tokens, H hidden, V vocab. Tiles of 16 so V=75 spans 5 tiles, 2 forward splits of 48
 columns (the last one partial) and 3 backward chunks of 32 columns."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# Only on a machine without CUDA: in a pytest process that also runs the GPU tests, the variable
+# would send those through the interpreter too.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402

@@ -1,0 +1,98 @@
+"""GPU micro-benchmark of compiled_grpo::linear_logprobs (eager launch of the op).
+
+    python -m lowerings._bench_op [N] [H] [V] [--sweep]
+
+Prints, in one run on one GPU: the floor (three bf16 cuBLAS GEMMs of N*H*V: logits, dX, dW),
+the op's forward and forward+backward (with and without entropy), their ratio to the floor,
+and peak memory beyond inputs and gradients. --sweep also times other tile shapes and backward
+chunk sizes (module globals TILES / CHUNK_V, read at call time).
+"""
+import sys
+
+import torch
+import triton.testing
+
+import lowerings._linear_logprobs_triton as tk
+from lowerings import linear_logprobs
+
+
+def bench(fn, reps=10):
+    return triton.testing.do_bench(fn, warmup=2, rep=reps * 200, return_mode="median")
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    n, h, v = (int(a) for a in args) if args else (16384, 4096, 151936)
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    x = torch.randn(n, h, device=dev, dtype=dt)
+    w = (torch.randn(v, h, device=dev) * (2 / h ** 0.5)).to(dt)
+    ids = torch.randint(0, v, (n,), device=dev)
+    g_lp, g_ent = torch.randn(n, device=dev), torch.randn(n, device=dev)
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} N={n} H={h} V={v} bf16")
+
+    dz = torch.randn(n, v, device=dev, dtype=dt)           # [N, V] stand-in dlogits, 5 GB
+    tflop = 2 * n * h * v / 1e12
+    t_fwd_gemm = bench(lambda: x @ w.T)
+    t_dx = bench(lambda: dz @ w)
+    t_dw = bench(lambda: dz.T @ x)
+    floor = t_fwd_gemm + t_dx + t_dw
+    print(f"floor: 3 GEMMs {floor:.2f} ms (logits {t_fwd_gemm:.2f}, dX {t_dx:.2f}, dW "
+          f"{t_dw:.2f}); {3 * tflop / floor * 1e3:.0f} TFLOP/s")
+    del dz
+
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def fwd(ent):
+        with torch.no_grad():
+            linear_logprobs(x, w, ids, with_entropy=ent)
+
+    def fwd_bwd(ent):
+        xg.grad = wg.grad = None
+        out = linear_logprobs(xg, wg, ids, with_entropy=ent)
+        loss = (out.logprobs * g_lp).sum()
+        if ent:
+            loss = loss + (out.entropy * g_ent).sum()
+        loss.backward()
+
+    def report(tag):
+        for ent in (False, True):
+            tf = bench(lambda: fwd(ent))
+            tfb = bench(lambda: fwd_bwd(ent))
+            print(f"{tag} entropy={ent}: fwd {tf:.2f} ms ({tf / t_fwd_gemm:.3f}x logits GEMM), "
+                  f"fwd+bwd {tfb:.2f} ms ({tfb / floor:.3f}x floor, "
+                  f"{4 * tflop / tfb * 1e3:.0f} TFLOP/s counting 8NHV)", flush=True)
+
+    report(f"tiles={tk.TILES} chunk={tk.CHUNK_V}")
+    # peak memory beyond inputs and gradients, fwd+bwd with entropy
+    fwd_bwd(True)
+    grads = xg.grad.numel() * 2 + wg.grad.numel() * 2
+    xg.grad = wg.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd(True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - grads
+    print(f"peak beyond inputs+grads: {extra / 2**20:.1f} MiB (N*V bf16 would be "
+          f"{n * v * 2 / 2**20:.0f} MiB; dX fp32 acc {n * h * 4 / 2**20:.0f} MiB, workspace "
+          f"{n * tk.CHUNK_V * 2 / 2**20:.0f} MiB)", flush=True)
+
+    if "--sweep" in sys.argv:
+        base_tiles, base_chunk = tk.TILES, tk.CHUNK_V
+        for tiles in [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
+                      (128, 128, 32, 4, 4), (64, 256, 64, 8, 3)]:
+            tk.TILES = tiles
+            try:
+                report(f"tiles={tiles} chunk={tk.CHUNK_V}")
+            except Exception as e:  # out of shared memory etc.
+                print(f"tiles={tiles}: {type(e).__name__}: {str(e)[:120]}")
+        tk.TILES = base_tiles
+        for chunk in (1024, 4096, 8192):
+            tk.CHUNK_V = chunk
+            report(f"tiles={tk.TILES} chunk={chunk}")
+        tk.CHUNK_V = base_chunk
+
+
+if __name__ == "__main__":
+    main()
