@@ -35,6 +35,9 @@ def parse(argv=None) -> argparse.Namespace:
                     help="seconds of timed calls per provider (default 1.0 on CUDA, 0.2 on CPU)")
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 reference and error columns")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu-threads", type=int, default=1,
+                    help="torch threads on CPU (default 1: on shared cores each OpenMP barrier can wait "
+                         "a scheduler slice, ~15 ms, which swamps tiny shapes)")
     ap.add_argument("--time-limit-s", type=float, default=None,
                     help="start no provider after this many seconds (rows say so): the CSV, plot and "
                          "table still get written inside a remote runner's wall-clock limit")
@@ -44,6 +47,8 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     a = parse(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        torch.set_num_threads(a.cpu_threads)
     # The reference is float32 and must stay so: no TF32 in its GEMMs (bf16 providers unaffected).
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

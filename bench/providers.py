@@ -123,6 +123,20 @@ def _resetting() -> contextlib.AbstractContextManager:
     return cm()
 
 
+@contextlib.contextmanager
+def _no_compile_caches():
+    """A cache hit skips a pre-grad pass (and its counter): compile from scratch so the `note`
+    column can say whether the pass fired. Only compile time changes, which is not timed."""
+    import torch._functorch.config as fconf
+    import torch._inductor.config as iconf
+    with contextlib.ExitStack() as st:
+        if hasattr(iconf, "fx_graph_cache"):
+            st.enter_context(iconf.patch(fx_graph_cache=False))
+        if hasattr(fconf, "enable_autograd_cache"):
+            st.enter_context(fconf.patch(enable_autograd_cache=False))
+        yield
+
+
 def _args(x: StepInputs):
     return (x.hidden, x.weight, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs)
 
@@ -167,7 +181,7 @@ def _naive_eager(x, p):
 def _compiled_naive(enable_pass: bool):
     @contextlib.contextmanager
     def build(x, p):
-        with _resetting():
+        with _resetting(), (_no_compile_caches() if enable_pass else contextlib.nullcontext()):
             cg = importlib.import_module("compiled_grpo") if enable_pass else None
             if enable_pass:
                 cg.enable_naive_logprob_fusion()
