@@ -262,18 +262,20 @@ def _cce(x, p):
     yield step
 
 
+# Run order: the peers before compiled_grpo's own providers, so that a sticky CUDA error from a
+# new kernel (illegal address: every later CUDA call fails) cannot cost the peers' numbers.
 PROVIDERS: dict[str, Provider] = {
     pr.name: pr
     for pr in [
         Provider("floor", _always, _floor),
         Provider("naive_eager", _always, _naive_eager),
         Provider("naive_compile", _always, _compiled_naive(False)),
-        Provider("naive_compile+pass", _need_cg("enable_naive_logprob_fusion"), _compiled_naive(True),
-                 pass_provider=True),
-        Provider("compiled_grpo", _need_cg("grpo_loss"), _compiled_grpo(False)),
-        Provider("compiled_grpo+compile", _need_cg("grpo_loss"), _compiled_grpo(True)),
         Provider("liger", _need("liger_kernel.chunked_loss"), _liger),
         Provider("cce", _need("cut_cross_entropy", cuda_only=True), _cce),
+        Provider("compiled_grpo", _need_cg("grpo_loss"), _compiled_grpo(False)),
+        Provider("compiled_grpo+compile", _need_cg("grpo_loss"), _compiled_grpo(True)),
+        Provider("naive_compile+pass", _need_cg("enable_naive_logprob_fusion"), _compiled_naive(True),
+                 pass_provider=True),
     ]
 }
 
@@ -284,4 +286,4 @@ def resolve(names: Optional[list[str]]) -> list[Provider]:
     unknown = [n for n in names if n not in PROVIDERS]
     if unknown:
         raise SystemExit(f"unknown provider(s) {unknown}; known: {', '.join(PROVIDERS)}")
-    return [PROVIDERS["floor"]] + [PROVIDERS[n] for n in names if n != "floor"]
+    return [pr for pr in PROVIDERS.values() if pr.name == "floor" or pr.name in names]  # run order

@@ -23,7 +23,7 @@ def test_cpu_run_writes_rows(tmp_path, capsys):
     assert main(args) == 0
     rows = _rows(tmp_path)
     assert list(rows[0]) == report.COLUMNS
-    assert [r["provider"] for r in rows] == ["floor", "naive_eager", "compiled_grpo", "cce"]
+    assert [r["provider"] for r in rows] == ["floor", "naive_eager", "cce", "compiled_grpo"]  # run order
     by = {r["provider"]: r for r in rows}
     assert all(r["device"] == "cpu" and r["shape"] == "cpu-tiny" and r["N"] == "32" for r in rows)
 
