@@ -80,15 +80,18 @@ def main():
 
     if "--sweep" in sys.argv:
         base_tiles, base_chunk = tk.TILES, tk.CHUNK_V
-        for tiles in [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
-                      (128, 128, 32, 4, 4), (64, 256, 64, 8, 3)]:
+        for tiles in [(128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (128, 256, 32, 8, 4)]:
             tk.TILES = tiles
             try:
                 report(f"tiles={tiles} chunk={tk.CHUNK_V}")
             except Exception as e:  # out of shared memory etc.
                 print(f"tiles={tiles}: {type(e).__name__}: {str(e)[:120]}")
         tk.TILES = base_tiles
-        for chunk in (1024, 4096, 8192):
+        for group in (8, 32):
+            tk.GROUP_N = group
+            report(f"tiles={tk.TILES} chunk={tk.CHUNK_V} group={group}")
+        tk.GROUP_N = 16
+        for chunk in (4096, 8192):
             tk.CHUNK_V = chunk
             report(f"tiles={tk.TILES} chunk={chunk}")
         tk.CHUNK_V = base_chunk

@@ -46,6 +46,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tk, "TILES", (16, 16, 16, 1, 1))
     monkeypatch.setattr(tk, "FWD_COLS_PER_SPLIT", 48)
     monkeypatch.setattr(tk, "CHUNK_V", 32)
+    monkeypatch.setattr(tk, "GROUP_N", 2)    # 2 row blocks: the last group is partial
 
 
 def golden(x, w, ids, b, temperature):
@@ -66,7 +67,7 @@ def make(n, h, v, dtype, bias, offset=0.0, seed=0):
 
 
 CASES = [  # n, h, v, bias, temperature, offset, with_entropy
-    (19, 24, 75, True, 0.7, 0.0, True),     # V not a multiple of the tile, H of BLOCK_K
+    (40, 24, 75, True, 0.7, 0.0, True),     # V not a multiple of the tile, H of BLOCK_K; 3 row blocks
     (1, 16, 75, False, 1.0, 0.0, True),     # N = 1
     (19, 16, 75, True, 1.0, 1e4, False),    # logits near +1e4
     (19, 16, 75, True, 1.0, -1e4, True),    # all-negative logits
