@@ -53,10 +53,10 @@ _MISSING = object()
 
 
 def fused_linear_logprobs(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy):
-    """The call the pass inserts: a stable FX target returning a plain (logprobs, entropy) tuple."""
+    """The call the pass inserts: a stable FX target returning (logprobs, entropy, lse) [...]."""
     out = linear_logprobs(hidden, weight, ids, bias, temperature=temperature,
                           fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
-    return out.logprobs, out.entropy
+    return out.logprobs, out.entropy, out.lse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,20 +177,59 @@ def _match_gemm(n: Node) -> Optional[dict]:
                 mixed=vh.dtype != vw.dtype)
 
 
-def _walk_logits(m: dict) -> tuple:
-    """Follow single-user casts, `+ b`, `/ c`, `* c` from the GEMM to the logits node.
+def _lead_key(key: Any, ndim: int) -> Optional[tuple]:
+    """`key` if `x[key]` only indexes leading dims of an ndim-D x (so `h[key]` picks the same
+    rows of h); ints, slices (of ints / SymInt nodes) and one Ellipsis, no None, no tensors."""
+    key = key if isinstance(key, tuple) else (key,)
+    parts = [p for k in key for p in ((k.start, k.stop, k.step) if isinstance(k, slice) else (k,))]
+    if any(k is None and not isinstance(k, slice) for k in key) or key.count(Ellipsis) > 1:
+        return None
+    if any(isinstance(p, Node) and not isinstance(p.meta.get("example_value"), (int, torch.SymInt))
+           for p in parts) or any(not isinstance(p, (int, Node, type(None), type(Ellipsis)))
+                                  for p in parts):
+        return None
+    if Ellipsis in key:
+        return key if key[-1] in (Ellipsis, slice(None)) else None
+    return key if len(key) < ndim or (len(key) == ndim and key[-1] == slice(None)) else None
 
-    Returns (logits, chain, temperature, bias, bias_temperature): the logits equal
-    GEMM / temperature + bias / bias_temperature (bias added before a scale is scaled with it).
-    """
-    cur, chain, temp, bias, bias_temp = m["gemm"], [m["gemm"]], 1.0, m["bias"], 1.0
+
+def _lead_op(n: Node, cur: Node) -> Optional[tuple]:
+    """A view of the logits' leading dims (`[:, :-1]`, `.view(-1, V)`, `.flatten(0, 1)`) as the
+    (method, args) that does the same to h; None for anything else."""
+    vin, vout = _val(cur), _val(n)
+    if vin is None or vout is None or vout.dim() < 1 or vout.shape[-1] != vin.shape[-1]:
+        return None
+    if n.op == "call_function" and n.target is operator.getitem and n.args[0] is cur:
+        key = _lead_key(n.args[1], vin.dim())
+        return None if key is None else ("__getitem__", (key,))
+    if _is(n, (torch.reshape,), ("view", "reshape")) and n.args[0] is cur and len(n.args) >= 2 \
+            and not n.kwargs:
+        sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+        if sizes and isinstance(sizes[-1], int) and sizes[-1] == vin.shape[-1] \
+                and all(isinstance(x, (int, Node)) for x in sizes):
+            return ("reshape", tuple(sizes[:-1]))       # h.reshape(*sizes[:-1], H)
+    if _is(n, (torch.flatten,), ("flatten",)) and n.args[0] is cur:
+        start, end = _arg(n, 1, "start_dim", 0), _arg(n, 2, "end_dim", -1)
+        if isinstance(start, int) and isinstance(end, int) and end % vin.dim() < vin.dim() - 1:
+            return ("flatten", (start, end))
+    return None
+
+
+def _walk_logits(m: dict) -> dict:
+    """Follow single-user casts, `+ b`, `/ c`, `* c` and leading-dim views from the GEMM to the
+    logits node L, with L = lead_ops(GEMM) / temp + bias / bias_temp (a bias added before a
+    scale is scaled with the GEMM, so then bias_temp == temp)."""
+    cur, chain, temp, bias, bias_temp, lead_ops = m["gemm"], [m["gemm"]], 1.0, m["bias"], 1.0, []
     while len(cur.users) == 1:
         nxt = next(iter(cur.users))
         if nxt.op == "call_method" and nxt.args and nxt.args[0] is not cur:
             break
         other = [a for a in list(nxt.args) + list(nxt.kwargs.values()) if a is not cur]
+        lead = _lead_op(nxt, cur)           # commutes with the casts, the bias and the scales
         if _cast_dtype(nxt) in _FLOATS:
             pass
+        elif lead is not None:
+            lead_ops.append(lead)
         elif _is(nxt, _DIV, ("div", "true_divide")) and nxt.args[0] is cur and len(nxt.args) == 2 \
                 and not nxt.kwargs and _number(nxt.args[1]):
             temp, bias_temp = temp * nxt.args[1], bias_temp * nxt.args[1]
@@ -205,7 +244,7 @@ def _walk_logits(m: dict) -> tuple:
             break
         chain.append(nxt)
         cur = nxt
-    return cur, chain, temp, bias, bias_temp
+    return dict(L=cur, chain=chain, temp=temp, bias=bias, bias_temp=bias_temp, lead_ops=lead_ops)
 
 
 def _ids_source(idx: Node) -> Any:
@@ -226,12 +265,19 @@ def _match_consumers(L: Node) -> Optional[dict]:
     if vL is None or vL.dtype not in _FLOATS:
         return None
     nd = vL.dim()
-    lsm, sm, ce, others = [], [], [], []
+    lsm, sm, ce, others, zgathers, lses, muls = [], [], [], [], [], [], {}
     for u in L.users:
         if _is(u, _LOG_SOFTMAX + _SOFTMAX, ("log_softmax", "softmax")) and u.args[0] is L \
                 and _last_dim(_arg(u, 1, "dim", None), nd) \
                 and _arg(u, 3 if u.target in (F.log_softmax, F.softmax) else 2, "dtype", None) in (None,) + _FLOATS:
             (lsm if u.target in _LOG_SOFTMAX + ("log_softmax",) else sm).append(u)
+        elif _is(u, (torch.gather,), ("gather",)) and u.args[0] is L:       # z[target]
+            zgathers.append(u)
+        elif _is(u, (torch.logsumexp,), ("logsumexp",)) and u.args[0] is L \
+                and _last_dim(_arg(u, 1, "dim"), nd) and len(u.args) + len(u.kwargs) <= 3:
+            lses.append((u, bool(_arg(u, 2, "keepdim", False))))
+        elif _is(u, _MUL, ("mul",)) and len(u.args) == 2 and not u.kwargs:   # p * z (entropy)
+            muls[u] = None
         else:
             others.append(u)
     for u in others:    # cross_entropy(logits | logits.view(-1, V), target, reduction="none")
@@ -252,21 +298,24 @@ def _match_consumers(L: Node) -> Optional[dict]:
                 or kw["label_smoothing"] != 0.0 or not isinstance(kw["ignore_index"], int):
             return None
         ce.append((x, u if x is not u else None, tg, kw["ignore_index"]))
-    gathers, muls, exps = [], {}, []
+    gathers, exps = [], []
     for ls in lsm:
         for u in ls.users:
-            if _is(u, (torch.gather,), ("gather",)) and u.args[0] is ls \
-                    and _last_dim(_arg(u, 1, "dim"), nd) and not _arg(u, 3, "sparse_grad", False):
-                idx, vi = _arg(u, 2, "index"), _val(_arg(u, 2, "index"))
-                if vi is None or vi.dtype != torch.int64 or tuple(vi.shape) != tuple(vL.shape[:-1]) + (1,):
-                    return None
-                gathers.append((u, idx))
+            if _is(u, (torch.gather,), ("gather",)) and u.args[0] is ls:
+                gathers.append(u)
             elif _is(u, (torch.exp,), ("exp",)) and len(u.args) == 1:
                 exps.append(u)
             elif _is(u, _MUL, ("mul",)) and len(u.args) == 2 and not u.kwargs:
                 muls[u] = None
             else:
                 return None
+    targets = []
+    for g in gathers + zgathers:
+        idx, vi = _arg(g, 2, "index"), _val(_arg(g, 2, "index"))
+        if not _last_dim(_arg(g, 1, "dim"), nd) or _arg(g, 3, "sparse_grad", False) or vi is None \
+                or vi.dtype != torch.int64 or tuple(vi.shape) != tuple(vL.shape[:-1]) + (1,):
+            return None
+        targets.append((g, idx, g in zgathers))
     probs = set(exps) | set(sm)
     for p in probs:
         for u in p.users:
@@ -274,21 +323,24 @@ def _match_consumers(L: Node) -> Optional[dict]:
                 return None
             muls[u] = None
     sums = []
-    for m in muls:      # m = p * logp (either order); then .sum(-1) or -(...) then .sum(-1)
+    for m in muls:      # p * logp or p * z (either order); then .sum(-1) or -(...) then .sum(-1)
         a, b = m.args
-        if not ({a, b} & probs and {a, b} & set(lsm)) or len(m.users) != 1:
+        rest = {a, b} - probs
+        if not ({a, b} & probs) or len(rest) != 1 or not (rest <= set(lsm) or rest == {L}) \
+                or len(m.users) != 1:
             return None
-        s, sign = next(iter(m.users)), -1.0
+        s, sign = next(iter(m.users)), 1.0
         if _is(s, _NEG, ("neg",)) and len(s.users) == 1:
-            s, sign = next(iter(s.users)), 1.0
+            s, sign = next(iter(s.users)), -1.0
         if not (_is(s, (torch.sum,), ("sum",)) and _last_dim(_arg(s, 1, "dim", None), nd)
                 and _arg(s, 3, "dtype", None) is None and len(s.args) <= 3):
             return None
-        sums.append((s, sign, bool(_arg(s, 2, "keepdim", False)), m))
-    ids = {_ids_source(i) or i for _, i in gathers} | {(t, ii) for _, _, t, ii in ce}
-    if len(ids) > 1 or not (gathers or ce or sums):
+        # sum(p * logp) = -entropy; sum(p * z) = lse - entropy
+        sums.append((s, sign, bool(_arg(s, 2, "keepdim", False)), rest == {L}))
+    ids = {_ids_source(i) or i for _, i, _ in targets} | {(t, ii) for _, _, t, ii in ce}
+    if len(ids) > 1 or not (targets or ce or sums or lses):
         return None
-    return dict(lsm=lsm, sm=sm, exps=exps, gathers=gathers, ce=ce, sums=sums, muls=list(muls))
+    return dict(gathers=targets, ce=ce, sums=sums, lses=lses)
 
 
 def _mutating(n: Node) -> bool:
@@ -322,10 +374,13 @@ def _erase_dead(graph: Graph, seeds: list) -> None:
         work.extend(inputs)
 
 
-def _rewrite(graph: Graph, m: dict, L: Node, chain: list, temp: float, bias: Any,
-             bias_temp: float, c: dict) -> None:
-    vL = _val(L)
-    replaced = [g for g, _ in c["gathers"]] + [s for s, *_ in c["sums"]] + [x for x, *_ in c["ce"]]
+def _replaced(c: dict) -> list:
+    return [next(iter(x)) for k in ("gathers", "sums", "ce", "lses") for x in c[k]]
+
+
+def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
+    vL, temp, bias, bias_temp = _val(wk["L"]), wk["temp"], wk["bias"], wk["bias_temp"]
+    replaced = _replaced(c)
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = min(replaced, key=order.__getitem__)
 
@@ -338,6 +393,10 @@ def _rewrite(graph: Graph, m: dict, L: Node, chain: list, temp: float, bias: Any
         if m["mixed"]:          # e.g. bf16 h, fp32 W, both cast by the user: keep fp32 inputs
             h, w = (x if _val(x).dtype == torch.float32 else graph.call_method("float", (x,))
                     for x in (h, w))
+        for method, args in wk["lead_ops"]:      # the logits' leading-dim views, applied to h
+            if method == "reshape":
+                args = (*args, graph.call_method("size", (h, -1)))
+            h = graph.call_method(method, (h, *args))
         if bias is not None and bias_temp != temp:   # b added before a scale: fold the ratio in
             bias = graph.call_function(operator.mul, (bias, temp / bias_temp))
         lead_ref = graph.call_function(operator.getitem, (h, (Ellipsis, 0)))    # [...]
@@ -356,25 +415,28 @@ def _rewrite(graph: Graph, m: dict, L: Node, chain: list, temp: float, bias: Any
             ids = graph.call_function(torch.zeros_like, (lead_ref,), {"dtype": torch.int64})
         out = graph.call_function(fused_linear_logprobs, (
             h, w, ids, bias, float(temp), bool(m["fp32_lm_head"]), bool(c["sums"])))
-        lp = graph.call_function(operator.getitem, (out, 0))                        # [...] fp32
-        for g, _ in c["gathers"]:
-            g.replace_all_uses_with(cast(graph.call_method("unsqueeze", (lp, -1)), g))
-        if c["sums"]:
-            ent = graph.call_function(operator.getitem, (out, 1))                   # [...] fp32
-            neg_ent = None
-            for s, sign, keepdim, _ in c["sums"]:
-                if sign < 0:
-                    neg_ent = neg_ent or graph.call_function(operator.neg, (ent,))
-                r = ent if sign > 0 else neg_ent
-                r = graph.call_method("unsqueeze", (r, -1)) if keepdim else r
-                s.replace_all_uses_with(cast(r, s))
+        lp, ent, lse = (graph.call_function(operator.getitem, (out, i)) for i in range(3))
+        for g, _, on_logits in c["gathers"]:        # logp[t]; z[t] = logp[t] + lse
+            r = graph.call_function(operator.add, (lp, lse)) if on_logits else lp
+            g.replace_all_uses_with(cast(graph.call_method("unsqueeze", (r, -1)), g))
+        for s, sign, keepdim, p_times_z in c["sums"]:
+            # sum(p*logp) = -H, sum(p*z) = lse - H; sign -1: the product was negated, then summed
+            if p_times_z:
+                r = graph.call_function(operator.sub, (lse, ent) if sign > 0 else (ent, lse))
+            else:
+                r = graph.call_function(operator.neg, (ent,)) if sign > 0 else ent
+            r = graph.call_method("unsqueeze", (r, -1)) if keepdim else r
+            s.replace_all_uses_with(cast(r, s))
+        for u, keepdim in c["lses"]:
+            u.replace_all_uses_with(cast(graph.call_method("unsqueeze", (lse, -1)) if keepdim
+                                         else lse, u))
         if c["ce"]:
             nll = graph.call_function(operator.neg, (lp,))
             nll = graph.call_method("reshape", (nll, -1)) if vL.dim() != 2 else nll     # [N]
             nll = graph.call_method("masked_fill", (nll, ignored, 0.0))
             for x, *_ in c["ce"]:
                 x.replace_all_uses_with(cast(nll, x))
-    _erase_dead(graph, [lead_ref, *replaced])     # cascades up through the naive chain
+    _erase_dead(graph, [lead_ref, lp, ent, lse, *replaced])    # cascades up the naive chain
 
 
 def naive_logprob_fusion_pass(graph: Graph) -> int:
@@ -386,18 +448,17 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
         m = _match_gemm(node)
         if m is None:
             continue
-        L, chain, temp, bias, bias_temp = _walk_logits(m)
-        c = _match_consumers(L)
-        if c is None or temp <= 0:
-            log.debug("naive_logprob_fusion: %s has unmatched users; left alone", L)
+        wk = _walk_logits(m)
+        c = _match_consumers(wk["L"])
+        if c is None or wk["temp"] <= 0:
+            log.debug("naive_logprob_fusion: %s has unmatched users; left alone", wk["L"])
             continue
-        replaced = [g for g, _ in c["gathers"]] + [s for s, *_ in c["sums"]] + [x for x, *_ in c["ce"]]
         order = {n: i for i, n in enumerate(graph.nodes)}
-        if not _region_is_clean(graph, node, max(replaced, key=order.__getitem__)):
+        if not _region_is_clean(graph, node, max(_replaced(c), key=order.__getitem__)):
             continue
-        _rewrite(graph, m, L, chain, temp, bias, bias_temp, c)
+        _rewrite(graph, m, wk, c)
         rewrites += 1
-        if c["gathers"] or c["ce"]:
+        if c["gathers"] or c["ce"] or c["lses"]:
             counters["compiled_grpo"]["naive_logprob_fusion"] += 1
         if c["sums"]:
             counters["compiled_grpo"]["naive_entropy_fusion"] += 1

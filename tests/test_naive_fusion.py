@@ -194,13 +194,42 @@ def logprob_and_entropy_2d(h, w, b, ids):
     return logprob_and_entropy(h.reshape(-1, H), w, b, ids.reshape(-1))
 
 
+def trl_style_shifted(h, w, b, ids):
+    """TRL: logits of every position, drop the last, keep the completion, / temperature."""
+    logits = (h @ w.T)[:, :-1, :]
+    logits = logits[:, -4:] / 0.7
+    return (logp_of(logits, ids[:, -4:]),)
+
+
+def flat_view_then_log_softmax(h, w, b, ids):
+    """verl-style: flatten tokens first, gather on [N, V]."""
+    logits = (h @ w.T).float().view(-1, V)
+    return (logp_of(logits, ids.view(-1)),)
+
+
+def gather_minus_logsumexp(h, w, b, ids):
+    logits = F.linear(h, w, b)
+    return ((logits.gather(-1, ids.unsqueeze(-1)) - logits.logsumexp(-1, keepdim=True)).squeeze(-1),)
+
+
+def entropy_lse_minus_pz(h, w, b, ids):
+    logits = h @ w.T / 0.7
+    return (torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1),)
+
+
+def z_loss_only(h, w, b, ids):
+    return (torch.logsumexp(h @ w.T, dim=-1) ** 2,)
+
+
 SPELLINGS = [
     (matmul_T, (1, 0)), (functional_linear, (1, 0)), (torch_matmul_t, (1, 0)),
     (float_before, (1, 0)), (float_after, (1, 0)), (to_float32_after, (1, 0)),
     (temperature_div, (1, 0)), (temperature_mul, (1, 0)), (bias_linear, (1, 0)),
     (bias_add_after_scale, (1, 0)), (cross_entropy, (1, 0)), (cross_entropy_2d, (1, 0)),
     (entropy_softmax, (0, 1)), (entropy_exp, (0, 1)), (logprob_and_entropy, (1, 1)),
-    (logprob_and_entropy_2d, (1, 1)),
+    (logprob_and_entropy_2d, (1, 1)), (trl_style_shifted, (1, 0)),
+    (flat_view_then_log_softmax, (1, 0)), (gather_minus_logsumexp, (1, 0)),
+    (entropy_lse_minus_pz, (1, 1)), (z_loss_only, (1, 0)),
 ]
 
 
