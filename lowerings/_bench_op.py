@@ -1,6 +1,6 @@
 """GPU micro-benchmark of compiled_grpo::linear_logprobs (eager launch of the op).
 
-    python -m lowerings._bench_op [N] [H] [V] [--sweep]
+    python -m lowerings._bench_op [N] [H] [V] [--sweep] [--compile]
 
 Prints, in one run on one GPU: the floor (three bf16 cuBLAS GEMMs of N*H*V: logits, dX, dW),
 the op's forward and forward+backward (with and without entropy), their ratio to the floor,
@@ -77,6 +77,24 @@ def main():
     print(f"peak beyond inputs+grads: {extra / 2**20:.1f} MiB (N*V bf16 would be "
           f"{n * v * 2 / 2**20:.0f} MiB; dX fp32 acc {n * h * 4 / 2**20:.0f} MiB, workspace "
           f"{n * tk.CHUNK_V * 2 / 2**20:.0f} MiB)", flush=True)
+
+    if "--compile" in sys.argv:   # fullgraph compile of the same loss: kernels seen by Inductor
+        def loss_fn(x, w, ids, g_lp, g_ent):
+            out = linear_logprobs(x, w, ids, with_entropy=True)
+            return (out.logprobs * g_lp).sum() + (out.entropy * g_ent).sum()
+        cfn = torch.compile(loss_fn, fullgraph=True)
+
+        def c_fwd_bwd():
+            xg.grad = wg.grad = None
+            cfn(xg, wg, ids, g_lp, g_ent).backward()
+        c_fwd_bwd()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        tc = bench(c_fwd_bwd)
+        extra = torch.cuda.max_memory_allocated() - base - grads
+        print(f"compiled entropy=True fwd+bwd {tc:.2f} ms ({tc / floor:.3f}x floor), peak beyond "
+              f"inputs+grads {extra / 2**20:.1f} MiB", flush=True)
 
     if "--sweep" in sys.argv:
         base_tiles, base_chunk = tk.TILES, tk.CHUNK_V

@@ -80,7 +80,7 @@ def _logits_tile(x_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, H, stride_
         w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    return acc * inv_temp
+    return (acc * inv_temp).to(tl.float32)   # Inductor may pass inv_temp as an fp64 scalar
 
 
 @triton.jit
@@ -146,7 +146,7 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
         dz = -p * (coef[:, None] + g_ent[:, None] * (logp + ent[:, None]))
     else:
         dz = -p * coef[:, None]
-    dz = tl.where(cols[None, :] == ids[:, None], dz + g_lp[:, None], dz) * inv_temp
+    dz = (tl.where(cols[None, :] == ids[:, None], dz + g_lp[:, None], dz) * inv_temp).to(tl.float32)
     mask = row_mask[:, None] & col_mask[None, :]
     dz = tl.where(mask, dz, 0.0)                      # padded rows/cols may hold inf/nan
     ws_ptrs = ws_ptr + rows.to(tl.int64)[:, None] * stride_ws + local[None, :]
