@@ -1,0 +1,618 @@
+"""What `grpo_loss` lowers to, as op sequences (STYLE.md item 8): read these as documentation.
+
+Regenerate after an intended change with
+    EXPECTTEST_ACCEPT=1 python -m pytest tests/test_graph_snapshots.py
+
+Three configurations on tiny fixed shapes (B=2, T=5, H=16, V=37): the default dapo loss; grpo with
+a k3 KL penalty (beta) and sequence-level importance sampling (GSPO); dapo with the with_entropy
+metrics. For each: the Dynamo graph (`EagerAndRecordGraphs`), where the fused op is ONE node
+`compiled_grpo.linear_logprobs`, and the AOTAutograd forward and backward graphs
+(`AotEagerAndRecordGraphs().fw_graphs / .bw_graphs`).
+
+In AOT graphs the triton_op is decomposed, which is device dependent (torch ops of the chunked body
+on CPU, Triton-kernel higher-order ops on CUDA). `op_sequence` collapses those nodes back into one
+`[compiled_grpo.linear_logprobs]` / `[compiled_grpo.linear_logprobs_backward]` token, so the
+snapshots show the loss math around the op and read the same on every device; the CUDA test below
+checks that the CPU and CUDA sequences agree.
+"""
+import operator
+import unittest
+
+import expecttest
+import torch
+from torch._dynamo.testing import AotEagerAndRecordGraphs, EagerAndRecordGraphs
+
+import compiled_grpo as cg
+from helpers import make_inputs
+
+# Layout, aliasing, dtype-cast and constant bookkeeping: dropped so the sequences show the math and
+# read the same on torch 2.11 and 2.13 (which differ in view vs reshape, alias nodes, where the
+# scalar of torch.where(m, x, 0) lives, and sym_size nodes).
+DROPPED = frozenset({
+    "view", "reshape", "_unsafe_view", "alias", "detach", "permute", "t", "transpose", "expand", "clone",
+    "contiguous", "unsqueeze", "squeeze", "getitem", "slice", "select", "as_strided", "_to_copy", "to",
+    "long", "float", "double", "type_as", "convert_element_type", "lift_fresh_copy", "scalar_tensor",
+    "sym_size", "sym_numel", "sym_stride", "size", "dim",
+})
+# The op's own code (its triton_op bodies and autograd in lowerings/) collapses into one token.
+OP_FILES = ("lowerings/linear_logprobs.py", "lowerings/_linear_logprobs_torch.py",
+            "lowerings/_linear_logprobs_triton.py")
+
+
+def _token(node) -> str:
+    """One token per FX node: OpOverload/OpOverloadPacket -> `ns.op` (no overload); call_method ->
+    `.name`; a torch function -> `torch.name`; a Python builtin (operator.mul) -> its __name__;
+    a higher-order op -> `hop.<name>`."""
+    target = node.target
+    if node.op == "call_method":
+        return "." + target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"hop.{target.name()}"
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        ns, name = target.name().split("::")
+        return f"{ns}.{name.split('.')[0]}"
+    name = getattr(target, "__name__", str(target))
+    if getattr(operator, name, None) is target:
+        return name
+    return f"torch.{name}"
+
+
+def _bare(token: str) -> str:
+    return token.rsplit(".", 1)[-1]
+
+
+def _in_op(node) -> bool:
+    """The innermost user frame of the node's stack trace lies in the op's files. AOTAutograd copies
+    the stack trace of the Dynamo node being traced, so every node of the op's decomposition (forward
+    and backward) carries the `_linear_logprobs_op(...)` call site."""
+    files = [line for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip().startswith("File ")]
+    return bool(files) and any(f in files[-1] for f in OP_FILES)
+
+
+def op_sequence(gm: torch.fx.GraphModule, collapse_as: str = None) -> str:
+    """The graph's compute nodes, one token a line, layout/bookkeeping ops (DROPPED) left out.
+
+    With `collapse_as`, the nodes of the op's decomposition become one `[collapse_as]` line at
+    the first of them that is not dropped (AOT graphs; an input of the op that the partitioner
+    recomputes in the backward, such as the masked ids, may sit between its nodes)."""
+    out, collapsed = [], False
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        token = _token(node)
+        if _bare(token) in DROPPED:
+            continue
+        if collapse_as is not None and _in_op(node):
+            if not collapsed:
+                out.append(f"[{collapse_as}]")
+                collapsed = True
+            continue
+        out.append(token)
+    return "\n".join(out)
+
+
+def _inputs(device="cpu"):
+    inp = make_inputs(B=2, T=5, H=16, V=37, dtype=torch.float32)
+    out = {}
+    for k, x in inp.items():
+        x = x.detach().to(device)
+        if k in ("old_logprobs", "ref_logprobs", "advantages"):
+            x = x.float()
+        out[k] = x.requires_grad_() if k in ("hidden", "weight") else x
+    return out
+
+
+CONFIGS = {
+    "dapo": cg.GRPOConfig(),
+    "grpo_beta_sequence": cg.GRPOConfig(loss_type="grpo", beta=0.04, importance_sampling_level="sequence"),
+    "with_entropy": cg.GRPOConfig(metrics="with_entropy"),
+}
+
+
+def dynamo_sequence(cfg, device="cpu"):
+    torch._dynamo.reset()
+    rec = EagerAndRecordGraphs()
+    torch.compile(cg.grpo_loss, backend=rec, fullgraph=True)(**_inputs(device), config=cfg)
+    assert len(rec.graphs) == 1
+    return op_sequence(rec.graphs[0])
+
+
+def aot_sequences(cfg, device="cpu"):
+    torch._dynamo.reset()
+    rec = AotEagerAndRecordGraphs()
+    out = torch.compile(cg.grpo_loss, backend=rec, fullgraph=True)(**_inputs(device), config=cfg)
+    out.loss.backward()
+    assert len(rec.fw_graphs) == 1 and len(rec.bw_graphs) == 1
+    return (op_sequence(rec.fw_graphs[0], "compiled_grpo.linear_logprobs"),
+            op_sequence(rec.bw_graphs[0], "compiled_grpo.linear_logprobs_backward"))
+
+
+class GraphSnapshots(expecttest.TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def test_dapo_dynamo(self):
+        self.assertExpectedInline(dynamo_sequence(CONFIGS["dapo"]), """\
+ge
+lt
+and_
+invert
+or_
+.all
+torch._assert_async
+torch.where
+compiled_grpo.linear_logprobs
+torch.where
+sub
+torch.where
+.clamp
+torch.exp
+torch.where
+.sum
+.sum
+.clamp
+truediv
+torch.where
+.amax
+torch.where
+.amin
+mul
+.clamp
+mul
+torch.min
+neg
+lt
+lt
+and_
+gt
+gt
+and_
+torch.where
+torch.where
+.sum
+torch.ones
+.sum
+.clamp
+truediv""")
+
+    def test_dapo_aot(self):
+        fw, bw = aot_sequences(CONFIGS["dapo"])
+        self.assertExpectedInline(fw, """\
+aten.ge
+aten.lt
+aten.bitwise_and
+aten.bitwise_not
+aten.bitwise_or
+aten.all
+aten._assert_async
+aten.where
+[compiled_grpo.linear_logprobs]
+aten.where
+aten.sub
+aten.where
+aten.clamp
+aten.exp
+aten.mul
+aten.clamp
+aten.mul
+aten.minimum
+aten.neg
+aten.where
+aten.where
+aten.sum
+aten.sum
+aten.clamp
+aten.div
+aten.ge
+aten.le
+aten.logical_and""")
+        self.assertExpectedInline(bw, """\
+aten.sum
+aten.clamp
+aten.div
+aten.where
+aten.add
+aten.where
+aten.neg
+aten.div
+aten.mul
+aten.clamp
+aten.mul
+aten.eq
+aten.where
+aten.lt
+aten.masked_fill
+aten.gt
+aten.masked_fill
+aten.mul
+aten.ge
+aten.le
+aten.logical_and
+aten.where
+aten.mul
+aten.add
+aten.mul
+aten.where
+aten.where
+aten.where
+[compiled_grpo.linear_logprobs_backward]
+aten.where""")
+
+    def test_grpo_beta_sequence_dynamo(self):
+        self.assertExpectedInline(dynamo_sequence(CONFIGS["grpo_beta_sequence"]), """\
+ge
+lt
+and_
+invert
+or_
+.all
+torch._assert_async
+torch.where
+compiled_grpo.linear_logprobs
+torch.where
+sub
+torch.where
+.sum
+.clamp
+.sum
+truediv
+.clamp
+.clamp
+torch.exp
+torch.where
+.sum
+.sum
+.clamp
+truediv
+torch.where
+.amax
+torch.where
+.amin
+mul
+.clamp
+mul
+torch.min
+neg
+lt
+lt
+and_
+gt
+gt
+and_
+sub
+torch.where
+.clamp
+torch.exp
+sub
+sub
+.clamp
+mul
+add
+torch.where
+torch.where
+.sum
+.clamp
+.sum
+truediv
+.sum
+torch.ones
+mul
+truediv""")
+
+    def test_grpo_beta_sequence_aot(self):
+        fw, bw = aot_sequences(CONFIGS["grpo_beta_sequence"])
+        self.assertExpectedInline(fw, """\
+aten.ge
+aten.lt
+aten.bitwise_and
+aten.bitwise_not
+aten.bitwise_or
+aten.all
+aten._assert_async
+aten.where
+[compiled_grpo.linear_logprobs]
+aten.where
+aten.sub
+aten.where
+aten.sum
+aten.clamp
+aten.sum
+aten.div
+aten.clamp
+aten.exp
+aten.mul
+aten.clamp
+aten.mul
+aten.minimum
+aten.neg
+aten.sub
+aten.where
+aten.clamp
+aten.exp
+aten.sub
+aten.sub
+aten.clamp
+aten.mul
+aten.add
+aten.where
+aten.where
+aten.sum
+aten.clamp
+aten.sum
+aten.div
+aten.sum
+aten.ones
+aten.mul
+aten.div
+aten.ge
+aten.le
+aten.logical_and
+aten.ge
+aten.le
+aten.logical_and
+aten.ge
+aten.le
+aten.logical_and""")
+        self.assertExpectedInline(bw, """\
+aten.ones
+aten.mul
+aten.div
+aten.sum
+aten.clamp
+aten.div
+aten.where
+aten.add
+aten.where
+aten.sum
+aten.mul
+aten.where
+aten.neg
+aten.mul
+aten.add
+aten.where
+aten.where
+aten.neg
+aten.neg
+aten.div
+aten.mul
+aten.clamp
+aten.mul
+aten.eq
+aten.where
+aten.lt
+aten.masked_fill
+aten.gt
+aten.masked_fill
+aten.mul
+aten.ge
+aten.le
+aten.logical_and
+aten.where
+aten.mul
+aten.add
+aten.mul
+aten.where
+aten.sum
+aten.clamp
+aten.div
+aten.where
+aten.add
+aten.where
+[compiled_grpo.linear_logprobs_backward]
+aten.where""")
+
+    def test_with_entropy_dynamo(self):
+        self.assertExpectedInline(dynamo_sequence(CONFIGS["with_entropy"]), """\
+ge
+lt
+and_
+invert
+or_
+.all
+torch._assert_async
+torch.where
+compiled_grpo.linear_logprobs
+torch.where
+torch.where
+sub
+torch.where
+.clamp
+torch.exp
+torch.where
+.sum
+.sum
+.clamp
+truediv
+torch.where
+.amax
+torch.where
+.amin
+mul
+.clamp
+mul
+torch.min
+neg
+lt
+lt
+and_
+gt
+gt
+and_
+torch.where
+torch.where
+.sum
+torch.ones
+.sum
+.clamp
+truediv
+torch.where
+torch.exp
+torch.where
+lt
+gt
+or_
+torch.where
+.sum
+.sum
+.clamp
+truediv
+torch.where
+.sum
+.sum
+.clamp
+truediv
+.sum
+mul
+.sum
+sub
+sub
+torch.where
+.sum
+.sum
+.clamp
+truediv
+torch.where
+.sum
+.sum
+.clamp
+truediv
+torch.where
+.sum
+.sum
+.clamp
+truediv
+torch.where
+.sum
+.sum
+.clamp
+truediv
+or_
+torch.where
+.sum
+.sum
+.clamp
+truediv
+.sum
+torch.where
+.sum
+.sum
+.clamp
+truediv""")
+
+    def test_with_entropy_aot(self):
+        fw, bw = aot_sequences(CONFIGS["with_entropy"])
+        self.assertExpectedInline(fw, """\
+aten.ge
+aten.lt
+aten.bitwise_and
+aten.bitwise_not
+aten.bitwise_or
+aten.all
+aten._assert_async
+aten.where
+[compiled_grpo.linear_logprobs]
+aten.where
+aten.where
+aten.sub
+aten.where
+aten.clamp
+aten.exp
+aten.where
+aten.sum
+aten.sum
+aten.clamp
+aten.div
+aten.where
+aten.amax
+aten.where
+aten.amin
+aten.mul
+aten.clamp
+aten.mul
+aten.minimum
+aten.neg
+aten.lt
+aten.lt
+aten.bitwise_and
+aten.gt
+aten.gt
+aten.bitwise_and
+aten.where
+aten.where
+aten.sum
+aten.sum
+aten.clamp
+aten.div
+aten.where
+aten.where
+aten.lt
+aten.gt
+aten.bitwise_or
+aten.where
+aten.sum
+aten.div
+aten.where
+aten.sum
+aten.div
+aten.sum
+aten.mul
+aten.sum
+aten.sub
+aten.sub
+aten.where
+aten.sum
+aten.div
+aten.where
+aten.sum
+aten.div
+aten.where
+aten.sum
+aten.div
+aten.where
+aten.sum
+aten.div
+aten.bitwise_or
+aten.where
+aten.sum
+aten.div
+aten.where
+aten.sum
+aten.div
+aten.eq
+aten.lt
+aten.gt
+aten.ge
+aten.le
+aten.logical_and
+aten.ge
+aten.le
+aten.logical_and""")
+        self.assertExpectedInline(bw, """\
+aten.sum
+aten.clamp
+aten.div
+aten.where
+aten.add
+aten.where
+aten.neg
+aten.div
+aten.where
+aten.masked_fill
+aten.masked_fill
+aten.mul
+aten.where
+aten.mul
+aten.add
+aten.mul
+aten.where
+aten.where
+aten.where
+aten.where
+[compiled_grpo.linear_logprobs_backward]
+aten.where""")
+
+    @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA: compares the CUDA sequences with CPU")
+    def test_sequences_are_device_independent(self):
+        for name, cfg in CONFIGS.items():
+            self.assertEqual(dynamo_sequence(cfg, "cuda"), dynamo_sequence(cfg, "cpu"), name)
+            self.assertEqual(aot_sequences(cfg, "cuda"), aot_sequences(cfg, "cpu"), name)
