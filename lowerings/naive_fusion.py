@@ -5,23 +5,31 @@ Legend: H hidden size, V vocab size, [...] the leading dims of hidden (B, T or N
 Rewrites, on the Dynamo torch-IR graph (before AOTAutograd, so the backward is the op's own
 autograd and training, inference, frozen and trainable W are all one rewrite):
 
-    logits = GEMM(h, W)                          # h @ W.T | torch.matmul(h, W.t()) | F.linear(h, W[, b])
-             [.float() | .to(float32) on h and W]  -> fp32_lm_head=True   (cast before the GEMM)
-             [.float() | .to(dtype) on logits]     -> bf16 GEMM, fp32 accumulate (cast after)
-             [+ b] [/ c | * c]                     -> bias=, temperature=  (c a Python number)
-    logp  = logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1))          # [..., 1]
-    ce    = F.cross_entropy(logits.view(-1, V), ids.view(-1), reduction="none")   # [N]
-    negH  = (softmax(logits, -1) * log_softmax(logits, -1)).sum(-1)      # [...]; also logp.exp()
+    logits = GEMM(h, W)                    # h @ W.T | torch.matmul(h, W.t()) | F.linear(h, W[, b])
+                                           #   | nn.Linear | W.mT, W.transpose(0, 1), torch.mm
+      .float() / .to(float32) on h and W   -> fp32_lm_head=True             (cast before the GEMM)
+      .float() / .to(dtype) on the logits  -> bf16 GEMM, fp32 accumulation  (cast after)
+      + b, / c, * c (c a Python number)    -> bias=, temperature= (b added after a scale: b*T)
+      [:, :-1], [:, -k:], .view(-1, V)     -> the same leading-dim view applied to h (TRL, verl)
+    consumers of the logits z (all of them must be one of these):
+      log_softmax(z, -1).gather(-1, ids.unsqueeze(-1) | ids[..., None])     -> logprobs
+      z.gather(-1, idx) - z.logsumexp(-1, keepdim=True), logsumexp(z, -1)  -> logprobs + lse, lse
+      -F.cross_entropy(z.view(-1, V), ids.view(-1), reduction="none")       -> where(ign, 0, -lp)
+      -(softmax(z, -1) * log_softmax(z, -1)).sum(-1), -(logp.exp() * logp).sum(-1),
+      lse - (softmax(z, -1) * z).sum(-1)                                    -> entropy
+    (F.* / torch.* / Tensor-method spellings, dim=-1 or the last dim's index, keepdim either way)
 
 into one `linear_logprobs(h, W, ids, b, temperature=, fp32_lm_head=, with_entropy=)` call per
-logits node. The `[N, V]` logits then never exist (4*N*V bytes per copy; naive training code keeps
-two to three copies). cross_entropy keeps its `ignore_index` semantics exactly: the op sees
-`where(ids == ignore_index, 0, ids)` and the result is `where(ids == ignore_index, 0, -logp)`.
+logits node: when log-prob and entropy read the same logits, one call with with_entropy=True
+serves both. The `[N, V]` logits then never exist (4*N*V bytes per copy; naive training code
+keeps two to three copies). cross_entropy keeps its `ignore_index` semantics exactly: the op
+sees `ids.masked_fill(ids == ignore_index, 0)` and the result is
+`(-logprobs).masked_fill(ids == ignore_index, 0)`, as are the gradients.
 
 The pass is conservative: it rewrites only when *every* user of the logits is one of the matched
 consumers (otherwise the logits are needed anyway), when no in-place op, grad-mode or autocast
 switch lies between the GEMM and its consumers, and when the dtypes are fp32/bf16/fp16 (fp64 code
-is left alone: the op computes in fp32). Each replaced node gets the dtype the naive node had.
+is left alone: the CUDA kernels compute in fp32). Each replaced node gets the dtype the naive node had.
 Every rewrite bumps `torch._dynamo.utils.counters["compiled_grpo"]["naive_logprob_fusion"]`
 and/or `["naive_entropy_fusion"]`.
 
@@ -99,8 +107,9 @@ _ADD = (operator.add, torch.add)
 _NEG = (operator.neg, torch.neg)
 _VIEW = (torch.reshape, torch.flatten)
 _MUTATING_FNS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem)
-_REGION_FNS = (torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
-               torch.amp.autocast_mode._exit_autocast)
+_REGION_FNS = tuple(f for f in (torch._C._set_grad_enabled,
+                                getattr(torch.amp.autocast_mode, "_enter_autocast", None),
+                                getattr(torch.amp.autocast_mode, "_exit_autocast", None)) if f)
 
 
 def _cast_dtype(n: Node) -> Optional[torch.dtype]:
@@ -237,7 +246,8 @@ def _walk_logits(m: dict) -> dict:
                 and len(other) == 1 and _number(other[0]):
             temp, bias_temp = temp / other[0], bias_temp / other[0]
         elif _is(nxt, _ADD, ("add",)) and len(nxt.args) == 2 and not nxt.kwargs and bias is None \
-                and len(other) == 1 and _val(other[0]) is not None and _val(other[0]).dim() == 1 \
+                and len(other) == 1 and _val(other[0]) is not None \
+                and tuple(_val(other[0]).shape) == tuple(_val(m["w"]).shape[:1]) \
                 and _val(other[0]).dtype in _FLOATS:
             bias, bias_temp = other[0], 1.0
         else:
@@ -347,7 +357,7 @@ def _mutating(n: Node) -> bool:
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
     return (n.op == "call_function" and n.target in _MUTATING_FNS) or (
         n.op in ("call_method", "call_function") and isinstance(name, str)
-        and name.endswith("_") and not name.startswith("_"))
+        and name.endswith("_") and not name.endswith("__"))
 
 
 def _region_is_clean(graph: Graph, first: Node, last: Node) -> bool:
@@ -445,11 +455,16 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     for node in [n for n in graph.nodes if _is(n, _MATMUL + _LINEAR, ("matmul", "mm"))]:
         if getattr(node, "_erased", False):
             continue
-        m = _match_gemm(node)
+        try:        # a matcher bug must cost the fusion, never the user's compile
+            m = _match_gemm(node)
+            wk = _walk_logits(m) if m is not None else None
+            c = _match_consumers(wk["L"]) if wk is not None else None
+        except Exception:                           # noqa: BLE001
+            log.warning("naive_logprob_fusion: matcher failed on %s; left alone", node,
+                        exc_info=True)
+            continue
         if m is None:
             continue
-        wk = _walk_logits(m)
-        c = _match_consumers(wk["L"])
         if c is None or wk["temp"] <= 0:
             log.debug("naive_logprob_fusion: %s has unmatched users; left alone", wk["L"])
             continue

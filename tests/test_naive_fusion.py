@@ -52,21 +52,22 @@ def fired():
     return c["naive_logprob_fusion"], c["naive_entropy_fusion"]
 
 
-def make(dtype=torch.float32, bias=True, frozen=False, seed=0, ignore=False):
+def make(dtype=torch.float32, bias=True, frozen=False, seed=0, ignore=False, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    h = torch.randn(B, T, H, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(V, H, generator=g) / math.sqrt(H) * 3).to(dtype).requires_grad_(not frozen)
-    b = torch.randn(V, generator=g).to(dtype).requires_grad_() if bias else None
+    h = torch.randn(B, T, H, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(V, H, generator=g) / math.sqrt(H) * 3).to(device, dtype)
+    w.requires_grad_(not frozen)
+    b = torch.randn(V, generator=g).to(device, dtype).requires_grad_() if bias else None
     ids = torch.randint(0, V, (B, T), generator=g)
     if ignore:
         ids[0, :3] = -100        # cross_entropy's default ignore_index
-    return h, w, b, ids
+    return h, w, b, ids.to(device)
 
 
 def loss_of(outs):
     """A loss touching every output with distinct fixed weights, so every grad path is checked."""
     g = torch.Generator().manual_seed(1)
-    return sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in outs)
+    return sum((o.float() * torch.randn(o.shape, generator=g).to(o.device)).sum() for o in outs)
 
 
 _ALLOC = re.compile(r"empty_strided(?:_cpu|_cuda)?\(\(([^)]*)\)")
@@ -250,6 +251,18 @@ def test_spelling(fn, expect, frozen):
     assert not hits, hits
 
 
+CUDA_CASES = [logprob_and_entropy, cross_entropy, trl_style_shifted, float_before]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
+@pytest.mark.parametrize("fn", CUDA_CASES, ids=[f.__name__ for f in CUDA_CASES])
+def test_spelling_cuda(fn):
+    expect = dict(SPELLINGS)[fn]
+    sources = check(fn, expect, make_kw={"device": "cuda", "ignore": fn is cross_entropy},
+                    rtol=1e-4, atol=1e-4)
+    assert not nv_buffers(sources), nv_buffers(sources)
+
+
 def test_inference_no_grad():
     with torch.no_grad():
         sources = check(logprob_and_entropy, (1, 1), grads=False)
@@ -348,8 +361,13 @@ def inplace_between(h, w, b, ids):
     return logp_of(logits, ids), h2
 
 
+def broadcast_bias(h, w, b, ids):
+    return (logp_of(h @ w.T + b[:1], ids),)
+
+
 @pytest.mark.parametrize("fn", [logits_returned, log_softmax_returned, mean_cross_entropy,
-                                label_smoothing, float64_code, two_targets, inplace_between])
+                                label_smoothing, float64_code, two_targets, inplace_between,
+                                broadcast_bias])
 def test_left_alone(fn):
     check(fn, (0, 0))
 
