@@ -54,7 +54,7 @@ def _swizzle(n_blocks, n_other, GROUP_N: tl.constexpr):
     """1-D program id -> (row block, other index), GROUP_N row blocks at a time. The ~132
     resident programs then share GROUP_N row blocks of X and ~132/GROUP_N column tiles of W
     (16 MiB + 8 * 2 MiB at GROUP_N=16, BV=256: inside the 50 MB L2) instead of each streaming
-    its own 1 MiB of X rows from HBM for every vocab tile (measured 1.5x slower)."""
+    its own 1 MiB of X rows from HBM for every vocab tile (forward 45 -> 41 ms on H200)."""
     pid = tl.program_id(0)
     width = GROUP_N * n_other
     first = (pid // width) * GROUP_N
