@@ -428,3 +428,42 @@ def test_chains_with_user_pass(kind):
 def test_disabled_pass_does_not_fire():
     nf.disable_naive_logprob_fusion()
     check(matmul_T, (0, 0))
+
+
+# --- the rewritten Dynamo graph itself (no Inductor: fast, and shows what the pass emits) ---
+
+def dynamo_graph(fn, *args):
+    rec = torch._dynamo.testing.EagerAndRecordGraphs()
+    torch.compile(fn, backend=rec, fullgraph=True)(*args)
+    return rec.graphs[0]
+
+
+def op_names(gm):
+    skip = {"placeholder", "output"}
+    return [getattr(n.target, "__name__", n.target) for n in gm.graph.nodes if n.op not in skip]
+
+
+def test_pass_on_dynamo_graph_two_heads():
+    """Policy and reference heads in one graph: two rewrites; nothing of the naive chain left,
+    and a graph that still runs and matches."""
+    h, w, b, ids = make()
+    w_ref = w.detach() + 0.01
+
+    def fn(h, w, w_ref, b, ids):
+        lp, ent = logprob_and_entropy(h, w, b, ids)
+        with torch.no_grad():
+            ref_lp = logp_of(h @ w_ref.T, ids)
+        return lp - ref_lp, ent
+
+    gm = dynamo_graph(fn, h, w, w_ref, b, ids)
+    assert nf.naive_logprob_fusion_pass(gm.graph) == 2
+    gm.recompile()
+    names = op_names(gm)
+    assert names.count("fused_linear_logprobs") == 2, names
+    for naive in ("log_softmax", "exp", "matmul", "linear", "gather", "sum", "truediv"):
+        assert naive not in names, names
+    by_name = {"L_h_": h, "L_w_": w, "L_w_ref_": w_ref, "L_b_": b, "L_ids_": ids}
+    got = gm(*[by_name[n.target] for n in gm.graph.nodes if n.op == "placeholder"])
+    for g, r in zip(got, fn(h, w, w_ref, b, ids)):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    assert fired() == (2, 1)
