@@ -27,9 +27,15 @@ def _compute_dtype(hidden: Tensor) -> torch.dtype:
 
 
 def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int,
-                  temperature: float) -> Tensor:
-    """z = (x @ W[v0:v1].T + b[v0:v1]) / T in x's (upcast) dtype.         # [N, C]"""
-    z = x @ weight[v0:v1].to(x.dtype).T                                    # [N, C]
+                  temperature: float, transposed: bool = False) -> Tensor:
+    """z = (x @ W[v0:v1].T + b[v0:v1]) / T in x's (upcast) dtype.         # [N, C]
+
+    The backward asks for `transposed` (W_c @ x.T, then .T): the same values from a different
+    mm, so that under torch.compile, where both op bodies land in one joint graph, CSE cannot
+    merge the backward's recompute with the forward's GEMM and make the forward save every
+    [N, C] chunk (N*V floats in all)."""
+    w = weight[v0:v1].to(x.dtype)                                          # [C, H]
+    z = (w @ x.T).T if transposed else x @ w.T                             # [N, C]
     if bias is not None:
         z = z + bias[v0:v1].to(x.dtype)
     return z / temperature
@@ -83,7 +89,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     dw, db = [], []
     for v0 in range(0, v, CHUNK_V):
         v1 = min(v0 + CHUNK_V, v)
-        z = _chunk_logits(x, weight, bias, v0, v1, temperature)           # [N, C]
+        z = _chunk_logits(x, weight, bias, v0, v1, temperature, True)     # [N, C]
         logp = z - lse_[:, None]                                           # [N, C]
         p = torch.exp(logp)
         coef = a[:, None]
