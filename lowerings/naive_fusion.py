@@ -29,7 +29,8 @@ sees `ids.masked_fill(ids == ignore_index, 0)` and the result is
 The pass is conservative: it rewrites only when *every* user of the logits is one of the matched
 consumers (otherwise the logits are needed anyway), when no in-place op, grad-mode or autocast
 switch lies between the GEMM and its consumers, and when the dtypes are fp32/bf16/fp16 (fp64 code
-is left alone: the CUDA kernels compute in fp32). Each replaced node gets the dtype the naive node had.
+is left alone: the CUDA kernels compute in fp32). Each replaced node gets the dtype the naive
+node had.
 Every rewrite bumps `torch._dynamo.utils.counters["compiled_grpo"]["naive_logprob_fusion"]`
 and/or `["naive_entropy_fusion"]`.
 
@@ -73,7 +74,8 @@ def fused_linear_logprobs(hidden, weight, ids, bias, temperature, fp32_lm_head, 
 
 def _is(n: Any, fns=(), methods=()) -> bool:
     return isinstance(n, Node) and (
-        (n.op == "call_function" and n.target in fns) or (n.op == "call_method" and n.target in methods))
+        (n.op == "call_function" and n.target in fns)
+        or (n.op == "call_method" and n.target in methods))
 
 
 def _arg(n: Node, i: int, name: str, default: Any = _MISSING) -> Any:
@@ -113,7 +115,7 @@ _REGION_FNS = tuple(f for f in (torch._C._set_grad_enabled,
 
 
 def _cast_dtype(n: Node) -> Optional[torch.dtype]:
-    """Dtype of a pure dtype cast (`.float()`, `.half()`, `.bfloat16()`, `.to(dtype)`), else None."""
+    """Dtype of a pure cast (`.float()`, `.half()`, `.bfloat16()`, `.to(dtype)`), else None."""
     if n.op != "call_method":
         return None
     simple = {"float": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16}
@@ -213,7 +215,8 @@ def _lead_op(n: Node, cur: Node) -> Optional[tuple]:
         return None if key is None else ("__getitem__", (key,))
     if _is(n, (torch.reshape,), ("view", "reshape")) and n.args[0] is cur and len(n.args) >= 2 \
             and not n.kwargs:
-        sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+        one_arg = len(n.args) == 2 and isinstance(n.args[1], (list, tuple))
+        sizes = n.args[1] if one_arg else n.args[1:]
         if sizes and isinstance(sizes[-1], int) and sizes[-1] == vin.shape[-1] \
                 and all(isinstance(x, (int, Node)) for x in sizes):
             return ("reshape", tuple(sizes[:-1]))       # h.reshape(*sizes[:-1], H)
@@ -264,7 +267,8 @@ def _ids_source(idx: Node) -> Any:
         return idx.args[0]
     key = idx.args[1] if idx.op == "call_function" and idx.target is operator.getitem else None
     if isinstance(key, tuple) and key and key[-1] is None and (
-            key[:-1] == (Ellipsis,) or (len(key) == vi.dim() and all(k == slice(None) for k in key[:-1]))):
+            key[:-1] == (Ellipsis,)
+            or (len(key) == vi.dim() and all(k == slice(None) for k in key[:-1]))):
         return idx.args[0]
     return None
 
@@ -279,7 +283,8 @@ def _match_consumers(L: Node) -> Optional[dict]:
     for u in L.users:
         if _is(u, _LOG_SOFTMAX + _SOFTMAX, ("log_softmax", "softmax")) and u.args[0] is L \
                 and _last_dim(_arg(u, 1, "dim", None), nd) \
-                and _arg(u, 3 if u.target in (F.log_softmax, F.softmax) else 2, "dtype", None) in (None,) + _FLOATS:
+                and _arg(u, 3 if u.target in (F.log_softmax, F.softmax) else 2, "dtype", None) \
+                in (None,) + _FLOATS:
             (lsm if u.target in _LOG_SOFTMAX + ("log_softmax",) else sm).append(u)
         elif _is(u, (torch.gather,), ("gather",)) and u.args[0] is L:       # z[target]
             zgathers.append(u)
@@ -508,6 +513,9 @@ class _Chained(CustomGraphPass):
 
     def __init__(self, previous: Any, ours: CustomGraphPass):
         self.previous, self.ours = previous, ours
+        # torch 2.13 names a uuid-less pre-grad pass in a warning by __qualname__: name the user's
+        prev = previous if isinstance(previous, (list, tuple)) else (previous,)
+        self.__qualname__ = "+".join(getattr(p, "__qualname__", type(p).__qualname__) for p in prev)
 
     def __call__(self, graph: Graph) -> None:
         for p in (self.previous if isinstance(self.previous, (list, tuple)) else (self.previous,)):

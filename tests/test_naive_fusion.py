@@ -210,7 +210,8 @@ def flat_view_then_log_softmax(h, w, b, ids):
 
 def gather_minus_logsumexp(h, w, b, ids):
     logits = F.linear(h, w, b)
-    return ((logits.gather(-1, ids.unsqueeze(-1)) - logits.logsumexp(-1, keepdim=True)).squeeze(-1),)
+    lp = logits.gather(-1, ids.unsqueeze(-1)) - logits.logsumexp(-1, keepdim=True)
+    return (lp.squeeze(-1),)
 
 
 def entropy_lse_minus_pz(h, w, b, ids):
@@ -301,7 +302,8 @@ def test_bf16_three_way():
     def fn(h, w, b, ids):
         logits = h @ w.T
         logp_all = logits.log_softmax(-1)
-        return logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        return logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1), ent
 
     ref64 = fn(h.double(), w.double(), None, ids)
     naive = fn(h, w, None, ids)
@@ -393,7 +395,8 @@ def test_enable_disable_idempotent():
     nf.enable_naive_logprob_fusion()
     installed = inductor_config.pre_grad_custom_pass
     nf.enable_naive_logprob_fusion()
-    assert inductor_config.pre_grad_custom_pass is installed and nf.is_naive_logprob_fusion_enabled()
+    assert inductor_config.pre_grad_custom_pass is installed
+    assert nf.is_naive_logprob_fusion_enabled()
     assert isinstance(installed, CustomGraphPass) and isinstance(installed.uuid(), bytes)
     nf.disable_naive_logprob_fusion()
     assert inductor_config.pre_grad_custom_pass is None and not nf.is_naive_logprob_fusion_enabled()
