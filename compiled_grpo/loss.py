@@ -187,7 +187,10 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, config, num_items_in_batch=N
     elif kind.divisor == "dr_grpo":
         divisor = one * (batch * config.max_completion_length)
     elif kind.divisor == "items" and num_items_in_batch is not None:
-        items = torch.as_tensor(num_items_in_batch, dtype=dtype, device=mask.device)
+        if isinstance(num_items_in_batch, torch.Tensor):
+            items = num_items_in_batch.to(dtype=dtype, device=mask.device)
+        else:  # an int: multiply (stays a SymInt once Dynamo makes it dynamic; as_tensor would guard)
+            items = one * num_items_in_batch
         divisor = (items / _world_size()).clamp(min=1.0)
     else:
         divisor = mask.sum().to(dtype).clamp(min=1.0)
