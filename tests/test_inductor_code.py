@@ -8,7 +8,8 @@ V*H=16144 distinct. The code is grepped for `21189` and for the shapes `(21, 100
 
 CPU: the op's body loops over vocab chunks (CHUNK_V, lowered here to 128 so V=1009 takes 8
 chunks: 7 x 128 + 113), so the chunk logits show up as bounded (21, 128) buffers instead.
-CUDA: the op's Triton kernels (`_fwd_kernel`, `_dlogits_kernel`) appear in the generated code.
+CUDA: the op's Triton kernels (`_fwd_kernel`, `_dlogits_kernel`) appear in the generated code;
+the backward's dlogits workspace is N x CHUNK_V (CHUNK_V lowered to 128 as well).
 
 The FX-graph and AOTAutograd caches are disabled here: the chunk width is a module global read
 at trace time, which no cache key includes, and a cache hit would skip code generation.
@@ -41,7 +42,12 @@ def _no_caches():
 
 @pytest.fixture
 def small_chunks(monkeypatch):
+    # Both bodies read their chunk width at trace time. The Triton backward's workspace is
+    # N x min(CHUNK_V, V rounded up to BLOCK_V): left at 2048 it would span all of V=1009.
     monkeypatch.setattr(torch_impl, "CHUNK_V", CHUNK)
+    if torch.cuda.is_available():
+        import lowerings._linear_logprobs_triton as triton_impl
+        monkeypatch.setattr(triton_impl, "CHUNK_V", CHUNK)
 
 
 def _inputs(device):
