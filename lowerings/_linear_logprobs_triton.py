@@ -24,6 +24,11 @@ C columns (V is static, so the loop does not specialize N):
      exact fp32 accumulation of dX across vocab chunks without atomics; see the measurements
      in the linear_logprobs docstring for the alternatives.
 A frozen weight skips step 2, a hidden without grad skips step 3.
+Under torch.compile steps 2 and 3 are two small mutable custom ops (`_dw_rows_op`,
+`_dx_acc_op`, mutates_args on dW / dX): functionalization turns them into auto_functionalized
+nodes that Inductor reinplaces, so the compiled backward writes the one dW and dX buffers in
+place like eager (see the comment above those ops). The workspace ws is one buffer rewritten by
+every chunk's kernel (reinplaced too), which also orders chunk i+1's kernel after chunk i's GEMMs.
 
 Precision: bf16/fp16 tiles use tensor-core dots with fp32 accumulation; their products are exact
 in fp32, so `fp32_lm_head` changes nothing for them. fp32 inputs use IEEE fp32 dots (no tf32).
@@ -189,19 +194,56 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     return zt.sum(0) - lse, ent, lse          # one split holds the target logit, others 0
 
 
-def _acc_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b with an fp32 accumulator and output (a, b in the input dtype).
-
-    Eager CUDA: one in-place cuBLAS addmm with out_dtype=fp32 (beta=1 reads acc in the
-    epilogue). While tracing (torch.compile), torch 2.11's decomposition of addmm.dtype is
-    broken (binds out_dtype to beta), so it is mm(out_dtype=fp32) + add, which costs an
-    [N, H] fp32 temporary there."""
-    if a.dtype == torch.float32 or not a.is_cuda:    # the CPU interpreter tests: no out_dtype
-        acc.addmm_(a.float(), b.float())
-    elif torch._guards.detect_fake_mode((a, b)) is not None:
-        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+def _dw_rows_impl(dw: Tensor, v0: int, ws_c: Tensor, x: Tensor) -> None:
+    """dw[v0 : v0 + C'] = ws_c.T @ x (ws_c [N, C'], x [N, H]), one cuBLAS GEMM over all N with
+    an fp32 accumulator, written straight into the dW rows (through an fp32 temporary of the
+    chunk when dW's dtype differs from the operands', a mixed-dtype head)."""
+    rows = dw.narrow(0, v0, ws_c.shape[1])                                 # [C', H]
+    if dw.dtype == x.dtype:
+        torch.mm(ws_c.T, x, out=rows)
     else:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        rows.copy_(ws_c.T.float() @ x.float())
+
+
+def _dx_acc_impl(dx: Tensor, ws_c: Tensor, w_c: Tensor) -> None:
+    """dx += ws_c @ w_c (dx [N, H] fp32, ws_c [N, C'], w_c [C', H] in the input dtype): one
+    in-place cuBLAS addmm with an fp32 output (out_dtype; beta=1 reads dx in the epilogue)."""
+    if ws_c.dtype == torch.float32 or not ws_c.is_cuda:   # fp32 inputs; CPU interpreter tests
+        dx.addmm_(ws_c.float(), w_c.float())
+    else:
+        torch.addmm(dx, ws_c, w_c, out_dtype=torch.float32, out=dx)
+
+
+# The two per-chunk cuBLAS steps as mutable custom ops, for tracing only. Written as plain
+# in-place / out= torch calls inside the triton_op body, functionalization turns each chunk's
+# dW slice write into a slice_scatter producing a new [V, H] dW and each dX accumulation into
+# mm + add producing a new [N, H] fp32 tensor, and Inductor kept many of those versions alive
+# (18 GiB beyond grads at N=16384, V=151936, H=4096 on H200). A custom op with mutates_args
+# becomes `auto_functionalized_v2`, which Inductor's reinplace pass turns back into an in-place
+# extern call on the one dW / dX buffer (each version has no user after the next step), so the
+# compiled backward allocates what eager does. Eager calls the impls directly (no dispatcher).
+@torch.library.custom_op("compiled_grpo::_linear_logprobs_dw_rows", mutates_args=("dw",))
+def _dw_rows_op(dw: Tensor, v0: int, ws_c: Tensor, x: Tensor) -> None:
+    _dw_rows_impl(dw, v0, ws_c, x)
+
+
+@torch.library.custom_op("compiled_grpo::_linear_logprobs_dx_acc", mutates_args=("dx",))
+def _dx_acc_op(dx: Tensor, ws_c: Tensor, w_c: Tensor) -> None:
+    _dx_acc_impl(dx, ws_c, w_c)
+
+
+@_dw_rows_op.register_fake
+def _(dw, v0, ws_c, x):
+    return None
+
+
+@_dx_acc_op.register_fake
+def _(dx, ws_c, w_c):
+    return None
+
+
+def _tracing(*tensors: Tensor) -> bool:
+    return torch._guards.detect_fake_mode(tensors) is not None
 
 
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
@@ -229,14 +271,14 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
             n_vtiles, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, NEED_DB=need_b,
             DOT_PREC=prec, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=GROUP_N,
             num_warps=warps, num_stages=stages)
-        ws_c = ws[:, : v1 - v0]                                            # [N, C]
+        ws_c = ws.narrow(1, 0, v1 - v0)                                    # [N, C']
+        tracing = _tracing(ws_c, x)
         if need_w:
-            torch.mm(ws_c.T, x, out=dw[v0:v1]) if dw.dtype == x.dtype else \
-                dw[v0:v1].copy_(ws_c.T.float() @ x.float())
+            (_dw_rows_op if tracing else _dw_rows_impl)(dw, v0, ws_c, x)
         if need_x:
-            _acc_mm(dx, ws_c, w[v0:v1])
+            (_dx_acc_op if tracing else _dx_acc_impl)(dx, ws_c, w.narrow(0, v0, v1 - v0))
         if need_b:
-            db.append(dbp[:, : v1 - v0].sum(0))                           # [C] fp32
+            db.append(dbp.narrow(1, 0, v1 - v0).sum(0))                   # [C'] fp32
     empty = hidden.new_empty(0)
     return (dx.to(hidden.dtype) if need_x else empty,
             dw if need_w else weight.new_empty(0),

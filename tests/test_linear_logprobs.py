@@ -160,3 +160,69 @@ def test_compile_fullgraph_one_frame_and_dynamic_n():
         for a, r in zip((x, w, b), (xr, wr, br)):
             torch.testing.assert_close(a.grad.double(), r.grad, rtol=1e-4, atol=1e-5)
     assert cnt.frame_count == 1
+
+
+# The CUDA branch traced on this CPU machine: fake CUDA tensors with a symbolic N, Triton's
+# active driver replaced by one that only names an sm_90 target (enough for wrap_triton's TTIR
+# analysis). Run in a subprocess: the interpreter tests set TRITON_INTERPRET=1 for this process.
+_CUDA_TRACE = r'''
+import torch, triton
+from triton.backends.compiler import GPUTarget
+
+class FakeDriver:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+triton.runtime.driver.set_active(FakeDriver())
+from torch._dynamo.source import ConstantSource
+from torch._functorch.aot_autograd import aot_function
+from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
+from torch._inductor.fx_utils import FakeTensorUpdater
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from lowerings.linear_logprobs import _linear_logprobs_backward_op, _linear_logprobs_op
+
+env = ShapeEnv()
+mode = FakeTensorMode(shape_env=env)
+graphs = []
+with mode:
+    n = env.create_symintnode(env.create_symbol(300, source=ConstantSource("N")), hint=300)
+    x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.empty(5000, 256, device="cuda", dtype=torch.bfloat16)   # 3 chunks, the last partial
+    ids = torch.empty(n, device="cuda", dtype=torch.int64)
+    grab = lambda gm, args: graphs.append(gm) or gm
+    lp, ent, lse = aot_function(lambda x, w, ids: _linear_logprobs_op(
+        x, w, ids, None, 0.7, False, True), grab)(x, w, ids)
+    aot_function(lambda *a: _linear_logprobs_backward_op(
+        *a[:3], None, *a[3:], 0.7, False, True, True, True, False), grab)(
+        x, w, ids, lse, ent, lse, lse, lse)
+    assert not env.guards and not env.replacements, (env.guards, env.replacements)  # N symbolic
+    bw = graphs[1]
+    reinplace_inplaceable_ops(FakeTensorUpdater(bw), bw.graph)
+counts = {}
+for node in bw.graph.nodes:
+    name = getattr(node.target, "__name__", str(node.target))
+    counts[name] = counts.get(name, 0) + 1
+    if node.target is torch.ops.higher_order.auto_functionalized_v2:
+        assert node.meta["only_clone_these_tensors"] == [], node.format_node()
+    if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
+        assert node.kwargs["tensors_to_clone"] == [], node.format_node()
+assert counts["auto_functionalized_v2"] == 6, counts       # dW and dX, 3 chunks
+assert not any("scatter" in k or "clone" in k or "copy_" in k for k in counts), counts
+print("OK")
+'''
+
+
+def test_cuda_backward_trace_in_place_and_symbolic_n():
+    """Traced CUDA backward: no guard on N, and Inductor's reinplace pass leaves no copy of the
+    dW / fp32 dX / workspace buffers (each chunk writes them in place, as eager does)."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _CUDA_TRACE], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
