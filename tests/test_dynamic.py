@@ -17,8 +17,7 @@ What is asserted:
   config's field values, not its identity);
 - new data values of the same shapes never recompile;
 - `num_items_in_batch` as a 0-dim tensor never recompiles when its value changes; as a Python
-  int it should recompile at most once (into a dynamic int) -- today it recompiles on every new
-  value (xfail below, see its reason).
+  int it recompiles exactly once, on the second value, into a dynamic int.
 """
 import pytest
 import torch
@@ -160,21 +159,19 @@ def test_num_items_in_batch_tensor_value_change_never_recompiles(device):
     assert cnt.frame_count == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiled_grpo/loss.py aggregate(): torch.as_tensor(num_items_in_batch) specializes a Python int "
-    "(guard 'num_items_in_batch == 5'), even after automatic dynamic makes it a SymInt, so every new int "
-    "value recompiles and the 9th distinct value hits recompile_limit (a hard error under fullgraph=True). "
-    "Fix: for an int, build the divisor as torch.ones((), dtype, device) * num_items_in_batch."))
 @pytest.mark.parametrize("device", DEVICES)
-def test_num_items_in_batch_int_recompiles_at_most_once(device):
-    # Expected with the fix: the first int is static, the second recompiles into a dynamic int,
-    # every later value reuses that frame.
+def test_num_items_in_batch_int_recompiles_once_into_a_dynamic_int(device):
+    # A Python int is specialized on the first call (a static constant in the graph); a second
+    # value makes Dynamo's automatic dynamic retrace it as a SymInt, and every later value reuses
+    # that frame. (Before 7da810f, aggregate's torch.as_tensor(int) specialized the SymInt again, so
+    # each new value recompiled until recompile_limit, a hard error under fullgraph=True.)
     torch._dynamo.reset()
     cnt = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(cg.grpo_loss, backend=cnt, fullgraph=True)
     cfg = cg.GRPOConfig()
     inp = _inputs(3, 5, device)
-    for n in [5, 9, 13, 40, 1000]:
-        out = compiled(**inp, num_items_in_batch=n, config=cfg)
+    for i, n in enumerate([5, 9, 13, 40, 1000, 7, 3, 21, 64, 100]):  # more values than recompile_limit (8)
+        with torch._dynamo.config.patch(error_on_recompile=i >= 2):
+            out = compiled(**inp, num_items_in_batch=n, config=cfg)
         torch.testing.assert_close(out.loss, cg.grpo_loss(**inp, num_items_in_batch=n, config=cfg).loss)
-    assert cnt.frame_count <= 2
+        assert cnt.frame_count == min(i + 1, 2)
