@@ -280,6 +280,6 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
         if need_b:
             db.append(dbp.narrow(1, 0, v1 - v0).sum(0))                   # [C'] fp32
     empty = hidden.new_empty(0)
-    return (dx.to(hidden.dtype) if need_x else empty,
-            dw if need_w else weight.new_empty(0),
-            torch.cat(db).to(bias.dtype) if need_b else empty)
+    db = torch.cat(db).to(bias.dtype) if need_b else empty
+    del ws, ws_c, dbp      # eager: free the workspace before the dX cast allocates [N, H]
+    return dx.to(hidden.dtype) if need_x else empty, dw if need_w else weight.new_empty(0), db
