@@ -8,7 +8,16 @@ import math
 import torch
 
 
-def make_inputs(B=3, T=7, H=16, V=37, dtype=torch.float64, seed=0, adv_2d=False, p_mask=0.3, spread=0.3):
+def make_inputs(B=3, T=7, H=16, V=37, dtype=torch.float64, seed=0, adv_2d=False, p_mask=0.3, spread=0.3,
+                device=None):
+    """grpo_loss's positional inputs. With ``device``, everything moves there as float32 (the
+    compile tests' setting), hidden and weight as fresh leaves requiring grad."""
+    if device is not None:
+        inp = make_inputs(B, T, H, V, torch.float32, seed, adv_2d, p_mask, spread)
+        out = {k: x.detach().to(device, torch.float32 if x.is_floating_point() else x.dtype) for k, x in inp.items()}
+        out["hidden"].requires_grad_()
+        out["weight"].requires_grad_()
+        return out
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
     weight = (torch.randn(V, H, generator=g, dtype=torch.float64) / math.sqrt(H)).to(dtype).requires_grad_()

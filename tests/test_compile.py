@@ -78,13 +78,7 @@ INDUCTOR_CONFIGS = ["dapo", "everything", "cispo"]
 
 
 def _inputs(device, extra=None, seed=0):
-    inp = make_inputs(B=B, T=T, H=H, V=V, dtype=torch.float32, seed=seed, adv_2d=extra == "adv_2d")
-    out = {}
-    for k, x in inp.items():
-        x = x.detach().to(device)
-        if k in ("old_logprobs", "ref_logprobs", "advantages"):
-            x = x.float()
-        out[k] = x.requires_grad_() if k in ("hidden", "weight") else x
+    out = make_inputs(B=B, T=T, H=H, V=V, seed=seed, adv_2d=extra == "adv_2d", device=device)
     if callable(extra):
         out.update(extra(device))
     return out

@@ -38,13 +38,7 @@ def _ratio_max(stats: cg.TokenStats) -> torch.Tensor:
 
 
 def _inputs(B, T, device, seed=0, adv_2d=False, sampling_ratio=False):
-    inp = make_inputs(B=B, T=T, H=H, V=V, dtype=torch.float32, seed=seed, adv_2d=adv_2d)
-    out = {}
-    for k, x in inp.items():
-        x = x.detach().to(device)
-        if k in ("old_logprobs", "ref_logprobs", "advantages"):
-            x = x.float()
-        out[k] = x.requires_grad_() if k in ("hidden", "weight") else x
+    out = make_inputs(B=B, T=T, H=H, V=V, seed=seed, adv_2d=adv_2d, device=device)
     if sampling_ratio:
         out["sampling_ratio"] = (0.5 + torch.rand(B, T, generator=torch.Generator().manual_seed(seed))).to(device)
     return out

@@ -112,13 +112,7 @@ def op_sequence(gm: torch.fx.GraphModule, collapse_as: str = None) -> str:
 
 
 def _inputs(device="cpu"):
-    inp = make_inputs(B=2, T=5, H=16, V=37, dtype=torch.float32)
-    out = {}
-    for k, x in inp.items():
-        x = x.detach().to(device)
-        if k in ("old_logprobs", "ref_logprobs", "advantages"):
-            x = x.float()
-        out[k] = x.requires_grad_() if k in ("hidden", "weight") else x
+    out = make_inputs(B=2, T=5, H=16, V=37, device=device)
     return out
 
 

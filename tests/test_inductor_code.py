@@ -51,13 +51,7 @@ def small_chunks(monkeypatch):
 
 
 def _inputs(device):
-    inp = make_inputs(B=B, T=T, H=H, V=V, dtype=torch.float32)
-    out = {}
-    for k, x in inp.items():
-        x = x.detach().to(device)
-        if k in ("old_logprobs", "ref_logprobs", "advantages"):
-            x = x.float()
-        out[k] = x.requires_grad_() if k in ("hidden", "weight") else x
+    out = make_inputs(B=B, T=T, H=H, V=V, device=device)
     out["bias"] = torch.zeros(V, device=device, requires_grad=True)
     return out
 
