@@ -1,11 +1,13 @@
 """GPU micro-benchmark of compiled_grpo::linear_logprobs (eager launch of the op).
 
-    python -m lowerings._bench_op [N] [H] [V] [--sweep] [--compile]
+    python -m lowerings._bench_op [N] [H] [V] [--sweep] [--compile] [--tma=0,1]
 
 Prints, in one run on one GPU: the floor (three bf16 cuBLAS GEMMs of N*H*V: logits, dX, dW),
 the op's forward and forward+backward (with and without entropy), their ratio to the floor,
 and peak memory beyond inputs and gradients. --sweep also times other tile shapes and backward
-chunk sizes (module globals TILES / CHUNK_V, read at call time).
+chunk sizes (module globals TILES / CHUNK_V, read at call time). --tma=0,1 repeats the eager and
+compiled measurements for each listed value of the module global TMA (0: pointer loads, 1: TMA
+operand loads on sm_90+), against the one floor.
 """
 import sys
 
@@ -63,42 +65,52 @@ def main():
                   f"fwd+bwd {tfb:.2f} ms ({tfb / floor:.3f}x floor, "
                   f"{4 * tflop / tfb * 1e3:.0f} TFLOP/s counting 8NHV)", flush=True)
 
-    report(f"tiles={tk.TILES} chunk={tk.CHUNK_V}")
-    # peak memory beyond inputs and gradients, fwd+bwd with entropy
-    fwd_bwd(True)
-    grads = xg.grad.numel() * 2 + wg.grad.numel() * 2
-    xg.grad = wg.grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fwd_bwd(True)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base - grads
-    print(f"peak beyond inputs+grads: {extra / 2**20:.1f} MiB (N*V bf16 would be "
-          f"{n * v * 2 / 2**20:.0f} MiB; dX fp32 acc {n * h * 4 / 2**20:.0f} MiB, workspace "
-          f"{n * tk.CHUNK_V * 2 / 2**20:.0f} MiB)", flush=True)
-
-    if "--compile" in sys.argv:   # fullgraph compile of the same loss: kernels seen by Inductor
-        def loss_fn(x, w, ids, g_lp, g_ent):
-            out = linear_logprobs(x, w, ids, with_entropy=True)
-            return (out.logprobs * g_lp).sum() + (out.entropy * g_ent).sum()
-        cfn = torch.compile(loss_fn, fullgraph=True)
-
-        def c_fwd_bwd():
-            xg.grad = wg.grad = None
-            cfn(xg, wg, ids, g_lp, g_ent).backward()
-        c_fwd_bwd()                                       # compile
-        tc = bench(c_fwd_bwd)
-        # peak of one call (do_bench's own 256 MB cache-flush buffer stays out of it)
+    modes = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--tma=")),
+                 [tk.TMA])
+    for mode in modes:
+        tk.TMA = mode
+        torch._dynamo.reset()
+        report(f"tma={tk.TMA} tiles={tk.TILES} chunk={tk.CHUNK_V}")
+        # peak memory beyond inputs and gradients, fwd+bwd with entropy
+        fwd_bwd(True)
+        grads = xg.grad.numel() * 2 + wg.grad.numel() * 2
         xg.grad = wg.grad = None
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        c_fwd_bwd()
+        fwd_bwd(True)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base - grads
-        print(f"compiled entropy=True fwd+bwd {tc:.2f} ms ({tc / floor:.3f}x floor), peak beyond "
-              f"inputs+grads {extra / 2**20:.1f} MiB", flush=True)
+        print(f"tma={tk.TMA} eager peak beyond inputs+grads: {extra / 2**20:.1f} MiB (N*V bf16 "
+              f"would be {n * v * 2 / 2**20:.0f} MiB; dX fp32 acc {n * h * 4 / 2**20:.0f} MiB, "
+              f"workspace "
+              f"{n * tk.CHUNK_V * 2 / 2**20:.0f} MiB)", flush=True)
+
+        if "--compile" in sys.argv:   # fullgraph compile of the same loss: Inductor sees kernels
+            def loss_fn(x, w, ids, g_lp, g_ent):
+                out = linear_logprobs(x, w, ids, with_entropy=True)
+                return (out.logprobs * g_lp).sum() + (out.entropy * g_ent).sum()
+            cfn = torch.compile(loss_fn, fullgraph=True)
+
+            def c_fwd_bwd():
+                xg.grad = wg.grad = None
+                cfn(xg, wg, ids, g_lp, g_ent).backward()
+            try:
+                c_fwd_bwd()                                   # compile
+            except Exception as e:  # report and go on to the next mode
+                print(f"tma={tk.TMA} compiled: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            tc = bench(c_fwd_bwd)
+            # peak of one call (do_bench's own 256 MB cache-flush buffer stays out of it)
+            xg.grad = wg.grad = None
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            c_fwd_bwd()
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - base - grads
+            print(f"tma={tk.TMA} compiled entropy=True fwd+bwd {tc:.2f} ms ({tc / floor:.3f}x "
+                  f"floor), peak beyond inputs+grads {extra / 2**20:.1f} MiB", flush=True)
 
     if "--sweep" in sys.argv:
         base_tiles, base_chunk = tk.TILES, tk.CHUNK_V

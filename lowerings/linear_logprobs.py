@@ -23,20 +23,21 @@ reads a tensor value on the host, so dynamic N compiles once. Mark N dynamic on 
 alike (the outputs are viewed as ids.shape, so a static hidden would specialize ids' N and
 `mark_dynamic(ids, 0)` then raises ConstraintViolationError); note that `x.clone()` drops a mark.
 
-Measured (lowerings/_bench_op.py, one H200, torch 2.11, N=16384, H=4096, V=151936 bf16,
-floor = three cuBLAS bf16 GEMMs of N*H*V measured in the same run = 89.7 ms):
-  eager op fwd 41.4 ms (1.40x the logits GEMM); fwd+bwd 148.4 ms = 1.65x floor without entropy,
-  154.0 ms = 1.72x with entropy; peak beyond inputs+grads 320 MiB (dX fp32 accumulator 256 MiB
-  + dlogits workspace 64 MiB; N*V bf16 logits would be 4748 MiB). CHUNK_V=8192 gives 143.5 ms
-  (1.60x) with a 256 MiB workspace. The gap to the 1.35x target is the Triton logits GEMM
-  (41 ms vs 29.7 ms cuBLAS, run twice: forward and backward recompute); the dX/dW GEMMs are
-  cuBLAS. Tiles 128x256x64, 8 warps, 3 stages won a sweep (128x128: 1.92x; 256x128: 1.73x);
-  grouping 16 row blocks per program group for L2 reuse took 1.69x -> 1.65x (forward 45 -> 41 ms).
-  torch.compile (static shapes, fullgraph, entropy): 154.1 ms vs eager 152.7 ms in the same run,
-  peak beyond inputs+grads 256.0 MiB (eager 320.4 MiB: the compiled graph frees the workspace
-  before the dX cast). The backward's per-chunk dW / dX writes are mutable custom ops that
-  Inductor reinplaces (see _linear_logprobs_triton); written as plain in-place torch calls they
-  were functionalized into per-chunk [V, H] / [N, H] copies and the compiled peak was 18 GiB.
+Measured (lowerings/_bench_op.py --compile --tma=0,1, one H200, torch 2.11, N=16384, H=4096,
+V=151936 bf16, floor = three cuBLAS bf16 GEMMs of N*H*V measured in the same run = 90.0 ms):
+  eager op with TMA operand loads (default on sm_90+, see _linear_logprobs_triton): fwd 32.0 ms
+  (1.10x the 29.2 ms logits GEMM); fwd+bwd 133.8 ms = 1.49x floor without entropy, 141.2 ms =
+  1.57x with entropy. Pointer loads (LINEAR_LOGPROBS_TMA=0): fwd 41.0 ms, fwd+bwd 149.2 ms
+  (1.66x) / 152.5 ms (1.69x). Peak beyond inputs+grads 256.4 MiB either way (dX fp32
+  accumulator 256 MiB; the 64 MiB dlogits workspace is freed before the dX cast; N*V bf16
+  logits would be 4748 MiB). CHUNK_V=8192 gave 143.5 ms (1.60x, pointer loads) with a 256 MiB
+  workspace. Tiles 128x256x64, 8 warps, 3 stages won a sweep (pointer loads; 128x128: 1.92x;
+  256x128: 1.73x); grouping 16 row blocks per program group for L2 reuse took 1.69x -> 1.65x.
+  torch.compile (static shapes, fullgraph, entropy): 156.8 ms (1.74x), peak beyond inputs+grads
+  256.0 MiB; it keeps the pointer kernels: TMA kernels under Inductor measured 157.0 ms. The
+  backward's per-chunk dW / dX writes are mutable custom ops that Inductor reinplaces (see
+  _linear_logprobs_triton); written as plain in-place torch calls they were functionalized into
+  per-chunk [V, H] / [N, H] copies and the compiled peak was 18 GiB.
 Numerics (tests/test_linear_logprobs_gpu.py, N=1024, full head): error vs an fp32 upcast
 reference <= 2x that of eager bf16 for logprobs, entropy, d_hidden, d_weight, d_bias; bitwise
 deterministic across runs.

@@ -190,6 +190,11 @@ with mode:
     x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.empty(5000, 256, device="cuda", dtype=torch.bfloat16)   # 3 chunks, the last partial
     ids = torch.empty(n, device="cuda", dtype=torch.int64)
+    import lowerings._linear_logprobs_triton as tk
+    assert tk.TMA == "1" and tk._use_tma(x, w)     # the TMA kernels' TTIR traces (sm_90 target)
+    tk.TMA = "eager"
+    assert not tk._use_tma(x, w)                   # default: pointer kernels while tracing
+    tk.TMA = "1"
     grab = lambda gm, args: graphs.append(gm) or gm
     lp, ent, lse = aot_function(lambda x, w, ids: _linear_logprobs_op(
         x, w, ids, None, 0.7, False, True), grab)(x, w, ids)
@@ -223,6 +228,7 @@ def test_cuda_backward_trace_in_place_and_symbolic_n():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["LINEAR_LOGPROBS_TMA"] = "1"
     r = subprocess.run([sys.executable, "-c", _CUDA_TRACE], env=env, cwd=root,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
