@@ -166,7 +166,7 @@ def test_compile_fullgraph_one_frame_and_dynamic_n():
 # active driver replaced by one that only names an sm_90 target (enough for wrap_triton's TTIR
 # analysis). Run in a subprocess: the interpreter tests set TRITON_INTERPRET=1 for this process.
 _CUDA_TRACE = r'''
-import torch, triton
+import inspect, torch, triton
 from triton.backends.compiler import GPUTarget
 
 class FakeDriver:
@@ -203,7 +203,9 @@ with mode:
         x, w, ids, lse, ent, lse, lse, lse)
     assert not env.guards and not env.replacements, (env.guards, env.replacements)  # N symbolic
     bw = graphs[1]
-    reinplace_inplaceable_ops(FakeTensorUpdater(bw), bw.graph)
+    # FakeTensorUpdater takes the GraphModule on torch 2.13 and its Graph on 2.11
+    params = inspect.signature(FakeTensorUpdater.__init__).parameters
+    reinplace_inplaceable_ops(FakeTensorUpdater(bw if "gm" in params else bw.graph), bw.graph)
 counts = {}
 for node in bw.graph.nodes:
     name = getattr(node.target, "__name__", str(node.target))
