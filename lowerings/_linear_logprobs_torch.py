@@ -81,7 +81,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     g_lp * onehot - p * (g_lp - g_lse + g_ent * (z - lse + H)), over T."""
     cd = _compute_dtype(hidden)
     x = hidden.to(cd)                                                      # [N, H]
-    n, v = hidden.shape[0], weight.shape[0]
+    v = weight.shape[0]
     lse_, a = lse.to(cd), (g_lp - g_lse).to(cd)                            # [N]
     g_lp_, g_ent_ = g_lp.to(cd), g_ent.to(cd)
     ent_ = entropy.to(cd)

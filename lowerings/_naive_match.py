@@ -1,0 +1,342 @@
+"""Matchers of the naive-fusion pass (`lowerings/naive_fusion.py`) on Dynamo torch-IR graphs.
+
+Legend: H hidden size, V vocab size, [...] the leading dims of hidden, N = prod([...]).
+`_match_gemm` finds `GEMM(h, W)` (with casts, bias, temperature and leading-dim views walked by
+`_walk_logits`); `_match_consumers` checks that every user of the logits is a log-prob, lse,
+cross-entropy or entropy spelling; `_region_is_clean` refuses a rewrite across in-place ops and
+grad-mode / autocast switches. They read the graph only; `naive_fusion._rewrite` edits it.
+"""
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, Node
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_MISSING = object()
+
+
+# ---------------------------------------------------------------------------------------------
+# Node predicates on Dynamo torch-IR. `call_method` nodes carry `self` as args[0], so argument
+# index i below counts the input tensor as 0 for both call_method and call_function spellings.
+
+def _is(n: Any, fns=(), methods=()) -> bool:
+    return isinstance(n, Node) and (
+        (n.op == "call_function" and n.target in fns)
+        or (n.op == "call_method" and n.target in methods))
+
+
+def _arg(n: Node, i: int, name: str, default: Any = _MISSING) -> Any:
+    if i < len(n.args):
+        return n.args[i]
+    return n.kwargs.get(name, default)
+
+
+def _val(n: Any) -> Optional[torch.Tensor]:
+    v = n.meta.get("example_value") if isinstance(n, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _last_dim(d: Any, ndim: int) -> bool:
+    if isinstance(d, (list, tuple)) and len(d) == 1:
+        d = d[0]
+    return isinstance(d, int) and not isinstance(d, bool) and d in (-1, ndim - 1)
+
+
+def _number(x: Any) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+_MATMUL = (operator.matmul, torch.matmul, torch.mm)
+_LINEAR = (F.linear,)
+_LOG_SOFTMAX = (torch.log_softmax, F.log_softmax, torch.special.log_softmax)
+_SOFTMAX = (torch.softmax, F.softmax, torch.special.softmax)
+_MUL = (operator.mul, torch.mul)
+_DIV = (operator.truediv, torch.div, torch.true_divide)
+_ADD = (operator.add, torch.add)
+_NEG = (operator.neg, torch.neg)
+_VIEW = (torch.reshape, torch.flatten)
+_MUTATING_FNS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem)
+_REGION_FNS = tuple(f for f in (torch._C._set_grad_enabled,
+                                getattr(torch.amp.autocast_mode, "_enter_autocast", None),
+                                getattr(torch.amp.autocast_mode, "_exit_autocast", None)) if f)
+
+
+def _cast_dtype(n: Node) -> Optional[torch.dtype]:
+    """Dtype of a pure cast (`.float()`, `.half()`, `.bfloat16()`, `.to(dtype)`), else None."""
+    if n.op != "call_method":
+        return None
+    simple = {"float": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16}
+    if n.target in simple and len(n.args) == 1 and not n.kwargs:
+        return simple[n.target]
+    if n.target == "to" and not (set(n.kwargs) - {"dtype"}):
+        rest = list(n.args[1:]) + list(n.kwargs.values())
+        if len(rest) == 1 and isinstance(rest[0], torch.dtype):
+            return rest[0]
+    return None
+
+
+def _transposed(n: Node) -> Optional[Node]:
+    """W for a node that is W.T / W.mT / W.t() / W.transpose(0, 1) / W.permute(1, 0) of a 2-D W."""
+    v = _val(n)
+    if v is None or v.dim() != 2:
+        return None
+    if n.op == "call_function" and n.target is getattr and n.args[1] in ("T", "mT"):
+        return n.args[0]
+    if _is(n, (torch.t,), ("t",)) and len(n.args) == 1:
+        return n.args[0]
+    if _is(n, (torch.transpose,), ("transpose",)):
+        dims = (_arg(n, 1, "dim0"), _arg(n, 2, "dim1"))
+        if all(isinstance(d, int) for d in dims) and sorted(d % 2 for d in dims) == [0, 1]:
+            return n.args[0]
+    if _is(n, (torch.permute,), ("permute",)):
+        dims = n.args[1:] if n.op == "call_method" and len(n.args) == 3 else _arg(n, 1, "dims")
+        if isinstance(dims, (list, tuple)) and [d % 2 for d in dims] == [1, 0]:
+            return n.args[0]
+    return None
+
+
+def _strip_fp32_casts(n: Any) -> tuple:
+    """(source, stripped?) with casts to float32 removed."""
+    stripped = False
+    while isinstance(n, Node) and _cast_dtype(n) == torch.float32:
+        n, stripped = n.args[0], True
+    return n, stripped
+
+
+def _match_gemm(n: Node) -> Optional[dict]:
+    """logits = h @ W.T in any supported spelling -> dict(h, w, bias, fp32_lm_head, gemm)."""
+    if _is(n, _LINEAR):
+        h, wt, bias = n.args[0], _arg(n, 1, "weight"), _arg(n, 2, "bias", None)
+        w, w_cast = _strip_fp32_casts(wt)
+    elif _is(n, _MATMUL, ("matmul", "mm")) and len(n.args) == 2 and not n.kwargs:
+        h, bias, wt = n.args[0], None, n.args[1]
+        w, pre = _strip_fp32_casts(wt)
+        w = _transposed(w) if isinstance(w, Node) else None
+        if w is None:
+            return None
+        w, post = _strip_fp32_casts(w)
+        w_cast = pre or post
+    else:
+        return None
+    h, h_cast = _strip_fp32_casts(h)
+    out, vh, vw, vwt, vh_gemm = _val(n), _val(h), _val(w), _val(wt), _val(n.args[0])
+    if any(v is None for v in (out, vh, vw, vwt, vh_gemm)):
+        return None
+    # Same dtype into and out of the GEMM: excludes autocast regions and mixed-dtype GEMMs.
+    if not (out.dtype == vh_gemm.dtype == vwt.dtype) or out.dtype not in _FLOATS:
+        return None
+    if vw.dim() != 2 or vh.dim() < 2 or vh.shape[-1] != vw.shape[1] or out.shape[-1] != vw.shape[0]:
+        return None
+    if vh.dtype not in _FLOATS or vw.dtype not in _FLOATS:
+        return None
+    if bias is not None and (_val(bias) is None or _val(bias).dim() != 1):
+        return None
+    return dict(h=h, w=w, bias=bias, fp32_lm_head=h_cast or w_cast, gemm=n,
+                mixed=vh.dtype != vw.dtype)
+
+
+def _lead_key(key: Any, ndim: int) -> Optional[tuple]:
+    """`key` if `x[key]` only indexes leading dims of an ndim-D x (so `h[key]` picks the same
+    rows of h); ints, slices (of ints / SymInt nodes) and one Ellipsis, no None, no tensors."""
+    key = key if isinstance(key, tuple) else (key,)
+    parts = [p for k in key for p in ((k.start, k.stop, k.step) if isinstance(k, slice) else (k,))]
+    if any(k is None and not isinstance(k, slice) for k in key) or key.count(Ellipsis) > 1:
+        return None
+    if any(isinstance(p, Node) and not isinstance(p.meta.get("example_value"), (int, torch.SymInt))
+           for p in parts) or any(not isinstance(p, (int, Node, type(None), type(Ellipsis)))
+                                  for p in parts):
+        return None
+    if Ellipsis in key:
+        return key if key[-1] in (Ellipsis, slice(None)) else None
+    return key if len(key) < ndim or (len(key) == ndim and key[-1] == slice(None)) else None
+
+
+def _lead_op(n: Node, cur: Node) -> Optional[tuple]:
+    """A view of the logits' leading dims (`[:, :-1]`, `.view(-1, V)`, `.flatten(0, 1)`) as the
+    (method, args) that does the same to h; None for anything else."""
+    vin, vout = _val(cur), _val(n)
+    if vin is None or vout is None or vout.dim() < 1 or vout.shape[-1] != vin.shape[-1]:
+        return None
+    if n.op == "call_function" and n.target is operator.getitem and n.args[0] is cur:
+        key = _lead_key(n.args[1], vin.dim())
+        return None if key is None else ("__getitem__", (key,))
+    if _is(n, (torch.reshape,), ("view", "reshape")) and n.args[0] is cur and len(n.args) >= 2 \
+            and not n.kwargs:
+        one_arg = len(n.args) == 2 and isinstance(n.args[1], (list, tuple))
+        sizes = n.args[1] if one_arg else n.args[1:]
+        if sizes and isinstance(sizes[-1], int) and sizes[-1] == vin.shape[-1] \
+                and all(isinstance(x, (int, Node)) for x in sizes):
+            return ("reshape", tuple(sizes[:-1]))       # h.reshape(*sizes[:-1], H)
+    if _is(n, (torch.flatten,), ("flatten",)) and n.args[0] is cur:
+        start, end = _arg(n, 1, "start_dim", 0), _arg(n, 2, "end_dim", -1)
+        if isinstance(start, int) and isinstance(end, int) and end % vin.dim() < vin.dim() - 1:
+            return ("flatten", (start, end))
+    return None
+
+
+def _walk_logits(m: dict) -> dict:
+    """Follow single-user casts, `+ b`, `/ c`, `* c` and leading-dim views from the GEMM to the
+    logits node L, with L = lead_ops(GEMM) / temp + bias / bias_temp (a bias added before a
+    scale is scaled with the GEMM, so then bias_temp == temp)."""
+    cur, chain, temp, bias, bias_temp, lead_ops = m["gemm"], [m["gemm"]], 1.0, m["bias"], 1.0, []
+    while len(cur.users) == 1:
+        nxt = next(iter(cur.users))
+        if nxt.op == "call_method" and nxt.args and nxt.args[0] is not cur:
+            break
+        other = [a for a in list(nxt.args) + list(nxt.kwargs.values()) if a is not cur]
+        lead = _lead_op(nxt, cur)           # commutes with the casts, the bias and the scales
+        if _cast_dtype(nxt) in _FLOATS:
+            pass
+        elif lead is not None:
+            lead_ops.append(lead)
+        elif _is(nxt, _DIV, ("div", "true_divide")) and nxt.args[0] is cur and len(nxt.args) == 2 \
+                and not nxt.kwargs and _number(nxt.args[1]):
+            temp, bias_temp = temp * nxt.args[1], bias_temp * nxt.args[1]
+        elif _is(nxt, _MUL, ("mul",)) and len(nxt.args) == 2 and not nxt.kwargs \
+                and len(other) == 1 and _number(other[0]):
+            temp, bias_temp = temp / other[0], bias_temp / other[0]
+        elif _is(nxt, _ADD, ("add",)) and len(nxt.args) == 2 and not nxt.kwargs and bias is None \
+                and len(other) == 1 and _val(other[0]) is not None \
+                and tuple(_val(other[0]).shape) == tuple(_val(m["w"]).shape[:1]) \
+                and _val(other[0]).dtype in _FLOATS:
+            bias, bias_temp = other[0], 1.0
+        else:
+            break
+        chain.append(nxt)
+        cur = nxt
+    return dict(L=cur, chain=chain, temp=temp, bias=bias, bias_temp=bias_temp, lead_ops=lead_ops)
+
+
+def _ids_source(idx: Node) -> Any:
+    """ids for `idx = ids.unsqueeze(-1)` / `ids[..., None]`; None when idx is something else."""
+    vi = _val(idx)
+    if _is(idx, (torch.unsqueeze,), ("unsqueeze",)) and _last_dim(_arg(idx, 1, "dim"), vi.dim()):
+        return idx.args[0]
+    key = idx.args[1] if idx.op == "call_function" and idx.target is operator.getitem else None
+    if isinstance(key, tuple) and key and key[-1] is None and (
+            key[:-1] == (Ellipsis,)
+            or (len(key) == vi.dim() and all(k == slice(None) for k in key[:-1]))):
+        return idx.args[0]
+    return None
+
+
+def _match_consumers(L: Node) -> Optional[dict]:
+    """Classify every user of the logits; None unless all of them are matched consumers."""
+    vL = _val(L)
+    if vL is None or vL.dtype not in _FLOATS:
+        return None
+    nd = vL.dim()
+    lsm, sm, ce, others, zgathers, lses, muls = [], [], [], [], [], [], {}
+    for u in L.users:
+        if _is(u, _LOG_SOFTMAX + _SOFTMAX, ("log_softmax", "softmax")) and u.args[0] is L \
+                and _last_dim(_arg(u, 1, "dim", None), nd) \
+                and _arg(u, 3 if u.target in (F.log_softmax, F.softmax) else 2, "dtype", None) \
+                in (None,) + _FLOATS:
+            (lsm if u.target in _LOG_SOFTMAX + ("log_softmax",) else sm).append(u)
+        elif _is(u, (torch.gather,), ("gather",)) and u.args[0] is L:       # z[target]
+            zgathers.append(u)
+        elif _is(u, (torch.logsumexp,), ("logsumexp",)) and u.args[0] is L \
+                and _last_dim(_arg(u, 1, "dim"), nd) and len(u.args) + len(u.kwargs) <= 3:
+            lses.append((u, bool(_arg(u, 2, "keepdim", False))))
+        elif _is(u, _MUL, ("mul",)) and len(u.args) == 2 and not u.kwargs:   # p * z (entropy)
+            muls[u] = None
+        else:
+            others.append(u)
+    for u in others:    # cross_entropy(logits | logits.view(-1, V), target, reduction="none")
+        x = u
+        if _is(u, _VIEW, ("view", "reshape", "flatten")) and len(u.users) == 1:
+            x = next(iter(u.users))
+        if not _is(x, (F.cross_entropy,)) or x.args[0] is not (L if x is u else u):
+            return None
+        vx, tg = _val(x.args[0]), _arg(x, 1, "target")
+        kw = {k: _arg(x, i, k, d) for i, k, d in ((2, "weight", None), (3, "size_average", None),
+              (4, "ignore_index", -100), (5, "reduce", None), (6, "reduction", "mean"),
+              (7, "label_smoothing", 0.0))}
+        vt = _val(tg)
+        if vx is None or vt is None or vx.dim() != 2 or vx.shape[1] != vL.shape[-1] \
+                or vt.shape != vx.shape[:1] or vt.dtype != torch.int64 \
+                or kw["weight"] is not None or kw["size_average"] is not None \
+                or kw["reduce"] is not None or kw["reduction"] != "none" \
+                or kw["label_smoothing"] != 0.0 or not isinstance(kw["ignore_index"], int):
+            return None
+        ce.append((x, u if x is not u else None, tg, kw["ignore_index"]))
+    gathers, exps = [], []
+    for ls in lsm:
+        for u in ls.users:
+            if _is(u, (torch.gather,), ("gather",)) and u.args[0] is ls:
+                gathers.append(u)
+            elif _is(u, (torch.exp,), ("exp",)) and len(u.args) == 1:
+                exps.append(u)
+            elif _is(u, _MUL, ("mul",)) and len(u.args) == 2 and not u.kwargs:
+                muls[u] = None
+            else:
+                return None
+    targets = []
+    for g in gathers + zgathers:
+        idx, vi = _arg(g, 2, "index"), _val(_arg(g, 2, "index"))
+        if not _last_dim(_arg(g, 1, "dim"), nd) or _arg(g, 3, "sparse_grad", False) or vi is None \
+                or vi.dtype != torch.int64 or tuple(vi.shape) != tuple(vL.shape[:-1]) + (1,):
+            return None
+        targets.append((g, idx, g in zgathers))
+    probs = set(exps) | set(sm)
+    for p in probs:
+        for u in p.users:
+            if not (_is(u, _MUL, ("mul",)) and len(u.args) == 2 and not u.kwargs):
+                return None
+            muls[u] = None
+    sums = []
+    for m in muls:      # p * logp or p * z (either order); then .sum(-1) or -(...) then .sum(-1)
+        a, b = m.args
+        rest = {a, b} - probs
+        if not ({a, b} & probs) or len(rest) != 1 or not (rest <= set(lsm) or rest == {L}) \
+                or len(m.users) != 1:
+            return None
+        s, sign = next(iter(m.users)), 1.0
+        if _is(s, _NEG, ("neg",)) and len(s.users) == 1:
+            s, sign = next(iter(s.users)), -1.0
+        if not (_is(s, (torch.sum,), ("sum",)) and _last_dim(_arg(s, 1, "dim", None), nd)
+                and _arg(s, 3, "dtype", None) is None and len(s.args) <= 3):
+            return None
+        # sum(p * logp) = -entropy; sum(p * z) = lse - entropy
+        sums.append((s, sign, bool(_arg(s, 2, "keepdim", False)), rest == {L}))
+    ids = {_ids_source(i) or i for _, i, _ in targets} | {(t, ii) for _, _, t, ii in ce}
+    if len(ids) > 1 or not (targets or ce or sums or lses):
+        return None
+    return dict(gathers=targets, ce=ce, sums=sums, lses=lses)
+
+
+def _mutating(n: Node) -> bool:
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    return (n.op == "call_function" and n.target in _MUTATING_FNS) or (
+        n.op in ("call_method", "call_function") and isinstance(name, str)
+        and name.endswith("_") and not name.endswith("__"))
+
+
+def _region_is_clean(graph: Graph, first: Node, last: Node) -> bool:
+    """No in-place op, grad-mode or autocast switch between the GEMM and its last consumer."""
+    inside = False
+    for n in graph.nodes:
+        inside = inside or n is first
+        if inside and (_mutating(n) or (n.op == "call_function" and n.target in _REGION_FNS)):
+            return False
+        if n is last:
+            return True
+    return True
+
+
+def _erase_dead(graph: Graph, seeds: list) -> None:
+    work = list(seeds)
+    while work:
+        n = work.pop()
+        if getattr(n, "_erased", False) or n.users or n.op not in ("call_function", "call_method") \
+                or _mutating(n) or (n.op == "call_function" and n.is_impure()):
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        work.extend(inputs)
+
+
+def _replaced(c: dict) -> list:
+    return [next(iter(x)) for k in ("gathers", "sums", "ce", "lses") for x in c[k]]
