@@ -73,7 +73,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *, estimato
 
 
 class AdvantageStats(NamedTuple):
-    advantages: Tensor  # [B, 1] or [B, T], 0 at masked positions when [B, T]
+    advantages: Tensor  # [B, T], 0 at masked positions
     mean: Tensor        # 0-dim, over valid tokens
     max: Tensor         # 0-dim, -inf when no token is valid
     min: Tensor         # 0-dim, +inf when no token is valid
@@ -82,12 +82,15 @@ class AdvantageStats(NamedTuple):
 def advantage_stats(advantages: Tensor, mask: Tensor) -> AdvantageStats:
     """Broadcastable advantages plus masked mean/max/min (detached) over valid tokens.
 
-    [B] advantages become [B, 1] (TRL's ``unsqueeze(1)``); [B, T] ones are selected to 0 at masked
-    positions so a NaN there stays out. Empty max/min are -inf/+inf, the identities of max/min,
-    so per-rank values combine with all_reduce(MAX/MIN); never sum them (see README, Metrics).
+    [B] advantages are broadcast over T (TRL's ``unsqueeze(1)``), then selected to 0 at masked
+    positions, so a NaN advantage of a fully masked sequence (a zero-variance group) never enters
+    the per-token loss (the masked selections downstream keep it out of the gradient too; see
+    test_guards). Empty max/min are -inf/+inf, the
+    identities of max/min, so per-rank values combine with all_reduce(MAX/MIN); never sum them.
     """
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else torch.where(mask, advantages, 0)
-    full = adv.detach().expand(mask.shape)  # [B, T]
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    adv = torch.where(mask, adv, 0)  # [B, T]
+    full = adv.detach()  # [B, T]
     mean = masked_mean(full, mask)
     amax = torch.where(mask, full, -torch.inf).amax()
     amin = torch.where(mask, full, torch.inf).amin()

@@ -162,6 +162,7 @@ torch.where
 .clamp
 torch.exp
 torch.where
+torch.where
 .sum
 .sum
 .clamp
@@ -205,6 +206,7 @@ aten.sub
 aten.where
 aten.clamp
 aten.exp
+aten.where
 aten.mul
 aten.clamp
 aten.mul
@@ -228,6 +230,7 @@ aten.add
 aten.where
 aten.neg
 aten.div
+aten.where
 aten.mul
 aten.clamp
 aten.mul
@@ -271,6 +274,7 @@ truediv
 .clamp
 .clamp
 torch.exp
+torch.where
 torch.where
 .sum
 .sum
@@ -331,6 +335,7 @@ aten.sum
 aten.div
 aten.clamp
 aten.exp
+aten.where
 aten.mul
 aten.clamp
 aten.mul
@@ -374,7 +379,6 @@ aten.div
 aten.where
 aten.add
 aten.where
-aten.sum
 aten.mul
 aten.where
 aten.neg
@@ -385,6 +389,7 @@ aten.where
 aten.neg
 aten.neg
 aten.div
+aten.where
 aten.mul
 aten.clamp
 aten.mul
@@ -395,11 +400,13 @@ aten.masked_fill
 aten.gt
 aten.masked_fill
 aten.mul
+aten.sum
 aten.ge
 aten.le
 aten.logical_and
 aten.where
 aten.mul
+aten.sum
 aten.add
 aten.mul
 aten.where
@@ -428,6 +435,7 @@ sub
 torch.where
 .clamp
 torch.exp
+torch.where
 torch.where
 .sum
 .sum
@@ -526,6 +534,7 @@ aten.sub
 aten.where
 aten.clamp
 aten.exp
+aten.where
 aten.where
 aten.sum
 aten.sum

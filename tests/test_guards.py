@@ -71,3 +71,20 @@ def test_all_masked_batch_gives_zero_loss_and_zero_grads(loss_type):
     assert (gh == 0).all() and (gw == 0).all()
     assert out.metrics.num_tokens.item() == 0
     assert out.metrics.max_advantage.item() == -float("inf") and out.metrics.min_advantage.item() == float("inf")
+
+
+@pytest.mark.parametrize("loss_type,level", (("dapo", "token"), ("dapo", "sequence"), ("cispo", "token"),
+                                              ("sapo", "token")))
+def test_nan_advantage_of_a_fully_masked_sequence(loss_type, level):
+    inp = make_inputs(dtype=torch.float32, seed=4)
+    inp["mask"] = inp["mask"].clone()
+    inp["mask"][2] = False
+    inp["advantages"] = inp["advantages"].float().clone()
+    inp["advantages"][2] = float("nan")  # zero-variance group normalized by std 0
+    cfg = cg.GRPOConfig(loss_type=loss_type, importance_sampling_level=level, metrics="basic",
+                        epsilon_high=5.0 if loss_type == "cispo" else 0.2)
+    out = cg.grpo_loss(**inp, config=cfg)
+    gh, gw = torch.autograd.grad(out.loss, (inp["hidden"], inp["weight"]))
+    assert torch.isfinite(out.loss) and torch.isfinite(gh).all() and torch.isfinite(gw).all()
+    assert (gh[2] == 0).all()
+    assert torch.isfinite(out.metrics.advantage) and torch.isfinite(out.metrics.max_advantage)
