@@ -1,13 +1,14 @@
 """GPU micro-benchmark of compiled_grpo::linear_logprobs (eager launch of the op).
 
-    python -m lowerings._bench_op [N] [H] [V] [--sweep] [--compile] [--tma=0,1]
+    python -m lowerings._bench_op [N] [H] [V] [--sweep] [--compile] [--tma=0,1] [--profile]
 
 Prints, in one run on one GPU: the floor (three bf16 cuBLAS GEMMs of N*H*V: logits, dX, dW),
 the op's forward and forward+backward (with and without entropy), their ratio to the floor,
 and peak memory beyond inputs and gradients. --sweep also times other tile shapes and backward
 chunk sizes (module globals TILES / CHUNK_V, read at call time). --tma=0,1 repeats the eager and
 compiled measurements for each listed value of the module global TMA (0: pointer loads, 1: TMA
-operand loads on sm_90+), against the one floor.
+operand loads on sm_90+), against the one floor. --profile prints the CUDA kernels of one
+eager (and, with --compile, one compiled) fwd+bwd with entropy, by total time.
 """
 import sys
 
@@ -20,6 +21,31 @@ from lowerings import linear_logprobs
 
 def bench(fn, reps=10):
     return triton.testing.do_bench(fn, warmup=2, rep=reps * 200, return_mode="median")
+
+
+def profile(tag, fn):
+    """Kernel table of one call of fn (after a warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"--- profile {tag}")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14,
+                                    max_name_column_width=70), flush=True)
+
+
+def kernel_stats():
+    """Registers and spills of every compiled variant of the op's kernels (eager launches)."""
+    for k in (tk._fwd_kernel, tk._dlogits_kernel):
+        for cache in k.device_caches.values():
+            for key, ck in cache[0].items():
+                try:
+                    ck._init_handles()
+                    print(f"  {k.__name__}: {ck.n_regs} regs, {ck.n_spills} spills, "
+                          f"{ck.metadata.num_warps} warps, {ck.metadata.shared} B smem")
+                except Exception as e:  # attribute names differ across triton versions
+                    print(f"  {k.__name__}: {type(e).__name__}: {e}")
 
 
 def main():
@@ -81,10 +107,13 @@ def main():
         fwd_bwd(True)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base - grads
+        if "--profile" in sys.argv:
+            profile(f"eager tma={tk.TMA}", lambda: fwd_bwd(True))
+            kernel_stats()
         print(f"tma={tk.TMA} eager peak beyond inputs+grads: {extra / 2**20:.1f} MiB (N*V bf16 "
-              f"would be {n * v * 2 / 2**20:.0f} MiB; dX fp32 acc {n * h * 4 / 2**20:.0f} MiB, "
-              f"workspace "
-              f"{n * tk.CHUNK_V * 2 / 2**20:.0f} MiB)", flush=True)
+              f"would be {n * v * 2 / 2**20:.0f} MiB; "
+              f"row groups "
+              f"{tk._row_groups(n, h)}, dX group acc {tk.DX_GROUP_BYTES / 2**20:.0f} MiB)", flush=True)
 
         if "--compile" in sys.argv:   # fullgraph compile of the same loss: Inductor sees kernels
             def loss_fn(x, w, ids, g_lp, g_ent):
@@ -109,6 +138,8 @@ def main():
             c_fwd_bwd()
             torch.cuda.synchronize()
             extra = torch.cuda.max_memory_allocated() - base - grads
+            if "--profile" in sys.argv:
+                profile(f"compiled tma={tk.TMA}", c_fwd_bwd)
             print(f"tma={tk.TMA} compiled entropy=True fwd+bwd {tc:.2f} ms ({tc / floor:.3f}x "
                   f"floor), peak beyond inputs+grads {extra / 2**20:.1f} MiB", flush=True)
 
@@ -125,10 +156,15 @@ def main():
             tk.GROUP_N = group
             report(f"tiles={tk.TILES} chunk={tk.CHUNK_V} group={group}")
         tk.GROUP_N = 16
-        for chunk in (4096, 8192):
+        for chunk in (2048, 8192):
             tk.CHUNK_V = chunk
             report(f"tiles={tk.TILES} chunk={chunk}")
         tk.CHUNK_V = base_chunk
+        base_group = tk.DX_GROUP_BYTES
+        for mib in (16, 64):
+            tk.DX_GROUP_BYTES = mib << 20
+            report(f"tiles={tk.TILES} chunk={tk.CHUNK_V} dx group {mib} MiB")
+        tk.DX_GROUP_BYTES = base_group
 
 
 if __name__ == "__main__":

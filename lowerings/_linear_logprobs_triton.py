@@ -58,7 +58,11 @@ from torch import Tensor
 TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_TILES", "128,256,64,8,3").split(","))
 GROUP_N = 16                # row blocks per program group (L2 reuse, see _swizzle)
 FWD_COLS_PER_SPLIT = 8192   # S = cdiv(V, 8192): 19 splits of 8064 at V=151936, 2432 programs at N=16384
-CHUNK_V = 2048              # backward workspace N * CHUNK_V elements
+CHUNK_V = 4096              # backward vocab columns a step: workspace R * CHUNK_V elements
+# Budget of the backward's fp32 dX accumulator, one row group of R = cdiv(N, G) rows (see
+# _row_groups): 32 MiB is 2048 rows at H=4096. LINEAR_LOGPROBS_DX_GROUP_MIB raises it (fewer
+# groups, fewer roundings of dW, more memory).
+DX_GROUP_BYTES = int(os.environ.get("LINEAR_LOGPROBS_DX_GROUP_MIB", "32")) << 20
 # TMA loads of the logits-tile operands on sm_90+: "eager" only outside torch.compile tracing
 # (default), "1" eager and compiled, "0" never (the pointer path). Read at call time (benchmarks
 # toggle it). Under torch.compile the TMA kernels trace and match the pointer ones bitwise, but
@@ -124,7 +128,7 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
             w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    return (acc * inv_temp).to(tl.float32)   # Inductor may pass inv_temp as an fp64 scalar
+    return acc * tl.cast(inv_temp, tl.float32)
 
 
 @triton.jit
@@ -153,13 +157,18 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, N, V,
                          col_mask, H, stride_x, stride_w, inv_temp, HAS_BIAS, DOT_PREC, USE_TMA,
                          BLOCK_N, BLOCK_V, BLOCK_K)
         z = tl.where(col_mask[None, :], z, float("-inf"))
+        # the target logit first: after the max, z is only needed as d = z - m_new (same
+        # registers), so the tile is held once rather than as z and exp(z) side by side
+        zt += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
         m_new = tl.maximum(m, tl.max(z, 1))
         alpha = tl.exp(m - m_new)
-        e = tl.exp(z - m_new[:, None])                    # 0 on masked columns
-        s = s * alpha + tl.sum(e, 1)
+        d = z - m_new[:, None]                             # <= 0, -inf on masked columns
+        e = tl.exp(d)                                      # 0 on masked columns
         if WITH_ENTROPY:
-            t = t * alpha + tl.sum(tl.where(col_mask[None, :], e * z, 0.0), 1)
-        zt += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
+            # t = sum e * (z - m), rescaled to the new max: alpha * (t + (m - m_new) * s)
+            shift = tl.where(s > 0, (m - m_new) * s, 0.0)  # s = 0 before the first tile
+            t = alpha * (t + shift) + tl.sum(tl.where(col_mask[None, :], e * d, 0.0), 1)
+        s = s * alpha + tl.sum(e, 1)
         m = m_new
     out = split.to(tl.int64) * N + rows
     tl.store(m_ptr + out, m, mask=row_mask)
@@ -170,22 +179,24 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, N, V,
 
 @triton.jit
 def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, glse_ptr,
-                    ws_ptr, dbp_ptr, N, V, H, v_first, stride_x, stride_w, stride_ws, inv_temp,
-                    n_blocks, n_vtiles, HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-                    NEED_DB: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_N: tl.constexpr):
-    """ws[rows, cols - v_first] = dz; dbp[pid_n, cols - v_first] = sum over the tile's rows."""
+                    ws_ptr, dbp_ptr, N, V, H, row_first, n_rows, v_first, stride_x, stride_w,
+                    stride_ws, inv_temp, n_blocks, n_vtiles, HAS_BIAS: tl.constexpr,
+                    WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr, DOT_PREC: tl.constexpr,
+                    USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+    """Rows row_first + [0, n_rows) of X (N rows in all), columns v_first + [0, stride_ws):
+    ws[r, c] = dz[row_first + r, v_first + c]; dbp[pid_n, c] = its sum over the tile's rows."""
     pid_n, pid_v = _swizzle(n_blocks, n_vtiles, GROUP_N)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    local_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # row inside the group
+    rows = row_first + local_rows
     local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)     # column inside the chunk
     cols = v_first + local
-    row_mask = rows < N
+    row_mask = local_rows < n_rows
     col_mask = (local < stride_ws) & (cols < V)
     x_src, w_src = _operands(x_ptr, w_ptr, N, V, H, stride_x, stride_w, USE_TMA, BLOCK_N,
                              BLOCK_V, BLOCK_K)
-    z = _logits_tile(x_src, w_src, b_ptr, pid_n * BLOCK_N, v_first + pid_v * BLOCK_V, rows,
-                     cols, row_mask, col_mask, H, stride_x, stride_w, inv_temp, HAS_BIAS,
+    z = _logits_tile(x_src, w_src, b_ptr, row_first + pid_n * BLOCK_N, v_first + pid_v * BLOCK_V,
+                     rows, cols, row_mask, col_mask, H, stride_x, stride_w, inv_temp, HAS_BIAS,
                      DOT_PREC, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
     ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
@@ -199,10 +210,10 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
         dz = -p * (coef[:, None] + g_ent[:, None] * (logp + ent[:, None]))
     else:
         dz = -p * coef[:, None]
-    dz = (tl.where(cols[None, :] == ids[:, None], dz + g_lp[:, None], dz) * inv_temp).to(tl.float32)
+    dz = tl.where(cols[None, :] == ids[:, None], dz + g_lp[:, None], dz) * tl.cast(inv_temp, tl.float32)
     mask = row_mask[:, None] & col_mask[None, :]
     dz = tl.where(mask, dz, 0.0)                      # padded rows/cols may hold inf/nan
-    ws_ptrs = ws_ptr + rows.to(tl.int64)[:, None] * stride_ws + local[None, :]
+    ws_ptrs = ws_ptr + local_rows.to(tl.int64)[:, None] * stride_ws + local[None, :]
     tl.store(ws_ptrs, dz.to(ws_ptr.dtype.element_ty), mask=mask)
     if NEED_DB:
         tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_ws + local, tl.sum(dz, 0),
@@ -275,61 +286,104 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     m_all = m.amax(0)                                                      # [N]
     scale = torch.exp(m - m_all)                                           # [S, N]
     s_all = (s * scale).sum(0)                                             # [N]
-    lse = m_all + torch.log(s_all)                                         # [N]
-    ent = lse - (t * scale).sum(0) / s_all if with_entropy else torch.zeros_like(lse)
+    log_s = torch.log(s_all)
+    lse = m_all + log_s                                                    # [N]
+    if with_entropy:   # H = lse - E_p[z] = log S - E_p[z - m_all], no cancellation against m
+        ent = log_s - (scale * (t + (m - m_all) * s)).sum(0) / s_all
+    else:
+        ent = torch.zeros_like(lse)
     return zt.sum(0) - lse, ent, lse          # one split holds the target logit, others 0
 
 
-def _dw_rows_impl(dw: Tensor, v0: int, ws_c: Tensor, x: Tensor) -> None:
-    """dw[v0 : v0 + C'] = ws_c.T @ x (ws_c [N, C'], x [N, H]), one cuBLAS GEMM over all N with
-    an fp32 accumulator, written straight into the dW rows (through an fp32 temporary of the
-    chunk when dW's dtype differs from the operands', a mixed-dtype head)."""
-    rows = dw.narrow(0, v0, ws_c.shape[1])                                 # [C', H]
-    if dw.dtype == x.dtype:
-        torch.mm(ws_c.T, x, out=rows)
+def _dw_rows_impl(dw: Tensor, v0: int, ws: Tensor, cols: int, x: Tensor, r0: int, rows: int,
+                  accumulate: bool) -> None:
+    """dw[v0 : v0 + cols] (+)= ws[:rows, :cols].T @ x[r0 : r0 + rows]: one cuBLAS GEMM with an
+    fp32 accumulator, written into the dW rows (accumulate: beta = 1, one rounding to dW's
+    dtype per row group; through fp32 temporaries when dW's dtype differs from the operands',
+    a mixed-dtype head)."""
+    out = dw.narrow(0, v0, cols)                                           # [C', H]
+    a, b = ws[:rows, :cols].T, x.narrow(0, r0, rows)                       # [C', R], [R, H]
+    if dw.dtype != x.dtype:
+        prod = a.float() @ b.float()
+        out.add_(prod) if accumulate else out.copy_(prod)
+    elif accumulate:
+        out.addmm_(a, b)
     else:
-        rows.copy_(ws_c.T.float() @ x.float())
+        torch.mm(a, b, out=out)
 
 
-def _dx_acc_impl(dx: Tensor, ws_c: Tensor, w_c: Tensor) -> None:
-    """dx += ws_c @ w_c (dx [N, H] fp32, ws_c [N, C'], w_c [C', H] in the input dtype): one
-    in-place cuBLAS addmm with an fp32 output (out_dtype; beta=1 reads dx in the epilogue)."""
-    if ws_c.dtype == torch.float32 or not ws_c.is_cuda:   # fp32 inputs; CPU interpreter tests
-        dx.addmm_(ws_c.float(), w_c.float())
+def _dx_acc_impl(acc: Tensor, ws: Tensor, rows: int, w: Tensor, v0: int, cols: int,
+                 accumulate: bool) -> None:
+    """acc[:rows] (+)= ws[:rows, :cols] @ w[v0 : v0 + cols] (acc [R, H] fp32, ws and w in the
+    input dtype): one cuBLAS GEMM with an fp32 output (out_dtype; beta = 1 when accumulating
+    reads acc in the epilogue)."""
+    out, a, b = acc[:rows], ws[:rows, :cols], w.narrow(0, v0, cols)
+    if a.dtype == torch.float32 or not a.is_cuda:   # fp32 inputs; CPU interpreter tests
+        out.addmm_(a.float(), b.float()) if accumulate else torch.mm(a.float(), b.float(), out=out)
+    elif accumulate:
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
     else:
-        torch.addmm(dx, ws_c, w_c, out_dtype=torch.float32, out=dx)
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
 
 
-# The two per-chunk cuBLAS steps as mutable custom ops, for tracing only. Written as plain
-# in-place / out= torch calls inside the triton_op body, functionalization turns each chunk's
-# dW slice write into a slice_scatter producing a new [V, H] dW and each dX accumulation into
-# mm + add producing a new [N, H] fp32 tensor, and Inductor kept many of those versions alive
-# (18 GiB beyond grads at N=16384, V=151936, H=4096 on H200). A custom op with mutates_args
-# becomes `auto_functionalized_v2`, which Inductor's reinplace pass turns back into an in-place
-# extern call on the one dW / dX buffer (each version has no user after the next step), so the
-# compiled backward allocates what eager does. Eager calls the impls directly (no dispatcher).
+def _dx_store_impl(dx: Tensor, r0: int, rows: int, acc: Tensor) -> None:
+    """dx[r0 : r0 + rows] = acc[:rows], cast to dX's dtype once."""
+    dx.narrow(0, r0, rows).copy_(acc[:rows])
+
+
+# The per-chunk cuBLAS steps and the per-group dX store as mutable custom ops, for tracing only.
+# Written as plain in-place / out= torch calls inside the triton_op body, functionalization turns
+# each dW slice write into a slice_scatter producing a new [V, H] dW and each dX accumulation
+# into mm + add producing a new tensor, and Inductor kept many of those versions alive (18 GiB
+# beyond grads at N=16384, V=151936, H=4096 on H200). A custom op with mutates_args becomes
+# `auto_functionalized_v2`, which Inductor's reinplace pass turns back into an in-place extern
+# call on the one buffer (each version has no user after the next step), so the compiled
+# backward allocates what eager does. The ops take whole buffers plus offsets and sizes and
+# slice inside, so a symbolic N adds no guard (a slice bound check on a symbolic size would).
+# Eager calls the impls directly (no dispatcher).
 @torch.library.custom_op("compiled_grpo::_linear_logprobs_dw_rows", mutates_args=("dw",))
-def _dw_rows_op(dw: Tensor, v0: int, ws_c: Tensor, x: Tensor) -> None:
-    _dw_rows_impl(dw, v0, ws_c, x)
+def _dw_rows_op(dw: Tensor, v0: int, ws: Tensor, cols: int, x: Tensor, r0: int, rows: int,
+                accumulate: bool) -> None:
+    _dw_rows_impl(dw, v0, ws, cols, x, r0, rows, accumulate)
 
 
-@torch.library.custom_op("compiled_grpo::_linear_logprobs_dx_acc", mutates_args=("dx",))
-def _dx_acc_op(dx: Tensor, ws_c: Tensor, w_c: Tensor) -> None:
-    _dx_acc_impl(dx, ws_c, w_c)
+@torch.library.custom_op("compiled_grpo::_linear_logprobs_dx_acc", mutates_args=("acc",))
+def _dx_acc_op(acc: Tensor, ws: Tensor, rows: int, w: Tensor, v0: int, cols: int,
+               accumulate: bool) -> None:
+    _dx_acc_impl(acc, ws, rows, w, v0, cols, accumulate)
+
+
+@torch.library.custom_op("compiled_grpo::_linear_logprobs_dx_store", mutates_args=("dx",))
+def _dx_store_op(dx: Tensor, r0: int, rows: int, acc: Tensor) -> None:
+    _dx_store_impl(dx, r0, rows, acc)
 
 
 @_dw_rows_op.register_fake
-def _(dw, v0, ws_c, x):
+def _(dw, v0, ws, cols, x, r0, rows, accumulate):
     return None
 
 
 @_dx_acc_op.register_fake
-def _(dx, ws_c, w_c):
+def _(acc, ws, rows, w, v0, cols, accumulate):
+    return None
+
+
+@_dx_store_op.register_fake
+def _(dx, r0, rows, acc):
     return None
 
 
 def _tracing(*tensors: Tensor) -> bool:
     return torch._guards.detect_fake_mode(tensors) is not None
+
+
+def _row_groups(n, h: int) -> int:
+    """G, the number of row groups of the backward: the fp32 dX accumulator of one group,
+    cdiv(N, G) * H * 4 bytes, fits DX_GROUP_BYTES. A symbolic N takes the size hint it was
+    traced with (G is a Python int: the loops unroll at trace time), so a graph compiled for
+    dynamic N keeps that G for every N it runs (any N is correct; memory scales as N / G)."""
+    hint = n if isinstance(n, int) else n.node.hint
+    return max(1, triton.cdiv((hint or 1) * h * 4, DX_GROUP_BYTES))
 
 
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
@@ -348,30 +402,41 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     n, h = x.shape
     v = w.shape[0]
     c = min(CHUNK_V, triton.cdiv(v, bv) * bv)
-    ws = x.new_empty((n, c))                                               # [N, C]
-    n_blocks = triton.cdiv(n, bn)
-    dbp = x.new_empty((n_blocks, c), dtype=torch.float32) if need_b else ws  # [N/BN, C]
-    dx = x.new_zeros((n, h), dtype=torch.float32) if need_x else None      # [N, H] fp32
+    groups = _row_groups(n, h)
+    # Group g holds rows [min(g * R, N), min((g + 1) * R, N)), R a whole number of row blocks;
+    # with a dynamic N smaller than the traced one the last groups may be empty (no-ops).
+    r = triton.cdiv(triton.cdiv(n, groups), bn) * bn
+    ws = x.new_empty((r, c))                                               # [R, C]
+    acc = x.new_empty((r, h), dtype=torch.float32) if need_x else None     # [R, H] fp32
+    dx = hidden.new_empty((n, h)) if need_x else None                      # [N, H]
     dw = weight.new_empty(weight.shape) if need_w else None                # [V, H]
-    db = []
-    for v0 in range(0, v, c):
-        v1 = min(v0 + c, v)
-        n_vtiles = triton.cdiv(v1 - v0, bv)
-        wrap(_dlogits_kernel)[(n_blocks * n_vtiles,)](
-            x, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse, ws,
-            dbp, n, v, h, v0, x.stride(0), w.stride(0), c, 1.0 / temperature, n_blocks,
-            n_vtiles, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, NEED_DB=need_b,
-            DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
-            GROUP_N=GROUP_N, num_warps=warps, num_stages=stages)
-        ws_c = ws.narrow(1, 0, v1 - v0)                                    # [N, C']
-        tracing = _tracing(ws_c, x)
-        if need_w:
-            (_dw_rows_op if tracing else _dw_rows_impl)(dw, v0, ws_c, x)
+    db = [None] * triton.cdiv(v, c)                                        # fp32 [C'] each
+    tracing = _tracing(ws, x)
+    dw_rows, dx_acc, dx_store = ((_dw_rows_op, _dx_acc_op, _dx_store_op) if tracing else
+                                 (_dw_rows_impl, _dx_acc_impl, _dx_store_impl))
+    for g in range(groups):
+        r0 = torch.sym_min(g * r, n)
+        rows = torch.sym_min((g + 1) * r, n) - r0
+        n_blocks = triton.cdiv(rows, bn)
+        for ci, v0 in enumerate(range(0, v, c)):
+            cols = min(c, v - v0)
+            n_vtiles = triton.cdiv(cols, bv)
+            dbp = x.new_zeros((r // bn, c), dtype=torch.float32) if need_b else ws  # [R/BN, C]
+            wrap(_dlogits_kernel)[(n_blocks * n_vtiles,)](
+                x, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse,
+                ws, dbp, n, v, h, r0, rows, v0, x.stride(0), w.stride(0), c, 1.0 / temperature,
+                n_blocks, n_vtiles, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
+                NEED_DB=need_b, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
+                GROUP_N=GROUP_N, num_warps=warps, num_stages=stages)
+            if need_w:
+                dw_rows(dw, v0, ws, cols, x, r0, rows, g > 0)
+            if need_x:
+                dx_acc(acc, ws, rows, w, v0, cols, v0 > 0)
+            if need_b:
+                part = dbp.sum(0).narrow(0, 0, cols)                       # [C'] fp32
+                db[ci] = part if db[ci] is None else db[ci] + part
         if need_x:
-            (_dx_acc_op if tracing else _dx_acc_impl)(dx, ws_c, w.narrow(0, v0, v1 - v0))
-        if need_b:
-            db.append(dbp.narrow(1, 0, v1 - v0).sum(0))                   # [C'] fp32
+            dx_store(dx, r0, rows, acc)
     empty = hidden.new_empty(0)
-    db = torch.cat(db).to(bias.dtype) if need_b else empty
-    del ws, ws_c, dbp      # eager: free the workspace before the dX cast allocates [N, H]
-    return dx.to(hidden.dtype) if need_x else empty, dw if need_w else weight.new_empty(0), db
+    return (dx if need_x else empty, dw if need_w else weight.new_empty(0),
+            torch.cat(db).to(bias.dtype) if need_b else empty)

@@ -191,6 +191,9 @@ with mode:
     w = torch.empty(5000, 256, device="cuda", dtype=torch.bfloat16)   # 3 chunks, the last partial
     ids = torch.empty(n, device="cuda", dtype=torch.int64)
     import lowerings._linear_logprobs_triton as tk
+    tk.CHUNK_V = 2048
+    tk.DX_GROUP_BYTES = 200_000         # 2 row groups of 256 (hint) rows, the last partial
+    assert tk._row_groups(n, 256) == 2
     assert tk.TMA == "1" and tk._use_tma(x, w)     # the TMA kernels' TTIR traces (sm_90 target)
     tk.TMA = "eager"
     assert not tk._use_tma(x, w)                   # default: pointer kernels while tracing
@@ -214,7 +217,8 @@ for node in bw.graph.nodes:
         assert node.meta["only_clone_these_tensors"] == [], node.format_node()
     if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
         assert node.kwargs["tensors_to_clone"] == [], node.format_node()
-assert counts["auto_functionalized_v2"] == 6, counts       # dW and dX, 3 chunks
+# per row group: dW and dX for each of 3 chunks, then the dX store
+assert counts["auto_functionalized_v2"] == 2 * (3 * 2 + 1), counts
 assert not any("scatter" in k or "clone" in k or "copy_" in k for k in counts), counts
 print("OK")
 '''

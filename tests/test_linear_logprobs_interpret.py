@@ -143,3 +143,25 @@ def test_deterministic():
     db = tk.backward(x, w, ids, b, a[2], a[1], g, g, g, 1.0, False, True, True, True, True)
     for p, q in zip(a + da, b2 + db):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, DTYPE_16])
+def test_row_groups(monkeypatch, dtype):
+    """The backward in 3 row groups (R = 16 rows, the last one 8) against one group: dW summed
+    over the groups (one rounding to dW's dtype each), dX and d_bias written per group."""
+    x, w, ids, b = make(40, 24, 75, dtype, True, seed=3)
+    lp, ent, lse = tk.forward(x, w, ids, b, 0.7, False, True)
+    g = torch.Generator().manual_seed(4)
+    g_lp, g_ent, g_lse = (torch.randn(40, generator=g) for _ in range(3))
+    args = (x, w, ids, b, lse, ent, g_lp, g_ent, g_lse, 0.7, False, True, True, True, True)
+    one = tk.backward(*args)
+    monkeypatch.setattr(tk, "DX_GROUP_BYTES", 16 * 24 * 4)
+    assert tk._row_groups(40, 24) == 3
+    three = tk.backward(*args)
+    for a, c in zip(one, three):
+        assert a.dtype == c.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
+        else:   # dW rounded to fp16 after each group instead of once
+            err = (c.double() - a.double()).norm() / a.double().norm()
+            assert err < 2e-3, err
