@@ -1,11 +1,13 @@
 """GPU micro-benchmark of compiled_grpo::linear_logprobs (eager launch of the op).
 
     python -m lowerings._bench_op [N] [H] [V] [--sweep] [--compile] [--tma=0,1] [--profile]
+        [--sweep=bwd]
 
 Prints, in one run on one GPU: the floor (three bf16 cuBLAS GEMMs of N*H*V: logits, dX, dW),
 the op's forward and forward+backward (with and without entropy), their ratio to the floor,
 and peak memory beyond inputs and gradients. --sweep also times other tile shapes and backward
-chunk sizes (module globals TILES / CHUNK_V, read at call time). --tma=0,1 repeats the eager and
+chunk sizes and dX row-group budgets (module globals TILES / CHUNK_V / DX_GROUP_BYTES, read
+at call time); --sweep=bwd only the last two. --tma=0,1 repeats the eager and
 compiled measurements for each listed value of the module global TMA (0: pointer loads, 1: TMA
 operand loads on sm_90+), against the one floor. --profile prints the CUDA kernels of one
 eager (and, with --compile, one compiled) fwd+bwd with entropy, by total time.
@@ -143,16 +145,17 @@ def main():
             print(f"tma={tk.TMA} compiled entropy=True fwd+bwd {tc:.2f} ms ({tc / floor:.3f}x "
                   f"floor), peak beyond inputs+grads {extra / 2**20:.1f} MiB", flush=True)
 
-    if "--sweep" in sys.argv:
+    if "--sweep" in sys.argv or "--sweep=bwd" in sys.argv:
         base_tiles, base_chunk = tk.TILES, tk.CHUNK_V
-        for tiles in [(128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (128, 256, 32, 8, 4)]:
+        tile_sweep = [(128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (128, 256, 32, 8, 4)]
+        for tiles in [] if "--sweep=bwd" in sys.argv else tile_sweep:
             tk.TILES = tiles
             try:
                 report(f"tiles={tiles} chunk={tk.CHUNK_V}")
             except Exception as e:  # out of shared memory etc.
                 print(f"tiles={tiles}: {type(e).__name__}: {str(e)[:120]}")
         tk.TILES = base_tiles
-        for group in (8, 32):
+        for group in () if "--sweep=bwd" in sys.argv else (8, 32):
             tk.GROUP_N = group
             report(f"tiles={tk.TILES} chunk={tk.CHUNK_V} group={group}")
         tk.GROUP_N = 16
