@@ -95,6 +95,8 @@ def main():
 
     modes = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--tma=")),
                  [tk.TMA])
+    if len(modes) > 1:   # the compile caches do not key on tk.TMA (see there)
+        torch._inductor.config.force_disable_caches = True
     for mode in modes:
         tk.TMA = mode
         torch._dynamo.reset()

@@ -11,31 +11,39 @@ row and split) are combined by a few torch ops that Inductor fuses into one kern
 statistics plus a combine step, no atomics, so the result is deterministic. The splits are there
 to fill the GPU when N/BN row blocks alone would not.
 
-Backward, 6NHV FLOPs (2NHV recompute + the dX and dW GEMMs): a Python loop over vocab chunks of
-C columns (V is static, so the loop does not specialize N):
-  1. `_dlogits_kernel` recomputes the logits tile, forms
+Backward, 6NHV FLOPs (2NHV recompute + the dX and dW GEMMs), in G row groups of R rows
+(R * H * 4 bytes <= DX_GROUP_BYTES: G = 8, R = 2048 at N=16384, H=4096) and, inside each, a
+Python loop over vocab chunks of C columns (G and V are static, so the loops do not specialize
+N):
+  1. `_dlogits_kernel` recomputes the logits tile of the group's rows, forms
      dz = (g_lp * onehot - p * (g_lp - g_lse + g_H * (log p + H))) / T in registers, and
-     writes it in the input dtype to a workspace ws [N, C] (N*C*2 bytes: 64 MiB at N=16384,
-     C=2048), plus fp32 per-row-block column sums for d_bias.
-  2. dW[c] = ws.T @ X: one cuBLAS GEMM reducing over all N with an fp32 accumulator, written
-     once into the dW slice (no fp32 dW buffer: each dW row is complete after its chunk).
-  3. dX_acc += ws @ W[c]: cuBLAS with an fp32 output (`out_dtype`), cast to the input dtype
-     once at the end. dX_acc is N*H*4 bytes (256 MiB at N=16384, H=4096), the price of an
-     exact fp32 accumulation of dX across vocab chunks without atomics; see the measurements
-     in the linear_logprobs docstring for the alternatives.
+     writes it in the input dtype to a workspace ws [R, C] (16 MiB at R=2048, C=4096), plus
+     fp32 per-row-block column sums for d_bias.
+  2. dW[c] (+)= ws.T @ X[group]: one cuBLAS GEMM with an fp32 accumulator into the dW rows;
+     group 0 writes them, later groups add (beta = 1), so dW is rounded to its dtype G times.
+  3. acc (+)= ws @ W[c]: cuBLAS with an fp32 output (`out_dtype`) into the group's fp32 dX
+     accumulator acc [R, H] (32 MiB), cast once into dX's rows after the group's last chunk.
+Peak beyond inputs and gradients: acc + ws (48.5 MiB measured at the size above, against the
+N * H * 4 = 256 MiB of one fp32 dX accumulator over all rows, the previous design). Grouping
+also keeps acc's read-modify-write in L2-sized pieces; the price is dW's G roundings (a relative
+error of order sqrt(G) * 2^-9 for bf16, well under the 2^-8-scale error of bf16 dlogits that
+every bf16 backward has). LINEAR_LOGPROBS_DX_GROUP_MIB trades memory for fewer groups.
 A frozen weight skips step 2, a hidden without grad skips step 3.
-Under torch.compile steps 2 and 3 are two small mutable custom ops (`_dw_rows_op`,
-`_dx_acc_op`, mutates_args on dW / dX): functionalization turns them into auto_functionalized
-nodes that Inductor reinplaces, so the compiled backward writes the one dW and dX buffers in
-place like eager (see the comment above those ops). The workspace ws is one buffer rewritten by
-every chunk's kernel (reinplaced too), which also orders chunk i+1's kernel after chunk i's GEMMs.
+Under torch.compile steps 2, 3 and the dX store are small mutable custom ops (`_dw_rows_op`,
+`_dx_acc_op`, `_dx_store_op`, mutates_args on dW / acc / dX): functionalization turns them into
+auto_functionalized nodes that Inductor reinplaces, so the compiled backward writes the one dW,
+acc and dX buffers in place like eager (see the comment above those ops). The workspace ws is
+one buffer rewritten by every step's kernel (reinplaced too), which also orders step i+1's
+kernel after step i's GEMMs.
 
-Operand loads: on sm_90+ with 16-bit operands (see _use_tma / TMA), eager launches load the X
-and W tiles with TMA through in-kernel tensor descriptors (`tl.make_tensor_descriptor`, one pair
-per program; host `TensorDescriptor`s do not trace through wrap_triton, torch 2.11); their zero
-fill replaces the row / column / K masks. Same dots in the same order: bitwise-equal outputs.
-H200, N=16384, H=4096, V=151936 bf16: forward 41.0 -> 32.0 ms (cuBLAS logits GEMM 29.2 ms).
-Elsewhere (torch.compile by default, older GPUs, the TRITON_INTERPRET tests) masked pointer loads.
+Operand loads: on sm_90+ with 16-bit operands (see _use_tma / TMA), the X and W tiles load with
+TMA through in-kernel tensor descriptors (`tl.make_tensor_descriptor`, one pair per program;
+host `TensorDescriptor`s do not trace through wrap_triton, torch 2.11); their zero fill replaces
+the row / column / K masks. Same dots in the same order: bitwise-equal outputs. H200,
+N=16384, H=4096, V=151936 bf16: forward 41.0 -> 32.0 ms (cuBLAS logits GEMM 29.8 ms), eager
+and under torch.compile alike (compiled fwd 32.4 ms, dlogits 34.7 ms in all vs eager 30.1 /
+34.4; `python -m lowerings._bench_op --compile --tma=1 --profile`). Elsewhere (older GPUs,
+fp32, the TRITON_INTERPRET tests) masked pointer loads.
 
 Precision: bf16/fp16 tiles use tensor-core dots with fp32 accumulation; their products are exact
 in fp32, so `fp32_lm_head` changes nothing for them. fp32 inputs use IEEE fp32 dots (no tf32).
@@ -63,12 +71,13 @@ CHUNK_V = 4096              # backward vocab columns a step: workspace R * CHUNK
 # _row_groups): 32 MiB is 2048 rows at H=4096. LINEAR_LOGPROBS_DX_GROUP_MIB raises it (fewer
 # groups, fewer roundings of dW, more memory).
 DX_GROUP_BYTES = int(os.environ.get("LINEAR_LOGPROBS_DX_GROUP_MIB", "32")) << 20
-# TMA loads of the logits-tile operands on sm_90+: "eager" only outside torch.compile tracing
-# (default), "1" eager and compiled, "0" never (the pointer path). Read at call time (benchmarks
-# toggle it). Under torch.compile the TMA kernels trace and match the pointer ones bitwise, but
-# gave no speedup (H200, N=16384: compiled fwd+bwd 157.0 ms vs 156.8 ms), so compile keeps the
-# pointer kernels.
-TMA = os.environ.get("LINEAR_LOGPROBS_TMA", "eager")
+# TMA loads of the logits-tile operands on sm_90+: "1" eager and compiled (default), "eager"
+# only outside torch.compile tracing, "0" never (the pointer path). Read at call time
+# (benchmarks toggle it). Inductor's FX graph / AOTAutograd caches key on the traced program,
+# not on this setting: after changing it, compile with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1
+# (a cache hit otherwise replays the kernels of the earlier setting; that is what once made TMA
+# look no faster under compile).
+TMA = os.environ.get("LINEAR_LOGPROBS_TMA", "1")
 
 
 @triton.jit

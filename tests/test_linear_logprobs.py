@@ -196,7 +196,7 @@ with mode:
     assert tk._row_groups(n, 256) == 2
     assert tk.TMA == "1" and tk._use_tma(x, w)     # the TMA kernels' TTIR traces (sm_90 target)
     tk.TMA = "eager"
-    assert not tk._use_tma(x, w)                   # default: pointer kernels while tracing
+    assert not tk._use_tma(x, w)                   # "eager": pointer kernels while tracing
     tk.TMA = "1"
     grab = lambda gm, args: graphs.append(gm) or gm
     lp, ent, lse = aot_function(lambda x, w, ids: _linear_logprobs_op(
