@@ -17,7 +17,7 @@ Python loop over vocab chunks of C columns (G and V are static, so the loops do 
 N):
   1. `_dlogits_kernel` recomputes the logits tile of the group's rows, forms
      dz = (g_lp * onehot - p * (g_lp - g_lse + g_H * (log p + H))) / T in registers, and
-     writes it in the input dtype to a workspace ws [R, C] (16 MiB at R=2048, C=4096), plus
+     writes it in the input dtype to a workspace ws [R, C] (24 MiB at R=2048, C=6144), plus
      fp32 per-row-block column sums for d_bias.
   2. dW[c] (+)= ws.T @ X[group]: one cuBLAS GEMM with an fp32 accumulator into the dW rows;
      group 0 writes them, later groups add (beta = 1), so dW is rounded to its dtype G times.
@@ -65,8 +65,8 @@ from torch import Tensor
 # the interpreter tests (tiles of 16) and for tuning runs (LINEAR_LOGPROBS_TILES="128,128,64,8,3").
 TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_TILES", "128,256,64,8,3").split(","))
 GROUP_N = 16                # row blocks per program group (L2 reuse, see _swizzle)
-FWD_COLS_PER_SPLIT = 8192   # S = cdiv(V, 8192): 19 splits of 8064 at V=151936, 2432 programs at N=16384
-CHUNK_V = 4096              # backward vocab columns a step: workspace R * CHUNK_V elements
+FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see _fwd_splits for the pick
+CHUNK_V = 6144              # backward vocab columns a step: workspace R * CHUNK_V elements
 # Budget of the backward's fp32 dX accumulator, one row group of R = cdiv(N, G) rows (see
 # _row_groups): 32 MiB is 2048 rows at H=4096. LINEAR_LOGPROBS_DX_GROUP_MIB raises it (fewer
 # groups, fewer roundings of dW, more memory).
@@ -282,9 +282,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     bias = bias.contiguous() if bias is not None else None
     n, h = x.shape
     v = w.shape[0]
-    splits = triton.cdiv(v, FWD_COLS_PER_SPLIT)            # balanced splits, whole tiles
-    cols = triton.cdiv(triton.cdiv(v, splits), bv) * bv
-    splits = triton.cdiv(v, cols)
+    splits, cols = _fwd_splits(n, v, bn, bv, x.device)
     m, s, t, zt = (x.new_empty((splits, n), dtype=torch.float32) for _ in range(4))  # [S, N]
     n_blocks = triton.cdiv(n, bn)
     wrap(_fwd_kernel)[(n_blocks * splits,)](
@@ -386,13 +384,37 @@ def _tracing(*tensors: Tensor) -> bool:
     return torch._guards.detect_fake_mode(tensors) is not None
 
 
+def _hint(n) -> int:
+    """n, or the size hint of a symbolic n (1 when unbacked)."""
+    return n if isinstance(n, int) else (n.node.hint or 1)
+
+
+def _fwd_splits(n, v: int, bn: int, bv: int, device: torch.device) -> tuple[int, int]:
+    """(S, columns per split): balanced splits of whole BV tiles. Between S0 = cdiv(V,
+    FWD_COLS_PER_SPLIT) and 2 * S0, the S whose n_blocks * S programs fill the last wave of the
+    GPU's SMs best, all programs being about as long (H200, N=16384, V=151936: S0 = 19 gives
+    2432 programs, 18.4 waves of 132; S = 33 gives 32 full waves, forward 32.0 -> 31.1 ms).
+    From N's size hint when symbolic (S is a Python int); S0 off CUDA (the interpreter tests)."""
+    s0 = triton.cdiv(v, FWD_COLS_PER_SPLIT)
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" and torch.cuda.is_available() else None)
+    n_blocks = triton.cdiv(_hint(n), bn)
+    best = None
+    for s in range(s0, 2 * s0 + 1) if sms else (s0,):
+        cols = triton.cdiv(triton.cdiv(v, s), bv) * bv
+        s = triton.cdiv(v, cols)
+        fill = 1.0 if not sms else n_blocks * s / (triton.cdiv(n_blocks * s, sms) * sms)
+        if best is None or fill > best[0] + 1e-3:
+            best = (fill, s, cols)
+    return best[1], best[2]
+
+
 def _row_groups(n, h: int) -> int:
     """G, the number of row groups of the backward: the fp32 dX accumulator of one group,
     cdiv(N, G) * H * 4 bytes, fits DX_GROUP_BYTES. A symbolic N takes the size hint it was
     traced with (G is a Python int: the loops unroll at trace time), so a graph compiled for
     dynamic N keeps that G for every N it runs (any N is correct; memory scales as N / G)."""
-    hint = n if isinstance(n, int) else n.node.hint
-    return max(1, triton.cdiv((hint or 1) * h * 4, DX_GROUP_BYTES))
+    return max(1, triton.cdiv(_hint(n) * h * 4, DX_GROUP_BYTES))
 
 
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
