@@ -71,6 +71,7 @@ CHUNK_V = 6144              # backward vocab columns a step: workspace R * CHUNK
 # _row_groups): 32 MiB is 2048 rows at H=4096. LINEAR_LOGPROBS_DX_GROUP_MIB raises it (fewer
 # groups, fewer roundings of dW, more memory).
 DX_GROUP_BYTES = int(os.environ.get("LINEAR_LOGPROBS_DX_GROUP_MIB", "32")) << 20
+WS_BYTES = 24 << 20         # the backward's dlogits workspace R * C: C shrinks to fit it
 # TMA loads of the logits-tile operands on sm_90+: "1" eager and compiled (default), "eager"
 # only outside torch.compile tracing, "0" never (the pointer path). Read at call time
 # (benchmarks toggle it). Inductor's FX graph / AOTAutograd caches key on the traced program,
@@ -432,11 +433,12 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     bias = bias.contiguous() if bias is not None else None
     n, h = x.shape
     v = w.shape[0]
-    c = min(CHUNK_V, triton.cdiv(v, bv) * bv)
     groups = _row_groups(n, h)
     # Group g holds rows [min(g * R, N), min((g + 1) * R, N)), R a whole number of row blocks;
     # with a dynamic N smaller than the traced one the last groups may be empty (no-ops).
     r = triton.cdiv(triton.cdiv(n, groups), bn) * bn
+    fit = WS_BYTES // (_hint(r) * x.element_size()) // bv * bv             # C of WS_BYTES
+    c = min(CHUNK_V, max(bv, fit), triton.cdiv(v, bv) * bv)
     ws = x.new_empty((r, c))                                               # [R, C]
     acc = x.new_empty((r, h), dtype=torch.float32) if need_x else None     # [R, H] fp32
     dx = hidden.new_empty((n, h)) if need_x else None                      # [N, H]
