@@ -71,7 +71,13 @@ CHUNK_V = 6144              # backward vocab columns a step: workspace R * CHUNK
 # _row_groups): 32 MiB is 2048 rows at H=4096. LINEAR_LOGPROBS_DX_GROUP_MIB raises it (fewer
 # groups, fewer roundings of dW, more memory).
 DX_GROUP_BYTES = int(os.environ.get("LINEAR_LOGPROBS_DX_GROUP_MIB", "32")) << 20
-WS_BYTES = 24 << 20         # the backward's dlogits workspace R * C: C shrinks to fit it
+WS_BYTES = 24 << 20         # the backward's dlogits workspace R * C: C shrinks to fit it ...
+# ... unless that would make more than MAX_STEPS (row group, chunk) steps: the loops unroll into
+# the compiled graph, so steps bound its size and compile time. Past N ~ 20k rows (H=4096,
+# V=151936) memory then grows with N instead (about 280 MiB at N=131072) and G stops at
+# MAX_ROW_GROUPS (also the bound on dW's roundings).
+MAX_STEPS = 256
+MAX_ROW_GROUPS = 16
 # TMA loads of the logits-tile operands on sm_90+: "1" eager and compiled (default), "eager"
 # only outside torch.compile tracing, "0" never (the pointer path). Read at call time
 # (benchmarks toggle it). Inductor's FX graph / AOTAutograd caches key on the traced program,
@@ -415,7 +421,7 @@ def _row_groups(n, h: int) -> int:
     cdiv(N, G) * H * 4 bytes, fits DX_GROUP_BYTES. A symbolic N takes the size hint it was
     traced with (G is a Python int: the loops unroll at trace time), so a graph compiled for
     dynamic N keeps that G for every N it runs (any N is correct; memory scales as N / G)."""
-    return max(1, triton.cdiv(_hint(n) * h * 4, DX_GROUP_BYTES))
+    return min(MAX_ROW_GROUPS, max(1, triton.cdiv(_hint(n) * h * 4, DX_GROUP_BYTES)))
 
 
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
@@ -438,7 +444,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     # with a dynamic N smaller than the traced one the last groups may be empty (no-ops).
     r = triton.cdiv(triton.cdiv(n, groups), bn) * bn
     fit = WS_BYTES // (_hint(r) * x.element_size()) // bv * bv             # C of WS_BYTES
-    c = min(CHUNK_V, max(bv, fit), triton.cdiv(v, bv) * bv)
+    few_steps = triton.cdiv(triton.cdiv(v * groups, MAX_STEPS), bv) * bv     # C of MAX_STEPS
+    c = min(max(min(CHUNK_V, fit), few_steps, bv), triton.cdiv(v, bv) * bv)
     ws = x.new_empty((r, c))                                               # [R, C]
     acc = x.new_empty((r, h), dtype=torch.float32) if need_x else None     # [R, H] fp32
     dx = hidden.new_empty((n, h)) if need_x else None                      # [N, H]
