@@ -23,8 +23,10 @@ N):
      group 0 writes them, later groups add (beta = 1), so dW is rounded to its dtype G times.
   3. acc (+)= ws @ W[c]: cuBLAS with an fp32 output (`out_dtype`) into the group's fp32 dX
      accumulator acc [R, H] (32 MiB), cast once into dX's rows after the group's last chunk.
-Peak beyond inputs and gradients: acc + ws (48.5 MiB measured at the size above, against the
-N * H * 4 = 256 MiB of one fp32 dX accumulator over all rows, the previous design). Grouping
+Peak beyond inputs and gradients: acc + ws + small (58 MiB measured in the GRPO bench at the
+size above, against the N * H * 4 = 256 MiB of one fp32 dX accumulator over all rows, the
+previous design). At most MAX_STEPS (group, chunk) steps, G <= MAX_ROW_GROUPS: past that C
+grows (the unrolled loops bound the compiled graph; N=131072: 286 MiB). Grouping
 also keeps acc's read-modify-write in L2-sized pieces; the price is dW's G roundings (a relative
 error of order sqrt(G) * 2^-9 for bf16, well under the 2^-8-scale error of bf16 dlogits that
 every bf16 backward has). LINEAR_LOGPROBS_DX_GROUP_MIB trades memory for fewer groups.

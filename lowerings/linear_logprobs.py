@@ -23,21 +23,24 @@ reads a tensor value on the host, so dynamic N compiles once. Mark N dynamic on 
 alike (the outputs are viewed as ids.shape, so a static hidden would specialize ids' N and
 `mark_dynamic(ids, 0)` then raises ConstraintViolationError); note that `x.clone()` drops a mark.
 
-Measured (lowerings/_bench_op.py --compile --tma=0,1, one H200, torch 2.11, N=16384, H=4096,
-V=151936 bf16, floor = three cuBLAS bf16 GEMMs of N*H*V measured in the same run = 90.0 ms):
-  eager op with TMA operand loads (default on sm_90+, see _linear_logprobs_triton): fwd 32.0 ms
-  (1.10x the 29.2 ms logits GEMM); fwd+bwd 133.8 ms = 1.49x floor without entropy, 141.2 ms =
-  1.57x with entropy. Pointer loads (LINEAR_LOGPROBS_TMA=0): fwd 41.0 ms, fwd+bwd 149.2 ms
-  (1.66x) / 152.5 ms (1.69x). Peak beyond inputs+grads 256.4 MiB either way (dX fp32
-  accumulator 256 MiB; the 64 MiB dlogits workspace is freed before the dX cast; N*V bf16
-  logits would be 4748 MiB). CHUNK_V=8192 gave 143.5 ms (1.60x, pointer loads) with a 256 MiB
-  workspace. Tiles 128x256x64, 8 warps, 3 stages won a sweep (pointer loads; 128x128: 1.92x;
-  256x128: 1.73x); grouping 16 row blocks per program group for L2 reuse took 1.69x -> 1.65x.
-  torch.compile (static shapes, fullgraph, entropy): 156.8 ms (1.74x), peak beyond inputs+grads
-  256.0 MiB; it keeps the pointer kernels: TMA kernels under Inductor measured 157.0 ms. The
-  backward's per-chunk dW / dX writes are mutable custom ops that Inductor reinplaces (see
-  _linear_logprobs_triton); written as plain in-place torch calls they were functionalized into
-  per-chunk [V, H] / [N, H] copies and the compiled peak was 18 GiB.
+Measured on one H200 (torch 2.11, triton 3.6), N=16384, H=4096, V=151936 bf16:
+  GRPO loss fwd+bwd (`python -m bench --shapes qwen3-8b`, README "GPU results"): 122.9 ms eager
+  = 1.33x the floor of three cuBLAS bf16 GEMMs of N*H*V (92.3 ms, same run), 124.3 ms = 1.35x
+  inside torch.compile; peak beyond inputs+grads 58 / 61 MiB (N*V bf16 logits: 4748 MiB).
+  The op alone (`python -m lowerings._bench_op --compile --tma=1 --profile`, before the
+  forward-split and 6144-column changes): kernel times forward 30.1 ms (cuBLAS logits GEMM
+  29.8 ms), dlogits recompute 34.4 ms, dX GEMMs 31.6 ms, dW GEMMs 30.9 ms, eager and compiled
+  alike. Recompute makes it 8NHV against the floor's 6NHV: 1.33x is this design's bound.
+  What moved it from 1.57x (compiled) / 1.38x (eager) and 256 MiB: the fp32 dX accumulator of
+  one row group instead of all N rows (its read-modify-write stays L2-sized, 256 -> 58 MiB);
+  TMA operand loads under torch.compile too (fwd 41 -> 32 ms); Inductor passes `1/temperature`
+  as an fp64 scalar, which promoted every logits tile to fp64 until the kernels cast it (fwd
+  49 -> 44 ms with pointer loads); the entropy statistic kept relative to the running max (the
+  tile held once: fwd with entropy 38.5 -> 33.9 ms); a forward split count that fills the last
+  wave of SMs (32.0 -> 31.1 ms); 6144- rather than 4096-column backward chunks (-1.7 ms).
+  Sweeps (`--sweep=bwd`): 2048-column chunks +6 ms; dX row groups of 16 MiB +5 ms (twice the
+  dW read-modify-writes), of 64 MiB -1 ms (more memory).
+  Compile caches do not key on LINEAR_LOGPROBS_TMA: see _linear_logprobs_triton.TMA.
 Numerics (tests/test_linear_logprobs_gpu.py, N=1024, full head): error vs an fp32 upcast
 reference <= 2x that of eager bf16 for logprobs, entropy, d_hidden, d_weight, d_bias; bitwise
 deterministic across runs.
