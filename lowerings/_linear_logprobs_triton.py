@@ -385,10 +385,12 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
         r0 = torch.sym_min(g * r, n)
         rows = torch.sym_min((g + 1) * r, n) - r0
         n_blocks = triton.cdiv(rows, bn)
+        # each chunk's kernel rewrites rows [0, n_blocks); zeroed once a group so the rows past
+        # a shorter last group hold no partial sums of the group before it
+        dbp = x.new_zeros((r // bn, c), dtype=torch.float32) if need_b else ws  # [R/BN, C]
         for ci, v0 in enumerate(range(0, v, c)):
             cols = min(c, v - v0)
             n_vtiles = triton.cdiv(cols, bv)
-            dbp = x.new_zeros((r // bn, c), dtype=torch.float32) if need_b else ws  # [R/BN, C]
             wrap(_dlogits_kernel)[(n_blocks * n_vtiles,)](
                 x, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse,
                 ws, dbp, n, v, h, r0, rows, v0, x.stride(0), w.stride(0), c, 1.0 / temperature,

@@ -145,18 +145,21 @@ def test_deterministic():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("group_rows,groups", [(16, 3), (32, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, DTYPE_16])
-def test_row_groups(monkeypatch, dtype):
-    """The backward in 3 row groups (R = 16 rows, the last one 8) against one group: dW summed
-    over the groups (one rounding to dW's dtype each), dX and d_bias written per group."""
+def test_row_groups(monkeypatch, dtype, group_rows, groups):
+    """The backward in row groups against one group: 3 groups of R = 16 rows (the last one 8),
+    or 2 of R = 32 (2 row blocks; the last group's 8 rows leave the second block's d_bias row
+    of the first group behind). dW summed over the groups (one rounding to dW's dtype each),
+    dX and d_bias written per group."""
     x, w, ids, b = make(40, 24, 75, dtype, True, seed=3)
     lp, ent, lse = tk.forward(x, w, ids, b, 0.7, False, True)
     g = torch.Generator().manual_seed(4)
     g_lp, g_ent, g_lse = (torch.randn(40, generator=g) for _ in range(3))
     args = (x, w, ids, b, lse, ent, g_lp, g_ent, g_lse, 0.7, False, True, True, True, True)
     one = tk.backward(*args)
-    monkeypatch.setattr(tk, "DX_GROUP_BYTES", 16 * 24 * 4)
-    assert tk._row_groups(40, 24) == 3
+    monkeypatch.setattr(tk, "DX_GROUP_BYTES", group_rows * 24 * 4)
+    assert tk._row_groups(40, 24) == groups
     three = tk.backward(*args)
     for a, c in zip(one, three):
         assert a.dtype == c.dtype == dtype
