@@ -37,8 +37,8 @@ DROPPED = frozenset({
     "sym_size", "sym_numel", "sym_stride", "size", "dim",
 })
 # The op's own code (its triton_op bodies and autograd in lowerings/) collapses into one token.
-OP_FILES = ("lowerings/linear_logprobs.py", "lowerings/_linear_logprobs_torch.py",
-            "lowerings/_linear_logprobs_triton.py")
+OP_FILES = ("lowerings/linear_logprobs/op.py", "lowerings/linear_logprobs/cpu.py",
+            "lowerings/linear_logprobs/cuda.py")
 
 
 def _token(node) -> str:

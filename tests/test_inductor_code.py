@@ -22,7 +22,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import compiled_grpo as cg
-import lowerings._linear_logprobs_torch as torch_impl
+import lowerings.linear_logprobs.cpu as torch_impl
 from helpers import make_inputs
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -46,7 +46,7 @@ def small_chunks(monkeypatch):
     # N x min(CHUNK_V, V rounded up to BLOCK_V): left at 2048 it would span all of V=1009.
     monkeypatch.setattr(torch_impl, "CHUNK_V", CHUNK)
     if torch.cuda.is_available():
-        import lowerings._linear_logprobs_triton as triton_impl
+        import lowerings.linear_logprobs.cuda as triton_impl
         monkeypatch.setattr(triton_impl, "CHUNK_V", CHUNK)
 
 

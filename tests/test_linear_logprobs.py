@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import lowerings._linear_logprobs_torch as torch_impl
-from lowerings import linear_logprobs
+import lowerings.linear_logprobs.cpu as torch_impl
+from lowerings.linear_logprobs import linear_logprobs
 from lowerings.linear_logprobs import _linear_logprobs_backward_op, _linear_logprobs_op
 
 
@@ -190,7 +190,7 @@ with mode:
     x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.empty(5000, 256, device="cuda", dtype=torch.bfloat16)   # 3 chunks, the last partial
     ids = torch.empty(n, device="cuda", dtype=torch.int64)
-    import lowerings._linear_logprobs_triton as tk
+    import lowerings.linear_logprobs.cuda as tk
     tk.CHUNK_V = 2048
     tk.DX_GROUP_BYTES = 200_000         # 2 row groups of 256 (hint) rows, the last partial
     assert tk._row_groups(n, 256) == 2

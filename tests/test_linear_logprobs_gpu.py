@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from lowerings import linear_logprobs
+from lowerings.linear_logprobs import linear_logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -88,7 +88,7 @@ def test_no_nv_allocation():
     extra = torch.cuda.max_memory_allocated() - base - grads
     # one row group's fp32 dX accumulator (32 MiB) + the dlogits workspace (24 MiB) + small;
     # N*V*2 = 1.2 GiB
-    import lowerings._linear_logprobs_triton as tk
+    import lowerings.linear_logprobs.cuda as tk
     assert extra < tk.DX_GROUP_BYTES + tk.WS_BYTES + 16 * 2**20, extra / 2**20
     assert extra < n * V * 2 / 8
 
@@ -156,7 +156,7 @@ def test_compiled_backward_memory_matches_eager():
 def test_tma_matches_pointer_loads(monkeypatch):
     """The TMA and pointer paths of the logits-tile GEMM agree (the same dots in the same order:
     bitwise in practice); N, V not multiples of any tile, so TMA's zero fill replaces masks."""
-    import lowerings._linear_logprobs_triton as tk
+    import lowerings.linear_logprobs.cuda as tk
     x, w, ids, b = make(777, v=50000, bias=True)
     runs = []
     for mode in ("0", "1"):

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import lowerings._linear_logprobs_triton as tk  # noqa: E402
+import lowerings.linear_logprobs.cuda as tk  # noqa: E402
 
 if not isinstance(tk._fwd_kernel, InterpretedFunction):
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
@@ -168,3 +168,60 @@ def test_row_groups(monkeypatch, dtype, group_rows, groups):
         else:   # dW rounded to fp16 after each group instead of once
             err = (c.double() - a.double()).norm() / a.double().norm()
             assert err < 2e-3, err
+
+
+import lowerings.linear_logprobs.cuda_rows as rk  # noqa: E402
+
+# Row masks (N = 40): padding at the end of each "sequence" of 10, scattered, none, all.
+MASKS = {
+    "right_padded": (torch.arange(40) % 10) < torch.tensor([7, 3, 10, 1]).repeat_interleave(10),
+    "scattered": torch.rand(40, generator=torch.Generator().manual_seed(5)) > 0.5,
+    "all_valid": torch.ones(40, dtype=torch.bool),
+    "all_padded": torch.zeros(40, dtype=torch.bool),
+}
+
+
+@pytest.mark.parametrize("kind", list(MASKS))
+@pytest.mark.parametrize("group_rows", [16, 1 << 20])
+def test_row_masked_path(monkeypatch, kind, group_rows):
+    """cuda_rows (valid rows compacted first, kernels stopping at a device count) against the
+    float64 golden on the valid rows; padded rows give 0 outputs, 0 dX rows and nothing in
+    dW / d_bias, whatever their incoming grads. group_rows=16: 3 row groups, so the count
+    ends inside a group and later groups are empty."""
+    monkeypatch.setattr(rk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tk, "DX_GROUP_BYTES", group_rows * 24 * 4)
+    mask = MASKS[kind]
+    x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=3)
+    lp, ent, lse = rk.forward(x, w, ids, b, mask, 0.7, False, True)
+    rlp, rent, rlse = golden(x, w, ids, b, 0.7)
+    m = mask.double()
+    for got, ref in ((lp, rlp), (ent, rent), (lse, rlse)):
+        torch.testing.assert_close(got.double(), ref * m, rtol=1e-6, atol=1e-5)
+    g = torch.Generator().manual_seed(4)
+    g_lp, g_ent, g_lse = (torch.randn(40, generator=g) for _ in range(3))
+    dx, dw, db = rk.backward(x, w, ids, b, mask, lse, ent, g_lp, g_ent, g_lse, 0.7, False, True,
+                             True, True, True)
+    xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
+    out = golden(xr, wr, ids, br, 0.7)
+    ((out[0] * g_lp + out[1] * g_ent + out[2] * g_lse) * m).sum().backward()
+    for got, ref in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(dx[~mask], torch.zeros_like(dx[~mask]))
+
+
+def test_row_masked_half_no_weight_grad(monkeypatch):
+    monkeypatch.setattr(rk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    mask = MASKS["scattered"]
+    x, w, ids, b = make(40, 32, 75, DTYPE_16, False)
+    lp, ent, lse = rk.forward(x, w, ids, None, mask, 1.0, False, True)
+    rlp, _, _ = golden(x, w, ids, None, 1.0)
+    torch.testing.assert_close(lp.double(), rlp * mask, rtol=0, atol=1e-5)
+    g = torch.ones(40)
+    dx, dw, db = rk.backward(x, w, ids, None, mask, lse, ent, g, g, torch.zeros(40), 1.0, False,
+                             True, True, False, False)
+    assert dx.dtype == DTYPE_16 and dw.numel() == 0 and db.numel() == 0
+    xr = x.double().requires_grad_()
+    out = golden(xr, w, ids, None, 1.0)
+    ((out[0] + out[1]) * mask).sum().backward()
+    err = (dx.double() - xr.grad).norm() / xr.grad.norm()
+    assert err < 1e-2, err

@@ -21,8 +21,8 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
-import lowerings._linear_logprobs_torch as torch_impl
-import lowerings.linear_logprobs as op_module
+import lowerings.linear_logprobs.cpu as torch_impl
+import lowerings.linear_logprobs.op as op_module
 import lowerings.naive_fusion as nf
 
 B, T, H, V = 3, 7, 24, 53

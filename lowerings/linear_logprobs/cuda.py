@@ -34,7 +34,7 @@ A frozen weight skips step 2, a hidden without grad skips step 3.
 Under torch.compile steps 2, 3 and the dX store are small mutable custom ops (`_dw_rows_op`,
 `_dx_acc_op`, `_dx_store_op`, mutates_args on dW / acc / dX): functionalization turns them into
 auto_functionalized nodes that Inductor reinplaces, so the compiled backward writes the one dW,
-acc and dX buffers in place like eager (see _linear_logprobs_gemms). The workspace ws is
+acc and dX buffers in place like eager (see gemms.py). The workspace ws is
 one buffer rewritten by every step's kernel (reinplaced too), which also orders step i+1's
 kernel after step i's GEMMs.
 
@@ -44,7 +44,7 @@ host `TensorDescriptor`s do not trace through wrap_triton, torch 2.11); their ze
 the row / column / K masks. Same dots in the same order: bitwise-equal outputs. H200,
 N=16384, H=4096, V=151936 bf16: forward 41.0 -> 32.0 ms (cuBLAS logits GEMM 29.8 ms), eager
 and under torch.compile alike (compiled fwd 32.4 ms, dlogits 34.7 ms in all vs eager 30.1 /
-34.4; `python -m lowerings._bench_op --compile --tma=1 --profile`). Elsewhere (older GPUs,
+34.4; `python -m lowerings.linear_logprobs.bench_op --compile --tma=1 --profile`). Elsewhere (older GPUs,
 fp32, the TRITON_INTERPRET tests) masked pointer loads.
 
 Precision: bf16/fp16 tiles use tensor-core dots with fp32 accumulation; their products are exact
@@ -63,7 +63,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lowerings._linear_logprobs_gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
+from lowerings.linear_logprobs.kernels import _dlogits_kernel, _fwd_kernel
+from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
                                               _dx_acc_op, _dx_store_impl, _dx_store_op)
 
 # Tiles of the logits GEMM: (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages). Overridable for
@@ -90,155 +91,6 @@ MAX_ROW_GROUPS = 16
 # (a cache hit otherwise replays the kernels of the earlier setting; that is what once made TMA
 # look no faster under compile).
 TMA = os.environ.get("LINEAR_LOGPROBS_TMA", "1")
-
-
-@triton.jit
-def _swizzle(n_blocks, n_other, GROUP_N: tl.constexpr):
-    """1-D program id -> (row block, other index), GROUP_N row blocks at a time. The ~132
-    resident programs then share GROUP_N row blocks of X and ~132/GROUP_N column tiles of W
-    (16 MiB + 8 * 2 MiB at GROUP_N=16, BV=256: inside the 50 MB L2) instead of each streaming
-    its own 1 MiB of X rows from HBM for every vocab tile (forward 45 -> 41 ms on H200)."""
-    pid = tl.program_id(0)
-    width = GROUP_N * n_other
-    first = (pid // width) * GROUP_N
-    size = tl.minimum(n_blocks - first, GROUP_N)
-    return first + (pid % width) % size, (pid % width) // size
-
-
-@triton.jit
-def _operands(x_ptr, w_ptr, N, V, H, stride_x, stride_w, USE_TMA: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The X and W operands of _logits_tile: in-kernel TMA descriptors (made once per program;
-    their 128-byte tensor maps live in Triton's global scratch, see _ensure_allocator) or the
-    raw pointers."""
-    if USE_TMA:
-        x_src = tl.make_tensor_descriptor(x_ptr, shape=[N, H], strides=[stride_x, 1],
-                                          block_shape=[BLOCK_N, BLOCK_K])
-        w_src = tl.make_tensor_descriptor(w_ptr, shape=[V, H], strides=[stride_w, 1],
-                                          block_shape=[BLOCK_V, BLOCK_K])
-    else:
-        x_src = x_ptr
-        w_src = w_ptr
-    return x_src, w_src
-
-
-@triton.jit
-def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask, H, stride_x,
-                 stride_w, inv_temp, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                 USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """z = (x[rows] @ w[cols].T + b[cols]) * inv_temp, fp32 [BLOCK_N, BLOCK_V]; rows = row0 +
-    arange(BLOCK_N), cols = col0 + arange(BLOCK_V). USE_TMA: x_src / w_src are descriptors
-    whose loads zero-fill rows >= N, cols >= V and k >= H (what the pointer path's masks do)."""
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    if USE_TMA:
-        for k0 in range(0, H, BLOCK_K):
-            a = x_src.load([row0, k0])
-            b = w_src.load([col0, k0])
-            acc = tl.dot(a, b.T, acc, input_precision=DOT_PREC)
-    else:
-        ks = tl.arange(0, BLOCK_K)
-        x_ptrs = x_src + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
-        w_ptrs = w_src + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
-        for k0 in range(0, H, BLOCK_K):
-            k_mask = (ks + k0) < H
-            a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    return acc * tl.cast(inv_temp, tl.float32)
-
-
-@triton.jit
-def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, N, V, H, stride_x,
-                stride_w, inv_temp, cols_per_split, n_blocks, n_splits, HAS_BIAS: tl.constexpr,
-                WITH_ENTROPY: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_N: tl.constexpr):
-    pid_n, split = _swizzle(n_blocks, n_splits, GROUP_N)
-    x_src, w_src = _operands(x_ptr, w_ptr, N, V, H, stride_x, stride_w, USE_TMA, BLOCK_N,
-                             BLOCK_V, BLOCK_K)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
-    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_N,), tl.float32)
-    t = tl.zeros((BLOCK_N,), tl.float32)
-    zt = tl.zeros((BLOCK_N,), tl.float32)
-    # The first tile of each split has a valid column, so m is finite after it; tiles past V
-    # (only in the last split, under BLOCK_V * splits columns in all) are fully masked.
-    for i in range(0, cols_per_split, BLOCK_V):
-        col0 = split * cols_per_split + i
-        cols = col0 + tl.arange(0, BLOCK_V)
-        col_mask = cols < V
-        z = _logits_tile(x_src, w_src, b_ptr, pid_n * BLOCK_N, col0, rows, cols, row_mask,
-                         col_mask, H, stride_x, stride_w, inv_temp, HAS_BIAS, DOT_PREC, USE_TMA,
-                         BLOCK_N, BLOCK_V, BLOCK_K)
-        z = tl.where(col_mask[None, :], z, float("-inf"))
-        # the target logit first: after the max, z is only needed as d = z - m_new (same
-        # registers), so the tile is held once rather than as z and exp(z) side by side
-        zt += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
-        m_new = tl.maximum(m, tl.max(z, 1))
-        alpha = tl.exp(m - m_new)
-        d = z - m_new[:, None]                             # <= 0, -inf on masked columns
-        e = tl.exp(d)                                      # 0 on masked columns
-        if WITH_ENTROPY:
-            # t = sum e * (z - m), rescaled to the new max: alpha * (t + (m - m_new) * s)
-            shift = tl.where(s > 0, (m - m_new) * s, 0.0)  # s = 0 before the first tile
-            t = alpha * (t + shift) + tl.sum(tl.where(col_mask[None, :], e * d, 0.0), 1)
-        s = s * alpha + tl.sum(e, 1)
-        m = m_new
-    out = split.to(tl.int64) * N + rows
-    tl.store(m_ptr + out, m, mask=row_mask)
-    tl.store(s_ptr + out, s, mask=row_mask)
-    tl.store(t_ptr + out, t, mask=row_mask)
-    tl.store(zt_ptr + out, zt, mask=row_mask)
-
-
-@triton.jit
-def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, glse_ptr,
-                    ws_ptr, dbp_ptr, N, V, H, row_first, n_rows, v_first, stride_x, stride_w,
-                    stride_ws, inv_temp, n_blocks, n_vtiles, HAS_BIAS: tl.constexpr,
-                    WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr, DOT_PREC: tl.constexpr,
-                    USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
-    """Rows row_first + [0, n_rows) of X (N rows in all), columns v_first + [0, stride_ws):
-    ws[r, c] = dz[row_first + r, v_first + c]; dbp[pid_n, c] = its sum over the tile's rows."""
-    pid_n, pid_v = _swizzle(n_blocks, n_vtiles, GROUP_N)
-    local_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # row inside the group
-    rows = row_first + local_rows
-    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)     # column inside the chunk
-    cols = v_first + local
-    row_mask = local_rows < n_rows
-    col_mask = (local < stride_ws) & (cols < V)
-    x_src, w_src = _operands(x_ptr, w_ptr, N, V, H, stride_x, stride_w, USE_TMA, BLOCK_N,
-                             BLOCK_V, BLOCK_K)
-    z = _logits_tile(x_src, w_src, b_ptr, row_first + pid_n * BLOCK_N, v_first + pid_v * BLOCK_V,
-                     rows, cols, row_mask, col_mask, H, stride_x, stride_w, inv_temp, HAS_BIAS,
-                     DOT_PREC, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
-    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
-    coef = g_lp - tl.load(glse_ptr + rows, mask=row_mask, other=0.0)
-    logp = z - lse[:, None]
-    p = tl.exp(logp)
-    if WITH_ENTROPY:
-        g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
-        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-        dz = -p * (coef[:, None] + g_ent[:, None] * (logp + ent[:, None]))
-    else:
-        dz = -p * coef[:, None]
-    dz = tl.where(cols[None, :] == ids[:, None], dz + g_lp[:, None], dz) * tl.cast(inv_temp, tl.float32)
-    mask = row_mask[:, None] & col_mask[None, :]
-    dz = tl.where(mask, dz, 0.0)                      # padded rows/cols may hold inf/nan
-    ws_ptrs = ws_ptr + local_rows.to(tl.int64)[:, None] * stride_ws + local[None, :]
-    tl.store(ws_ptrs, dz.to(ws_ptr.dtype.element_ty), mask=mask)
-    if NEED_DB:
-        tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_ws + local, tl.sum(dz, 0),
-                 mask=col_mask)
 
 
 def _prepare(hidden: Tensor, weight: Tensor, fp32_lm_head: bool):
@@ -298,10 +150,17 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     m, s, t, zt = (x.new_empty((splits, n), dtype=torch.float32) for _ in range(4))  # [S, N]
     n_blocks = triton.cdiv(n, bn)
     wrap(_fwd_kernel)[(n_blocks * splits,)](
-        x, w, bias if bias is not None else x, ids, m, s, t, zt, n, v, h, x.stride(0),
-        w.stride(0), 1.0 / temperature, cols, n_blocks, splits, HAS_BIAS=bias is not None,
-        WITH_ENTROPY=with_entropy, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
+        x, w, bias if bias is not None else x, ids, m, s, t, zt, ids, n, v, h, x.stride(0),
+        w.stride(0), 1.0 / temperature, cols, n_blocks, splits, 0, n, HAS_BIAS=bias is not None,
+        WITH_ENTROPY=with_entropy, HAS_COUNT=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_K=bk, GROUP_N=GROUP_N, num_warps=warps, num_stages=stages)
+    return _combine(m, s, t, zt, with_entropy)
+
+
+def _combine(m: Tensor, s: Tensor, t: Tensor, zt: Tensor, with_entropy: bool
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    """The S splits' statistics [S, N] -> (logprobs, entropy, lse) [N]: a few torch ops that
+    Inductor fuses into one kernel (deterministic, no atomics)."""
     m_all = m.amax(0)                                                      # [N]
     scale = torch.exp(m - m_all)                                           # [S, N]
     s_all = (s * scale).sum(0)                                             # [N]
@@ -351,6 +210,14 @@ def _row_groups(n, h: int) -> int:
     return min(MAX_ROW_GROUPS, max(1, triton.cdiv(_hint(n) * h * 4, DX_GROUP_BYTES)))
 
 
+def _chunk_cols(v: int, r, groups: int, elem_bytes: int, bv: int) -> int:
+    """C, the backward's vocab columns a step: CHUNK_V, shrunk so that the workspace [R, C]
+    fits WS_BYTES, grown so that there are at most MAX_STEPS (group, chunk) steps."""
+    fit = WS_BYTES // (_hint(r) * elem_bytes) // bv * bv                  # C of WS_BYTES
+    few_steps = triton.cdiv(triton.cdiv(v * groups, MAX_STEPS), bv) * bv  # C of MAX_STEPS
+    return min(max(min(CHUNK_V, fit), few_steps, bv), triton.cdiv(v, bv) * bv)
+
+
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
              entropy: Tensor, g_lp: Tensor, g_ent: Tensor, g_lse: Tensor, temperature: float,
              fp32_lm_head: bool, with_entropy: bool, need_x: bool, need_w: bool, need_b: bool,
@@ -370,9 +237,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     # Group g holds rows [min(g * R, N), min((g + 1) * R, N)), R a whole number of row blocks;
     # with a dynamic N smaller than the traced one the last groups may be empty (no-ops).
     r = triton.cdiv(triton.cdiv(n, groups), bn) * bn
-    fit = WS_BYTES // (_hint(r) * x.element_size()) // bv * bv             # C of WS_BYTES
-    few_steps = triton.cdiv(triton.cdiv(v * groups, MAX_STEPS), bv) * bv     # C of MAX_STEPS
-    c = min(max(min(CHUNK_V, fit), few_steps, bv), triton.cdiv(v, bv) * bv)
+    c = _chunk_cols(v, r, groups, x.element_size(), bv)
     ws = x.new_empty((r, c))                                               # [R, C]
     acc = x.new_empty((r, h), dtype=torch.float32) if need_x else None     # [R, H] fp32
     dx = hidden.new_empty((n, h)) if need_x else None                      # [N, H]
@@ -393,9 +258,9 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
             n_vtiles = triton.cdiv(cols, bv)
             wrap(_dlogits_kernel)[(n_blocks * n_vtiles,)](
                 x, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse,
-                ws, dbp, n, v, h, r0, rows, v0, x.stride(0), w.stride(0), c, 1.0 / temperature,
-                n_blocks, n_vtiles, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
-                NEED_DB=need_b, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
+                ws, dbp, ids, n, v, h, r0, r0, rows, v0, x.stride(0), w.stride(0), c,
+                1.0 / temperature, n_blocks, n_vtiles, HAS_BIAS=bias is not None,
+                WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
                 GROUP_N=GROUP_N, num_warps=warps, num_stages=stages)
             if need_w:
                 dw_rows(dw, v0, ws, cols, x, r0, rows, g > 0)

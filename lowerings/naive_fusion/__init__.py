@@ -52,9 +52,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
-from lowerings._naive_match import (_LINEAR, _MATMUL, _erase_dead, _ids_source, _is, _match_consumers,
+from lowerings.naive_fusion.match import (_LINEAR, _MATMUL, _erase_dead, _ids_source, _is, _match_consumers,
                                     _match_gemm, _region_is_clean, _replaced, _val, _walk_logits)
-from lowerings.linear_logprobs import linear_logprobs
+from lowerings.linear_logprobs.op import linear_logprobs
 
 log = logging.getLogger(__name__)
 

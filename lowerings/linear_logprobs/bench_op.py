@@ -1,6 +1,6 @@
 """GPU micro-benchmark of compiled_grpo::linear_logprobs (eager launch of the op).
 
-    python -m lowerings._bench_op [N] [H] [V] [--sweep] [--compile] [--tma=0,1] [--profile]
+    python -m lowerings.linear_logprobs.bench_op [N] [H] [V] [--sweep] [--compile] [--tma=0,1] [--profile]
         [--sweep=bwd]
 
 Prints, in one run on one GPU: the floor (three bf16 cuBLAS GEMMs of N*H*V: logits, dX, dW),
@@ -17,8 +17,8 @@ import sys
 import torch
 import triton.testing
 
-import lowerings._linear_logprobs_triton as tk
-from lowerings import linear_logprobs
+import lowerings.linear_logprobs.cuda as tk
+from lowerings.linear_logprobs import linear_logprobs
 
 
 def bench(fn, reps=10):

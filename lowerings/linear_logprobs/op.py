@@ -15,9 +15,9 @@ become zeros) and returns (d_hidden, d_weight, d_bias). lse is differentiable
 entropy slot holds zeros (not computed; the kernels skip that work) and its grad is ignored.
 
 Each op body branches on `hidden.device.type`, settled at trace time because fake tensors keep
-their device: CUDA launches the Triton kernels of `_linear_logprobs_triton` through
+their device: CUDA launches the Triton kernels of `cuda.py` through
 `wrap_triton`, so Inductor sees and schedules them; every other device runs the chunked
-pure-PyTorch body of `_linear_logprobs_torch`, which Inductor compiles like any aten code.
+pure-PyTorch body of `cpu.py`, which Inductor compiles like any aten code.
 Neither path allocates an [N, V] tensor (see those modules for workspace sizes), and neither
 reads a tensor value on the host, so dynamic N compiles once. Mark N dynamic on hidden and ids
 alike (the outputs are viewed as ids.shape, so a static hidden would specialize ids' N and
@@ -27,7 +27,7 @@ Measured on one H200 (torch 2.11, triton 3.6), N=16384, H=4096, V=151936 bf16:
   GRPO loss fwd+bwd (`python -m bench --shapes qwen3-8b`, README "GPU results"): 122.9 ms eager
   = 1.33x the floor of three cuBLAS bf16 GEMMs of N*H*V (92.3 ms, same run), 124.3 ms = 1.35x
   inside torch.compile; peak beyond inputs+grads 58 / 61 MiB (N*V bf16 logits: 4748 MiB).
-  The op alone (`python -m lowerings._bench_op --compile --tma=1 --profile`, before the
+  The op alone (`python -m lowerings.linear_logprobs.bench_op --compile --tma=1 --profile`, before the
   forward-split and 6144-column changes): kernel times forward 30.1 ms (cuBLAS logits GEMM
   29.8 ms), dlogits recompute 34.4 ms, dX GEMMs 31.6 ms, dW GEMMs 30.9 ms, eager and compiled
   alike. Recompute makes it 8NHV against the floor's 6NHV: 1.33x is this design's bound.
@@ -40,7 +40,7 @@ Measured on one H200 (torch 2.11, triton 3.6), N=16384, H=4096, V=151936 bf16:
   wave of SMs (32.0 -> 31.1 ms); 6144- rather than 4096-column backward chunks (-1.7 ms).
   Sweeps (`--sweep=bwd`): 2048-column chunks +6 ms; dX row groups of 16 MiB +5 ms (twice the
   dW read-modify-writes), of 64 MiB -1 ms (more memory).
-  Compile caches do not key on LINEAR_LOGPROBS_TMA: see _linear_logprobs_triton.TMA.
+  Compile caches do not key on LINEAR_LOGPROBS_TMA: see cuda.TMA.
 Numerics (tests/test_linear_logprobs_gpu.py, N=1024, full head): error vs an fp32 upcast
 reference <= 2x that of eager bf16 for logprobs, entropy, d_hidden, d_weight, d_bias; bitwise
 deterministic across runs.
@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from lowerings import _linear_logprobs_torch as _torch_impl
+from lowerings.linear_logprobs import cpu as _torch_impl
 
 
 class LinearLogprobs(NamedTuple):
@@ -67,16 +67,36 @@ def _on_cuda(hidden: Tensor) -> bool:
     return hidden.device.type == "cuda"
 
 
+def _rows_path(hidden: Tensor, row_mask: Optional[Tensor]) -> bool:
+    """The row-masked CUDA path (cuda_rows.py) for a row mask on CUDA with 16/32-bit operands;
+    fp64 on CUDA computes every row (then zeroes the padded ones), as the CPU body does."""
+    return row_mask is not None and _on_cuda(hidden) and hidden.element_size() <= 4
+
+
+def _mask_rows(row_mask: Optional[Tensor], *vectors: Tensor) -> tuple[Tensor, ...]:
+    """[N] vectors with the padded rows set to 0 (outputs there, or incoming grads there)."""
+    if row_mask is None:
+        return vectors
+    return tuple(torch.where(row_mask, t, 0) for t in vectors)
+
+
 @triton_op("compiled_grpo::linear_logprobs", mutates_args=())
 def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
-                        temperature: float, fp32_lm_head: bool, with_entropy: bool
-                        ) -> tuple[Tensor, Tensor, Tensor]:
-    """hidden [N, H], weight [V, H], ids [N] int64, bias [V] -> (logprobs, entropy, lse) [N]."""
+                        temperature: float, fp32_lm_head: bool, with_entropy: bool,
+                        row_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """hidden [N, H], weight [V, H], ids [N] int64, bias [V], row_mask [N] bool ->
+    (logprobs, entropy, lse) [N], 0 at rows where row_mask is False."""
+    if _rows_path(hidden, row_mask):
+        from lowerings.linear_logprobs import cuda_rows
+        return cuda_rows.forward(hidden, weight, ids, bias, row_mask, temperature, fp32_lm_head,
+                                 with_entropy, wrap=wrap_triton)
     if _on_cuda(hidden):
-        from lowerings import _linear_logprobs_triton as _triton_impl
-        return _triton_impl.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
-                                    with_entropy, wrap=wrap_triton)
-    return _torch_impl.forward(hidden, weight, ids, bias, temperature, with_entropy)
+        from lowerings.linear_logprobs import cuda as _triton_impl
+        out = _triton_impl.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
+                                   with_entropy, wrap=wrap_triton)
+    else:
+        out = _torch_impl.forward(hidden, weight, ids, bias, temperature, with_entropy)
+    return _mask_rows(row_mask, *out)
 
 
 @triton_op("compiled_grpo::linear_logprobs_backward", mutates_args=())
@@ -84,10 +104,20 @@ def _linear_logprobs_backward_op(
         hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
         entropy: Tensor, grad_logprobs: Tensor, grad_entropy: Tensor, grad_lse: Tensor,
         temperature: float, fp32_lm_head: bool, with_entropy: bool, need_hidden: bool,
-        need_weight: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (d_hidden [N, H], d_weight [V, H], d_bias [V]); a [0]-shaped tensor where not needed."""
+        need_weight: bool, need_bias: bool, row_mask: Optional[Tensor] = None
+        ) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (d_hidden [N, H], d_weight [V, H], d_bias [V]); a [0]-shaped tensor where not needed.
+    Rows where row_mask is False contribute nothing (their incoming grads are ignored)."""
+    if _rows_path(hidden, row_mask):
+        from lowerings.linear_logprobs import cuda_rows
+        return cuda_rows.backward(hidden, weight, ids, bias, row_mask, lse, entropy,
+                                  grad_logprobs, grad_entropy, grad_lse, temperature,
+                                  fp32_lm_head, with_entropy, need_hidden, need_weight,
+                                  need_bias, wrap=wrap_triton)
+    grad_logprobs, grad_entropy, grad_lse = _mask_rows(row_mask, grad_logprobs, grad_entropy,
+                                                       grad_lse)
     if _on_cuda(hidden):
-        from lowerings import _linear_logprobs_triton as _triton_impl
+        from lowerings.linear_logprobs import cuda as _triton_impl
         return _triton_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
                                      grad_entropy, grad_lse, temperature, fp32_lm_head,
                                      with_entropy, need_hidden, need_weight, need_bias,
@@ -98,14 +128,14 @@ def _linear_logprobs_backward_op(
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy = inputs
+    hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy, row_mask = inputs
     _, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, ids, bias, lse, entropy)
+    ctx.save_for_backward(hidden, weight, ids, bias, lse, entropy, row_mask)
     ctx.temperature, ctx.fp32_lm_head, ctx.with_entropy = temperature, fp32_lm_head, with_entropy
 
 
 def _backward(ctx, g_lp, g_ent, g_lse):
-    hidden, weight, ids, bias, lse, entropy = ctx.saved_tensors
+    hidden, weight, ids, bias, lse, entropy, row_mask = ctx.saved_tensors
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
     need_b = need_b and bias is not None
     zeros = torch.zeros_like(lse)
@@ -114,9 +144,9 @@ def _backward(ctx, g_lp, g_ent, g_lse):
     g_lse = zeros if g_lse is None else g_lse
     dx, dw, db = _linear_logprobs_backward_op(
         hidden, weight, ids, bias, lse, entropy, g_lp, g_ent, g_lse, ctx.temperature,
-        ctx.fp32_lm_head, ctx.with_entropy, need_x, need_w, need_b)
+        ctx.fp32_lm_head, ctx.with_entropy, need_x, need_w, need_b, row_mask)
     return (dx if need_x else None, dw if need_w else None, None, db if need_b else None,
-            None, None, None)
+            None, None, None, None)
 
 
 _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
@@ -124,15 +154,21 @@ _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor] = None,
                     *, temperature: float = 1.0, fp32_lm_head: bool = False,
-                    with_entropy: bool = False) -> LinearLogprobs:
+                    with_entropy: bool = False, row_mask: Optional[Tensor] = None) -> LinearLogprobs:
     """hidden [..., H], weight [V, H], ids [...] int64 in [0, V), bias [V] -> LinearLogprobs [...].
 
     Callers guarantee ids in [0, V) (the loss maps masked positions to 0); no device check here.
     fp32_lm_head upcasts the GEMM operands to fp32 (for bf16/fp16 inputs the products are exact
-    in fp32 either way, so on CUDA it only changes fp32-input precision; see the kernels)."""
+    in fp32 either way, so on CUDA it only changes fp32-input precision; see the kernels).
+
+    row_mask [...] bool: rows where it is False are padding. Their logprobs, entropy and lse
+    are 0, their incoming grads are ignored and they get zero d_hidden; on CUDA they also cost
+    no FLOPs (cuda_rows.py: valid rows ordered first on the device, kernels that stop at a
+    device count, no host sync). Elsewhere every row is computed and the padded ones zeroed."""
     lead = ids.shape
     h = hidden.reshape(-1, hidden.shape[-1])                               # [N, H]
+    rm = None if row_mask is None else row_mask.reshape(-1).to(torch.bool)
     lp, ent, lse = _linear_logprobs_op(h, weight, ids.reshape(-1), bias, float(temperature),
-                                       bool(fp32_lm_head), bool(with_entropy))
+                                       bool(fp32_lm_head), bool(with_entropy), rm)
     return LinearLogprobs(lp.view(lead), ent.view(lead) if with_entropy else None,
                           lse.view(lead))

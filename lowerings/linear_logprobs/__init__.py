@@ -1,0 +1,14 @@
+"""`compiled_grpo::linear_logprobs`: per-token log-probs, entropy and lse of a linear head without
+the [N, V] logits.
+
+    op.py      the triton_op pair, its autograd and the public `linear_logprobs` (start here)
+    cuda.py    CUDA launchers: the forward and the row-grouped backward loop
+    kernels.py the @triton.jit kernels (logits tile, forward statistics, dlogits, GEMM steps)
+    gemms.py   the backward's GEMM steps as mutable custom ops (in-place under torch.compile)
+    cpu.py     the chunked pure-PyTorch body of every other device
+    bench_op.py  `python -m lowerings.linear_logprobs.bench_op`: the op alone, per-kernel times
+"""
+from lowerings.linear_logprobs.op import (LinearLogprobs, _linear_logprobs_backward_op,
+                                          _linear_logprobs_op, linear_logprobs)
+
+__all__ = ["LinearLogprobs", "linear_logprobs"]

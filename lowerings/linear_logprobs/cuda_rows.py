@@ -1,0 +1,170 @@
+"""The row-masked CUDA path of `compiled_grpo::linear_logprobs`: padding costs nothing, no host sync.
+
+Legend: N tokens (dynamic), H hidden, V vocab (static), R rows of a row group, C vocab columns
+of a backward chunk, n the valid rows (a device scalar, never read on the host).
+
+Real RL batches are 30-60% padding (completion lengths vary). With `row_mask` [N] bool the op
+orders the rows valid-first on the device (a stable sort of ~row_mask: perm [N], original order
+kept inside each class) and counts them (count [1] int32), then runs cuda.py's row-group
+schedule over the permuted rows, every kernel reading count and stopping at it:
+
+  per group g (rows [g R, (g + 1) R) of the permuted order, n_g = clamp(count - g R, 0, R)):
+    _gather_rows_kernel   xg[:n_g] = X[perm[g R : g R + n_g]]          one [R, H] buffer
+    forward: _fwd_kernel on xg; row blocks past n_g exit           2 n_g H V FLOPs
+    backward, per vocab chunk:
+      _dlogits_kernel on xg -> ws[:n_g, :C]                            2 n_g H C
+      _dw_step_kernel  dW[c] (+)= ws[:n_g].T @ xg[:n_g]  (K loop stops at n_g)    2 n_g H C
+      _dx_step_kernel  acc[:n_g] (+)= ws[:n_g] @ W[c]    (row blocks past n_g exit) 2 n_g H C
+                       (last chunk: dX[perm[...]] = acc, scattered back in dX's dtype)
+
+so the FLOPs are those of the valid rows plus less than one row block per group. The dense
+path's cuBLAS steps cannot stop at a device count, hence the two Triton GEMM steps (TMA operand
+loads on sm_90+, whose zero fill past n_g does the masking). Padded rows get logprobs, entropy
+and lse 0, dX rows 0, and add nothing to dW and d_bias; their incoming grads are ignored.
+
+Memory beyond the dense path's (acc [R, H] fp32 + ws [R, C]): xg [R, H] in the input dtype
+(16 MiB at R=2048, H=4096 bf16), perm and the permuted [N] vectors.
+"""
+import os
+from typing import Callable, Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from lowerings.linear_logprobs import cuda as _dense
+from lowerings.linear_logprobs.kernels import (_dlogits_kernel, _dw_step_kernel, _dx_step_kernel,
+                                               _fwd_kernel, _gather_rows_kernel)
+
+# Tiles of the two GEMM steps, (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages) by operand
+# size in bytes; LINEAR_LOGPROBS_GEMM_TILES="128,256,64,8,3" overrides them (tuning runs, and
+# the interpreter tests patch GEMM_TILES).
+_ENV = os.environ.get("LINEAR_LOGPROBS_GEMM_TILES")
+GEMM_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3), 8: (64, 64, 32, 4, 2)}
+if _ENV:
+    GEMM_TILES = {k: tuple(int(t) for t in _ENV.split(",")) for k in GEMM_TILES}
+GROUP_M = 8       # row (or vocab) blocks a program group shares in L2 (see kernels._swizzle)
+GATHER_ROWS, GATHER_H = 16, 256
+
+
+def order_rows(row_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """perm [N] int64, valid rows first in their original order (a stable device sort, no host
+    sync), and count [1] int32, the number of valid rows."""
+    perm = torch.argsort(row_mask.logical_not().to(torch.uint8), stable=True)   # [N]
+    return perm, row_mask.sum(dtype=torch.int32).reshape(1)
+
+
+def _gather(wrap, x: Tensor, perm: Tensor, count: Tensor, r0, rows, xg: Tensor) -> None:
+    h = x.shape[1]
+    wrap(_gather_rows_kernel)[(triton.cdiv(rows, GATHER_ROWS), triton.cdiv(h, GATHER_H))](
+        x, perm, count, xg, r0, rows, h, x.stride(0), xg.stride(0), BLOCK_R=GATHER_ROWS,
+        BLOCK_H=GATHER_H)
+
+
+def _groups(n, h: int, bn: int):
+    """G row groups of R rows (R a whole number of row blocks), as the dense backward."""
+    groups = _dense._row_groups(n, h)
+    return groups, triton.cdiv(triton.cdiv(n, groups), bn) * bn
+
+
+def _unpermute(perm: Tensor, row_mask: Tensor, v: Tensor) -> Tensor:
+    """[N] values in permuted order -> original order, 0 at padded rows (whose permuted slots
+    were never written)."""
+    return torch.where(row_mask, torch.empty_like(v).scatter_(0, perm, v), 0)
+
+
+def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], row_mask: Tensor,
+            temperature: float, fp32_lm_head: bool, with_entropy: bool,
+            wrap: Callable = lambda k: k) -> tuple[Tensor, Tensor, Tensor]:
+    """(logprobs, entropy, lse), each [N] fp32, 0 at padded rows; entropy 0 unless with_entropy."""
+    bn, bv, bk, warps, stages = _dense.TILES
+    x, w, prec = _dense._prepare(hidden, weight, fp32_lm_head)
+    tma = _dense._use_tma(x, w)
+    bias = bias.contiguous() if bias is not None else None
+    n, h = x.shape
+    v = w.shape[0]
+    perm, count = order_rows(row_mask)
+    ids_p = ids.index_select(0, perm)                                      # [N] permuted
+    groups, r = _groups(n, h, bn)
+    splits, cols = _dense._fwd_splits(r, v, bn, bv, x.device)
+    m, s, t, zt = (x.new_empty((splits, n), dtype=torch.float32) for _ in range(4))  # [S, N]
+    xg = x.new_empty((r, h))                                               # [R, H]
+    for g in range(groups):
+        r0 = torch.sym_min(g * r, n)
+        rows = torch.sym_min((g + 1) * r, n) - r0
+        _gather(wrap, x, perm, count, r0, rows, xg)
+        n_blocks = triton.cdiv(rows, bn)
+        wrap(_fwd_kernel)[(n_blocks * splits,)](
+            xg, w, bias if bias is not None else x, ids_p, m, s, t, zt, count, rows, v, h,
+            xg.stride(0), w.stride(0), 1.0 / temperature, cols, n_blocks, splits, r0, n,
+            HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, HAS_COUNT=True, DOT_PREC=prec,
+            USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
+            num_warps=warps, num_stages=stages)
+    lp, ent, lse = _dense._combine(m, s, t, zt, with_entropy)              # [N] permuted
+    lp, lse = _unpermute(perm, row_mask, lp), _unpermute(perm, row_mask, lse)
+    ent = _unpermute(perm, row_mask, ent) if with_entropy else torch.zeros_like(lse)
+    return lp, ent, lse
+
+
+def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], row_mask: Tensor,
+             lse: Tensor, entropy: Tensor, g_lp: Tensor, g_ent: Tensor, g_lse: Tensor,
+             temperature: float, fp32_lm_head: bool, with_entropy: bool, need_x: bool,
+             need_w: bool, need_b: bool, wrap: Callable = lambda k: k
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes, from the valid rows only."""
+    bn, bv, bk, warps, stages = _dense.TILES
+    gm, gh, gk, gwarps, gstages = GEMM_TILES[min(8, max(2, hidden.element_size()))]
+    x, w, prec = _dense._prepare(hidden, weight, fp32_lm_head)
+    tma = _dense._use_tma(x, w)
+    bias = bias.contiguous() if bias is not None else None
+    n, h = x.shape
+    v = w.shape[0]
+    perm, count = order_rows(row_mask)
+    # the [N] vectors in permuted order, dense (autograd may hand in stride-0 grads)
+    ids, lse, entropy, g_lp, g_ent, g_lse = (
+        t.index_select(0, perm) for t in (ids, lse, entropy, g_lp, g_ent, g_lse))
+    groups, r = _groups(n, h, bn)
+    c = _dense._chunk_cols(v, r, groups, x.element_size(), bv)
+    ws = x.new_empty((r, c))                                               # [R, C]
+    xg = x.new_empty((r, h))                                               # [R, H]
+    acc = x.new_empty((r, h), dtype=torch.float32) if need_x else None     # [R, H] fp32
+    dx = hidden.new_zeros((n, h)) if need_x else None                      # [N, H], padded rows 0
+    dw = weight.new_empty(weight.shape) if need_w else None                # [V, H]
+    db = [None] * triton.cdiv(v, c)                                        # fp32 [C'] each
+    n_hblocks = triton.cdiv(h, gh)
+    for g in range(groups):
+        r0 = torch.sym_min(g * r, n)
+        rows = torch.sym_min((g + 1) * r, n) - r0
+        _gather(wrap, x, perm, count, r0, rows, xg)
+        n_blocks = triton.cdiv(rows, bn)
+        dbp = x.new_zeros((r // bn, c), dtype=torch.float32) if need_b else ws  # [R/BN, C]
+        for ci, v0 in enumerate(range(0, v, c)):
+            cols = min(c, v - v0)
+            n_vtiles = triton.cdiv(cols, bv)
+            wrap(_dlogits_kernel)[(n_blocks * n_vtiles,)](
+                xg, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse,
+                ws, dbp, count, rows, v, h, 0, r0, rows, v0, xg.stride(0), w.stride(0), c,
+                1.0 / temperature, n_blocks, n_vtiles, HAS_BIAS=bias is not None,
+                WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=True, DOT_PREC=prec,
+                USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
+                num_warps=warps, num_stages=stages)
+            if need_w:
+                n_cblocks = triton.cdiv(cols, gm)
+                wrap(_dw_step_kernel)[(n_cblocks * n_hblocks,)](
+                    ws, xg, dw, count, r0, rows, v0, cols, h, ws.stride(0), xg.stride(0),
+                    dw.stride(0), n_cblocks, n_hblocks, ACCUMULATE=g > 0, DOT_PREC=prec,
+                    USE_TMA=tma, BLOCK_C=gm, BLOCK_H=gh, BLOCK_K=gk, GROUP_C=GROUP_M,
+                    num_warps=gwarps, num_stages=gstages)
+            if need_x:
+                n_mblocks = triton.cdiv(rows, gm)
+                wrap(_dx_step_kernel)[(n_mblocks * n_hblocks,)](
+                    ws, w, acc, dx, perm, count, r0, rows, v0, cols, h, ws.stride(0),
+                    w.stride(0), dx.stride(0), n_mblocks, n_hblocks, ACCUMULATE=v0 > 0,
+                    STORE=v0 + c >= v, DOT_PREC=prec, USE_TMA=tma, BLOCK_M=gm, BLOCK_H=gh,
+                    BLOCK_K=gk, GROUP_M=GROUP_M, num_warps=gwarps, num_stages=gstages)
+            if need_b:
+                part = dbp.sum(0).narrow(0, 0, cols)                       # [C'] fp32
+                db[ci] = part if db[ci] is None else db[ci] + part
+    empty = hidden.new_empty(0)
+    return (dx if need_x else empty, dw if need_w else weight.new_empty(0),
+            torch.cat(db).to(bias.dtype) if need_b else empty)
