@@ -48,3 +48,22 @@ def check_token_ids(token_ids: torch.Tensor, vocab_size: int, valid: torch.Tenso
         bad = token_ids[~ok]
         raise ValueError(f"token_ids must lie in [0, V={vocab_size}) at unmasked positions; found "
                          f"{bad[:5].tolist()} (and {max(bad.numel() - 5, 0)} more)")
+
+
+def check_cu_seqlens(cu_seqlens, num_tokens, device) -> None:
+    """cu_seqlens [S + 1] int32/int64 on hidden's device, S >= 1; values 0 first, N last, non-decreasing.
+
+    Shapes and dtype are checked always; the values like token ids: ValueError in eager CPU code,
+    ``torch._assert_async`` on other devices and under compile (no host sync).
+    """
+    check_tensor("cu_seqlens", cu_seqlens, ndims=(1,), dtypes=INT_DTYPES, device=device)
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have shape [S + 1] with S >= 1 sequences, got {tuple(cu_seqlens.shape)}")
+    ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == num_tokens) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all()
+    what = "cu_seqlens must start at 0, end at N (the packed token count) and never decrease"
+    if torch.compiler.is_compiling() or cu_seqlens.device.type != "cpu":
+        torch._assert_async(ok, what)  # a static message: formatting the SymInt N would specialize it
+    elif not bool(ok):
+        values = cu_seqlens.tolist()
+        raise ValueError(f"{what}; N={num_tokens}, got {values[:8]}{' ...' if len(values) > 8 else ''} "
+                         f"(S+1={len(values)})")

@@ -11,6 +11,9 @@ Composition order (Liger 0.8.5 ``ppo_loss_fn`` / TRL 1.16 ``_compute_loss``)::
     l          = l + beta * kl_penalty(p, ref) [* rho if use_bias_correction_kl]
     loss       = aggregate(l, mask)                                  # normalizer of loss_type
     loss       = loss - entropy_coef * masked_mean(entropy)          # TRL's entropy bonus
+
+Packed inputs (``cu_seqlens``): the same functions on flat [N] tensors, with a ``Segments``
+(each token's sequence id) handed to the three that reduce or broadcast per sequence.
 """
 from __future__ import annotations
 
@@ -19,17 +22,19 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from compiled_grpo._checks import FLOAT_DTYPES, check_shape, check_tensor
+from compiled_grpo._checks import FLOAT_DTYPES, check_cu_seqlens, check_shape, check_tensor
 from compiled_grpo.config import GRPOConfig
-from compiled_grpo.logprobs import token_logprobs
+from compiled_grpo.logprobs import check_packed_hidden, token_logprobs
 from compiled_grpo.loss import (advantage_stats, aggregate, importance_ratio, kl_penalty, masked_mean,
-                                policy_objective)
+                                policy_objective, segments_from_cu_seqlens)
 from compiled_grpo.metrics import GRPOMetrics, TokenStats, compute_metrics
 
 _DEFAULT = GRPOConfig()
 
 
 class GRPOOutput(NamedTuple):
+    """Per-token fields take token_ids' shape: [B, T] padded, [N] or [1, N] packed."""
+
     loss: Tensor                     # 0-dim
     per_token_loss: Tensor           # [B, T], 0 at masked positions (differentiable)
     logprobs: Tensor                 # [B, T] detached, 0 at masked positions
@@ -40,7 +45,8 @@ class GRPOOutput(NamedTuple):
 def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Tensor, mask: Tensor,
               old_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None, *,
               bias: Optional[Tensor] = None, sampling_ratio: Optional[Tensor] = None,
-              num_items_in_batch=None, config: GRPOConfig = _DEFAULT) -> GRPOOutput:
+              num_items_in_batch=None, cu_seqlens: Optional[Tensor] = None,
+              config: GRPOConfig = _DEFAULT) -> GRPOOutput:
     """GRPO-family loss of ``config.loss_type`` (README: loss table).
 
     hidden [B, T, H] bf16/fp16/fp32(/fp64), weight [V, H], token_ids [B, T] int64, advantages [B] or
@@ -50,16 +56,41 @@ def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Ten
     the same pass as the log-probs) when ``entropy_coef > 0`` or ``metrics`` asks for it.
     Hidden states at masked positions must be finite (true of any model); inf/NaN in old/ref
     log-probs, advantages or sampling_ratio at masked positions never reach the loss or grads.
+
+    Packed (padding-free) inputs: ``cu_seqlens`` [S + 1] int32/int64, cumulative offsets with 0
+    first and N last (flash-attn varlen / HF convention); sequence i is tokens cu_seqlens[i] :
+    cu_seqlens[i + 1]. Then hidden [N, H], token_ids / mask / old / ref / sampling_ratio [N],
+    advantages [S] (one per sequence; a length-S tensor is always read so) or [N]; or HF's packed
+    batch: hidden [1, N, H], per-token tensors [1, N], advantages [S] or [1, N]. Per-token outputs
+    take token_ids' shape. Every loss type, IS level, KL, normalizer and metric gives the value of
+    the padded [S, T] layout of the same sequences (B = S, empty sequences included; L_i = the
+    segment's valid tokens; dr_grpo's divisor S * max_completion_length), up to summation order.
     """
     return _grpo_loss(token_logprobs, hidden, weight, token_ids, advantages, mask, old_logprobs, ref_logprobs,
                       bias=bias, sampling_ratio=sampling_ratio, num_items_in_batch=num_items_in_batch,
-                      config=config)
+                      cu_seqlens=cu_seqlens, config=config)
 
 
-def _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio,
-                  num_items_in_batch, config) -> None:
-    if not isinstance(config, GRPOConfig):
-        raise TypeError(f"config must be a compiled_grpo.GRPOConfig, got {type(config).__name__}")
+def _check_packed(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio, cu_seqlens) -> None:
+    check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES)
+    check_packed_hidden(hidden)
+    tok, dev = tuple(hidden.shape[:-1]), hidden.device  # (N,) or (1, N)
+    what = "[N]" if len(tok) == 1 else "[1, N]"
+    check_cu_seqlens(cu_seqlens, tok[-1], dev)
+    check_tensor("mask", mask, ndims=(len(tok),), device=dev)
+    check_shape("mask", mask, tok, what)
+    check_tensor("advantages", advantages, ndims=(1, len(tok)), dtypes=FLOAT_DTYPES, device=dev)
+    seqs = (cu_seqlens.shape[0] - 1,)
+    if tuple(advantages.shape) != seqs and tuple(advantages.shape) != tok:
+        raise ValueError(f"advantages must have shape [S] = {seqs} (one per sequence of cu_seqlens) or {what} = "
+                         f"{tok}, got {tuple(advantages.shape)}")
+    for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs), ("sampling_ratio", sampling_ratio)):
+        if x is not None:
+            check_tensor(name, x, dtypes=FLOAT_DTYPES, device=dev)
+            check_shape(name, x, tok, what)
+
+
+def _check_padded(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio) -> None:
     check_tensor("hidden", hidden, ndims=(3,), dtypes=FLOAT_DTYPES)
     bt, dev = tuple(hidden.shape[:2]), hidden.device
     check_tensor("mask", mask, ndims=(2,), device=dev)
@@ -74,6 +105,16 @@ def _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprob
         check_tensor("sampling_ratio", sampling_ratio, ndims=(2,), dtypes=FLOAT_DTYPES, device=dev)
         if tuple(sampling_ratio.shape) not in (bt, (bt[0], 1)):
             raise ValueError(f"sampling_ratio must have shape [B, T] = {bt} or [B, 1], got {tuple(sampling_ratio.shape)}")
+
+
+def _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio,
+                  num_items_in_batch, config, cu_seqlens=None) -> None:
+    if not isinstance(config, GRPOConfig):
+        raise TypeError(f"config must be a compiled_grpo.GRPOConfig, got {type(config).__name__}")
+    if cu_seqlens is None:
+        _check_padded(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio)
+    else:
+        _check_packed(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio, cu_seqlens)
     if config.beta != 0.0 and ref_logprobs is None:
         raise ValueError(f"ref_logprobs is required when config.beta={config.beta} > 0 (the KL penalty needs "
                          "the reference policy's log-probs; compute them with token_logprobs under no_grad)")
@@ -87,10 +128,20 @@ def _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprob
 
 
 def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logprobs=None, ref_logprobs=None, *,
-               bias=None, sampling_ratio=None, num_items_in_batch=None, config: GRPOConfig = _DEFAULT) -> GRPOOutput:
+               bias=None, sampling_ratio=None, num_items_in_batch=None, cu_seqlens=None,
+               config: GRPOConfig = _DEFAULT) -> GRPOOutput:
     cfg = config
     _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio,
-                  num_items_in_batch, cfg)
+                  num_items_in_batch, cfg, cu_seqlens)
+    segments, out_shape = None, None
+    if cu_seqlens is not None:  # packed: flatten HF's [1, N] to [N]; per-token outputs go back to token_ids' shape
+        out_shape = token_ids.shape
+        flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
+        hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+        token_ids, mask, old_logprobs, ref_logprobs, sampling_ratio = map(
+            flat, (token_ids, mask, old_logprobs, ref_logprobs, sampling_ratio))  # [N]
+        advantages = flat(advantages)  # [S] or [N]
+        segments = segments_from_cu_seqlens(cu_seqlens, hidden.shape[0])
     valid = mask if mask.dtype == torch.bool else mask != 0  # [B, T]
     want_entropy = cfg.entropy_coef > 0 or cfg.metrics_level == "with_entropy"
     tok = logprob_fn(hidden, weight, token_ids, bias, mask=valid, temperature=cfg.temperature,
@@ -99,8 +150,8 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
     dtype = logp.dtype
     old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)  # [B, T]
     rho = importance_ratio(logp, old, valid, level=cfg.importance_sampling_level,
-                           log_ratio_clamp=cfg.log_ratio_clamp)
-    adv = advantage_stats(advantages.to(dtype), valid)
+                           log_ratio_clamp=cfg.log_ratio_clamp, segments=segments)
+    adv = advantage_stats(advantages.to(dtype), valid, segments=segments)
     pol = policy_objective(rho.ratio, adv.advantages, logp, cfg)
     per_token = pol.per_token_loss  # [B, T] or [B, 1]
     if sampling_ratio is not None:
@@ -113,7 +164,7 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
             kl = kl * rho.ratio
         per_token = per_token + cfg.beta * kl
     per_token = torch.where(valid, per_token, 0)  # [B, T]
-    loss = aggregate(per_token, valid, cfg, num_items_in_batch).loss
+    loss = aggregate(per_token, valid, cfg, num_items_in_batch, segments=segments).loss
     entropy = tok.entropy  # [B, T] or None, 0 at masked positions
     if cfg.entropy_coef > 0:
         loss = loss - cfg.entropy_coef * masked_mean(entropy, valid)
@@ -128,4 +179,8 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
             is_high_clipped=pol.is_high_clipped.expand(valid.shape), kl_ref=d(kl), entropy=d(entropy),
             epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high)
         metrics = compute_metrics(stats, cfg.metrics_level, cfg.custom_metrics)
-    return GRPOOutput(loss, per_token, logp.detach(), entropy, metrics)
+    logp = logp.detach()
+    if out_shape is not None and len(out_shape) == 2:  # HF's packed batch [1, N]
+        per_token, logp = per_token.reshape(out_shape), logp.reshape(out_shape)
+        entropy = None if entropy is None else entropy.reshape(out_shape)
+    return GRPOOutput(loss, per_token, logp, entropy, metrics)

@@ -16,10 +16,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from compiled_grpo._registry import METRIC_LEVELS, registered_metrics
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 IS_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-METRIC_LEVELS = ("none", "basic", "with_entropy")
 
 
 def _is_real(x) -> bool:
@@ -99,8 +100,6 @@ class GRPOConfig:
 
 
 def _normalize_metrics(metrics) -> tuple:
-    from compiled_grpo.metrics import registered_metrics  # late: the registry grows at import time
-
     names = (metrics,) if isinstance(metrics, str) else metrics
     if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"GRPOConfig.metrics={metrics!r}: must be a str or a tuple of str")

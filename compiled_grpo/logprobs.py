@@ -12,13 +12,23 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from compiled_grpo._checks import INT_DTYPES, check_lm_head, check_tensor, check_token_ids
-from lowerings import LinearLogprobs as TokenLogprobs
-from lowerings import linear_logprobs
+from compiled_grpo._checks import INT_DTYPES, check_cu_seqlens, check_lm_head, check_tensor, check_token_ids
+from lowerings.linear_logprobs import LinearLogprobs as TokenLogprobs
+from lowerings.linear_logprobs import linear_logprobs
 
 
-def _prepare(hidden, weight, token_ids, bias, mask, temperature):
+def check_packed_hidden(hidden) -> None:
+    """With cu_seqlens, hidden is [N, H] or HF's packed batch [1, N, H]."""
+    if hidden.dim() not in (2, 3) or (hidden.dim() == 3 and hidden.shape[0] != 1):
+        raise ValueError(f"hidden must have shape [N, H] or [1, N, H] (a packed batch) when cu_seqlens is given, "
+                         f"got {tuple(hidden.shape)}")
+
+
+def _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens=None):
     check_lm_head(hidden, weight, bias)
+    if cu_seqlens is not None:
+        check_packed_hidden(hidden)
+        check_cu_seqlens(cu_seqlens, hidden.shape[-2], hidden.device)
     check_tensor("token_ids", token_ids, dtypes=INT_DTYPES, device=hidden.device)
     if tuple(token_ids.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"token_ids must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
@@ -40,15 +50,20 @@ def _prepare(hidden, weight, token_ids, bias, mask, temperature):
 
 def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Optional[Tensor] = None, *,
                    mask: Optional[Tensor] = None, temperature: float = 1.0, fp32_lm_head: bool = False,
-                   with_entropy: bool = False) -> TokenLogprobs:
+                   with_entropy: bool = False, cu_seqlens: Optional[Tensor] = None) -> TokenLogprobs:
     """log_softmax((hidden @ weight.T + bias) / temperature)[token_ids], without the logits.
 
     hidden [..., H], weight [V, H], token_ids [...]; returns ``TokenLogprobs(logprobs, entropy, lse)``,
     each [...] fp32 (fp64 for fp64 inputs), entropy None unless ``with_entropy``. With ``mask``,
     masked positions may hold any id and report logprob/entropy 0. Differentiable in hidden,
     weight and bias.
+
+    Packed inputs (``cu_seqlens`` [S + 1] int32/int64, 0 first, N last): hidden [N, H] or
+    [1, N, H], token_ids and mask [N] or [1, N]; outputs take token_ids' shape. A token's
+    log-prob does not depend on where its sequence starts, so ``cu_seqlens`` is checked (shape,
+    dtype; values in eager CPU code, a device assert elsewhere) and otherwise unused.
     """
-    ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature)
+    ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens)
     out = linear_logprobs(hidden, weight, ids, bias, temperature=float(temperature),
                           fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
     if mask is None:

@@ -1,6 +1,11 @@
 """The GRPO loss family as pure PyTorch functions on [B, T] per-token tensors: the one definition.
 
 Shape legend: B sequences, T completion positions, N = B*T tokens. ``mask`` is a bool [B, T].
+Packed (padding-free) inputs: S sequences laid end to end in N tokens, every per-token tensor [N]
+and a :class:`Segments` passed as ``segments=`` to the functions that reduce or broadcast per
+sequence (``importance_ratio`` at sequence level, ``advantage_stats``, ``aggregate``); the others
+are elementwise and take [N] as they take [B, T]. Without ``segments`` the padded code runs
+unchanged.
 Notation: p = log pi_theta(y_t) (``logprobs``), q = old log-prob, r = reference log-prob,
 rho = exp(p - q), A = advantage, m = mask, L_i = sum_t m_{i,t}.
 
@@ -21,6 +26,34 @@ def _clamp(x: Tensor, bound: Optional[float]) -> Tensor:
     return x if bound is None else x.clamp(-bound, bound)
 
 
+class Segments(NamedTuple):
+    """Packed layout: sequence s owns the flat tokens ``cu_seqlens[s]:cu_seqlens[s + 1]``.
+
+    ``ids`` [N] int64 is each token's sequence, ``torch.searchsorted(cu_seqlens[1:], arange(N),
+    right=True)`` (a zero-length sequence owns no token); ``num_sequences`` is S =
+    ``cu_seqlens.shape[0] - 1``, a size (a SymInt under dynamic shapes), never read from tensor
+    data. Per-sequence sums are ``index_add`` into [S]: no host sync, no data-dependent shape.
+    """
+
+    ids: Tensor         # [N] int64
+    num_sequences: int  # S
+
+    def sum(self, x: Tensor) -> Tensor:
+        """[N] -> [S]: sum over each sequence's tokens (0 for an empty sequence)."""
+        return x.new_zeros(self.num_sequences).index_add(0, self.ids, x)  # [S]
+
+    def broadcast(self, x: Tensor) -> Tensor:
+        """[S] -> [N]: each token takes its sequence's value."""
+        return x.index_select(0, self.ids)  # [N]
+
+
+def segments_from_cu_seqlens(cu_seqlens: Tensor, num_tokens) -> Segments:
+    """:class:`Segments` of ``cu_seqlens`` [S + 1] (int32/int64, 0 first, N last, non-decreasing)."""
+    pos = torch.arange(num_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)  # [N]
+    ids = torch.searchsorted(cu_seqlens[1:], pos, right=True)  # [N] int64
+    return Segments(ids, cu_seqlens.shape[0] - 1)
+
+
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """sum(x * m) / max(sum(m), 1) over valid tokens, with masked entries selected away."""
     m = mask.to(x.dtype)
@@ -29,21 +62,29 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 class ImportanceRatio(NamedTuple):
     log_ratio: Tensor   # [B, T] p - q (clamped), 0 at masked positions
-    log_weight: Tensor  # [B, T] token level, [B, 1] sequence level (GSPO)
+    log_weight: Tensor  # [B, T] token level, [B, 1] sequence level (GSPO); packed: [N] both
     ratio: Tensor       # exp(log_weight), same shape as log_weight
 
 
 def importance_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *, level: str = "token",
-                     log_ratio_clamp: Optional[float] = 20.0) -> ImportanceRatio:
+                     log_ratio_clamp: Optional[float] = 20.0,
+                     segments: Optional[Segments] = None) -> ImportanceRatio:
     """rho = exp(clamp(p - q)); GSPO: rho_i = exp(clamp(sum_t m (p - q) / max(L_i, 1))).
 
     Equals TRL 1.16 / Liger 0.8.5 ``coef_1`` when ``log_ratio_clamp`` is None. The clamp (verl,
-    NeMo-RL: +-20) applies to the token log-ratio and to the sequence log-weight.
+    NeMo-RL: +-20) applies to the token log-ratio and to the sequence log-weight. Packed
+    (``segments``): the sums run over each segment and the sequence weight is broadcast back to
+    its tokens, so ``log_weight`` is [N] at either level.
     """
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0)  # [B, T]
     if level == "token":
         log_ratio = _clamp(log_ratio, log_ratio_clamp)
         log_weight = log_ratio  # [B, T]
+    elif segments is not None:
+        lengths = segments.sum(mask.to(log_ratio.dtype)).clamp(min=1.0)  # [S]
+        log_weight = _clamp(segments.sum(log_ratio) / lengths, log_ratio_clamp)  # [S]
+        log_weight = segments.broadcast(log_weight)  # [N]
+        log_ratio = _clamp(log_ratio, log_ratio_clamp)
     else:
         lengths = mask.sum(-1, keepdim=True).to(log_ratio.dtype).clamp(min=1.0)  # [B, 1]
         log_weight = _clamp(log_ratio.sum(-1, keepdim=True) / lengths, log_ratio_clamp)  # [B, 1]
@@ -79,16 +120,21 @@ class AdvantageStats(NamedTuple):
     min: Tensor         # 0-dim, +inf when no token is valid
 
 
-def advantage_stats(advantages: Tensor, mask: Tensor) -> AdvantageStats:
+def advantage_stats(advantages: Tensor, mask: Tensor, *, segments: Optional[Segments] = None) -> AdvantageStats:
     """Broadcastable advantages plus masked mean/max/min (detached) over valid tokens.
 
-    [B] advantages are broadcast over T (TRL's ``unsqueeze(1)``), then selected to 0 at masked
+    Packed (``segments``): advantages are [S] (one per sequence, broadcast to its tokens) or [N];
+    a 1-D tensor of length S is read per sequence (when S == N both readings agree unless a
+    sequence is empty). [B] advantages are broadcast over T (TRL's ``unsqueeze(1)``), then selected to 0 at masked
     positions, so a NaN advantage of a fully masked sequence (a zero-variance group) never enters
     the per-token loss (the masked selections downstream keep it out of the gradient too; see
     test_guards). Empty max/min are -inf/+inf, the
     identities of max/min, so per-rank values combine with all_reduce(MAX/MIN); never sum them.
     """
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    if segments is not None:
+        adv = segments.broadcast(advantages) if advantages.shape[0] == segments.num_sequences else advantages  # [N]
+    else:
+        adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     adv = torch.where(mask, adv, 0)  # [B, T]
     full = adv.detach()  # [B, T]
     mean = masked_mean(full, mask)
@@ -162,7 +208,8 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def aggregate(per_token_loss: Tensor, mask: Tensor, config, num_items_in_batch=None) -> Aggregate:
+def aggregate(per_token_loss: Tensor, mask: Tensor, config, num_items_in_batch=None, *,
+              segments: Optional[Segments] = None) -> Aggregate:
     """Reduce the masked per-token loss [B, T] the way ``config.loss_type`` does (TRL 1.16):
 
     grpo, sapo     sum_i [sum_t l m / max(L_i, 1)] / B
@@ -174,17 +221,25 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, config, num_items_in_batch=N
 
     ``grad_divisor`` (Fast-LLM): the value keeps its divisor, the gradient is that of
     numerator / grad_divisor (value + (num/G - sg(num/G)), which adds exactly 0).
+
+    Packed (``segments``, per_token_loss and mask [N]): B is S, the number of sequences (empty
+    ones included, as padded rows with no valid token are), and L_i is a segment's valid tokens,
+    so every loss type gives the padded layout's value.
     """
     kind = LOSS_TYPES[config.loss_type]
     dtype = per_token_loss.dtype
     masked = torch.where(mask, per_token_loss, 0)  # [B, T]
-    if kind.per_sequence_mean:
+    if kind.per_sequence_mean and segments is not None:
+        lengths = segments.sum(mask.to(dtype)).clamp(min=1.0)  # [S]
+        numerator = (segments.sum(masked) / lengths).sum()
+    elif kind.per_sequence_mean:
         lengths = mask.sum(-1).to(dtype).clamp(min=1.0)  # [B]
         numerator = (masked.sum(-1) / lengths).sum()
     else:
         numerator = masked.sum()
     one = torch.ones((), dtype=dtype, device=mask.device)
-    batch = mask.shape[0]  # a SymInt under dynamic shapes: multiply, never float() it (would specialize)
+    # B (S packed): a SymInt under dynamic shapes: multiply, never float() it (would specialize)
+    batch = mask.shape[0] if segments is None else segments.num_sequences
     if kind.divisor == "batch":
         divisor = one * batch
     elif kind.divisor == "dr_grpo":

@@ -21,9 +21,8 @@ from typing import Callable, Dict, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from compiled_grpo._registry import METRIC_LEVELS, get_metric, register_metric, registered_metrics  # noqa: F401
 from compiled_grpo.loss import AdvantageStats, masked_mean
-
-_REGISTRY: Dict[str, Callable] = {}
 
 
 class TokenStats(NamedTuple):
@@ -68,22 +67,16 @@ class GRPOMetrics(NamedTuple):
 
 def metric(name: str):
     """Register ``fn(stats: TokenStats) -> Tensor`` as a metric requestable by ``name``."""
-    from compiled_grpo.config import METRIC_LEVELS
-
     if not isinstance(name, str) or not name or name in METRIC_LEVELS or name in GRPOMetrics._fields:
         raise ValueError(f"metric name {name!r} must be a non-empty str and not a built-in metric or level")
 
     def register(fn: Callable) -> Callable:
         if not callable(fn):
             raise TypeError(f"@metric({name!r}) must decorate a callable, got {type(fn).__name__}")
-        _REGISTRY[name] = fn
+        register_metric(name, fn)
         return fn
 
     return register
-
-
-def registered_metrics() -> Dict[str, Callable]:
-    return dict(_REGISTRY)
 
 
 def compute_metrics(stats: TokenStats, level: str, custom_names: tuple) -> GRPOMetrics:
@@ -116,5 +109,5 @@ def compute_metrics(stats: TokenStats, level: str, custom_names: tuple) -> GRPOM
             out["kl_ref"] = masked_mean(stats.kl_ref, m)
         if level == "with_entropy":
             out["entropy"] = masked_mean(stats.entropy, m)
-    custom = {name: _REGISTRY[name](stats).detach() for name in custom_names}
+    custom = {name: get_metric(name)(stats).detach() for name in custom_names}
     return GRPOMetrics(**out, custom=custom)

@@ -17,9 +17,9 @@ from compiled_grpo.logprobs import TokenLogprobs, _prepare
 
 def reference_token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Optional[Tensor] = None, *,
                              mask: Optional[Tensor] = None, temperature: float = 1.0, fp32_lm_head: bool = False,
-                             with_entropy: bool = False) -> TokenLogprobs:
+                             with_entropy: bool = False, cu_seqlens: Optional[Tensor] = None) -> TokenLogprobs:
     """Same contract as :func:`compiled_grpo.token_logprobs`; ``fp32_lm_head`` is implied (upcast)."""
-    ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature)
+    ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens)
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     logits = hidden.to(dtype) @ weight.to(dtype).T  # [..., V]
     if bias is not None:
