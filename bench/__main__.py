@@ -7,6 +7,7 @@ DIR/results.png and prints the run as Markdown. See bench/README.md for the meth
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -35,6 +36,9 @@ def parse(argv=None) -> argparse.Namespace:
                     help="seconds of timed calls per provider (default 1.0 on CUDA, 0.2 on CPU)")
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 reference and error columns")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--targets", default="random", choices=shapes.TARGETS,
+                    help="target token ids: uniform over V (default), or sampled from the policy's own "
+                         "softmax (on-policy rollouts: peaked, realistic)")
     ap.add_argument("--cpu-threads", type=int, default=1,
                     help="torch threads on CPU (default 1: on shared cores each OpenMP barrier can wait "
                          "a scheduler slice, ~15 ms, which swamps tiny shapes)")
@@ -69,8 +73,10 @@ def main(argv=None) -> int:
     def over_limit() -> bool:
         return a.time_limit_s is not None and time.perf_counter() - t_run > a.time_limit_s
     for shape in shape_list:
-        info = dict(header, shape=shape.name, B=shape.B, T=shape.T, H=shape.H, V=shape.V, N=shape.N)
-        _log(f"== {shape.name}: B={shape.B} T={shape.T} H={shape.H} V={shape.V} N={shape.N}, "
+        info = dict(header, shape=shape.name, B=shape.B, T=shape.T, H=shape.H, V=shape.V, N=shape.N,
+                    targets=a.targets)
+        _log(f"== {shape.name}: B={shape.B} T={shape.T} H={shape.H} V={shape.V} N={shape.N}"
+             f"{' (padded twin; packed: its valid tokens)' if shape.packed else ''}, targets {a.targets}, "
              f"6NHV = {shape.useful_flops / 1e12:.2f} TFLOP")
         x = ref = None
         if over_limit():
@@ -81,14 +87,20 @@ def main(argv=None) -> int:
                 rows.append(row)
             continue
         try:
-            x = shapes.make_inputs(shape, device, dtype, seed=a.seed)
+            # A packed shape: the padded twin's inputs (and reference), then its valid tokens packed.
+            x = shapes.make_inputs(dataclasses.replace(shape, packed=False), device, dtype, seed=a.seed,
+                                   targets=a.targets)
             if not a.no_check:
                 t0 = time.perf_counter()
                 ref = measure.reference(x, params, device, _log)
                 _log(f"  reference: {ref.name if ref else 'n/a'} ({time.perf_counter() - t0:.1f} s)")
+            if shape.packed:
+                ref = measure.pack_reference(ref, x.mask)
+                x = shapes.pack(x)
         except Exception as e:  # inputs alone do not fit: every provider is OOM at this shape
             if not measure.is_oom(e):
                 raise
+            x = ref = None
         if x is None:
             measure.free_memory(device)
             for pr in prov_list:
@@ -98,7 +110,23 @@ def main(argv=None) -> int:
                 rows.append(row)
             _log(f"  inputs OOM: {len(prov_list)} rows recorded as OOM")
             continue
-        floor_ms = None
+        n_valid = shapes.n_valid(x)
+        info.update(N=x.token_ids.numel(), N_valid=n_valid, valid_frac=n_valid / shape.N)
+        valid_flops = 6 * n_valid * shape.H * shape.V  # the work the valid tokens need: the headline
+        _log(f"  N_valid = {n_valid} ({n_valid / shape.N:.1%} of B*T), 6*N_valid*H*V = {valid_flops / 1e12:.2f} TFLOP")
+        floor_ms = floor_valid_ms = None
+        held: list[dict] = []  # the floors' rows, written once both floors are measured
+
+        def add_ratios(row: dict) -> None:
+            ms = row.get("ms")
+            if ms is None:
+                return
+            row["ratio_to_floor"] = ms / floor_ms if floor_ms else None
+            # floor_valid from this run; if it failed, the all-token floor scaled by N_valid/N
+            valid_floor = floor_valid_ms or (floor_ms * n_valid / x.token_ids.numel() if floor_ms else None)
+            row["ratio_to_valid_floor"] = ms / valid_floor if valid_floor else None
+            row["tflops"] = valid_flops / (ms * 1e-3) / 1e12
+
         for pr in prov_list:
             k += 1
             t0 = time.perf_counter()
@@ -108,11 +136,21 @@ def main(argv=None) -> int:
             else:
                 row = dict(info, **measure.run_one(pr, shape, x, params, device, timing, ref, _log))
             ms = row.get("ms")
-            if pr.name == "floor" and ms is not None:
+            if pr.name == "floor":
                 floor_ms = ms
-            if ms is not None:
-                row["ratio_to_floor"] = ms / floor_ms if floor_ms else None
-                row["tflops"] = shape.useful_flops / (ms * 1e-3) / 1e12
+            if pr.name == "floor_valid":
+                floor_valid_ms = ms
+            if pr.name in providers.FLOORS:
+                held.append(row)
+                rows.append(row)
+                if len(held) < len(providers.FLOORS):
+                    continue
+                for r in held:
+                    add_ratios(r)
+                    writer.write(r)
+                    _log(f"    {r['provider']}: {_summary(r)}")
+                continue
+            add_ratios(row)
             writer.write(row)
             rows.append(row)
             _log(f"    {_summary(row)}  [{time.perf_counter() - t0:.1f} s]")
@@ -130,6 +168,8 @@ def _summary(row: dict) -> str:
     if row.get("status") != "ok":
         return row.get("status", "?")
     parts = [f"{row['ms']:.2f} ms"]
+    if row.get("ratio_to_valid_floor") is not None:
+        parts.append(f"{row['ratio_to_valid_floor']:.2f}x valid floor")
     if row.get("ratio_to_floor") is not None:
         parts.append(f"{row['ratio_to_floor']:.2f}x floor")
     if row.get("peak_mem_beyond_grads_mib") is not None:

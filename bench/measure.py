@@ -194,6 +194,15 @@ def reference(x: StepInputs, p: Params, device: torch.device, log: Callable[[str
     return None
 
 
+def pack_reference(ref: Optional[Reference], mask: torch.Tensor) -> Optional[Reference]:
+    """The padded reference of the same sequences, for their packed twin: the DAPO loss and dW are
+    the same, dX is the padded dX at the valid positions, in order."""
+    if ref is None:
+        return None
+    keep = mask.reshape(-1).cpu() > 0
+    return Reference(ref.name + " (padded twin)", ref.loss, ref.dx.reshape(-1, ref.dx.shape[-1])[keep], ref.dw)
+
+
 def rel_err(x: Optional[torch.Tensor], ref: torch.Tensor) -> Optional[float]:
     """||x - ref|| / ||ref||, streamed in chunks of 2^24 so no fp32 copy of dW sits on the GPU."""
     if x is None:
@@ -213,14 +222,16 @@ def rel_err(x: Optional[torch.Tensor], ref: torch.Tensor) -> Optional[float]:
 def run_one(pr: Provider, shape: Shape, x: StepInputs, p: Params, device: torch.device,
             timing: Timing, ref: Optional[Reference], log: Callable[[str], None]) -> dict:
     row: dict = dict(provider=pr.name)
-    why = pr.check(device)
+    why = pr.check(device) or pr.accepts(x)
     if why is not None:
         row["status"] = f"skip: {why}"
         return row
     counters_before = _cg_counters()
     err = None
+    note = ""
     try:
         with pr.build(x, p) as step:
+            note = getattr(step, "note", "")
             row.update(time_step(step, x, device, timing))
             mem, loss = memory_step(step, x, device)
             row.update(mem)
@@ -246,9 +257,12 @@ def run_one(pr: Provider, shape: Shape, x: StepInputs, p: Params, device: torch.
         log(err)
     moved = {k: v for k, v in _cg_counters().items() if v != counters_before.get(k, 0)}
     if moved:
-        row["note"] = "counters: " + " ".join(f"{k}+{v - counters_before.get(k, 0)}" for k, v in moved.items())
+        note = "; ".join(filter(None, [note, "counters: " + " ".join(
+            f"{k}+{v - counters_before.get(k, 0)}" for k, v in moved.items())]))
     elif pr.pass_provider and row.get("status") == "ok":
-        row["note"] = "pass did not fire (no compiled_grpo counter moved): naive graph ran"
+        note = "; ".join(filter(None, [note, "pass did not fire (no compiled_grpo counter moved): naive graph ran"]))
+    if note:
+        row["note"] = note
     return row
 
 

@@ -13,11 +13,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import inspect
 from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 
 from bench.shapes import StepInputs
+
+
+def _any_inputs(x: StepInputs) -> Optional[str]:
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +43,7 @@ class Provider:
     check: Callable[[torch.device], Optional[str]]
     build: Callable[[StepInputs, Params], ContextManager[Step]]
     pass_provider: bool = False  # expects compiled_grpo counters to move (the Inductor pass fired)
+    accepts: Callable[[StepInputs], Optional[str]] = _any_inputs  # reason it cannot take these inputs
 
 
 # ---- the "TRL-style user code" being compared: deliberately not compiled_grpo's code ----------
@@ -61,7 +67,7 @@ def dapo_per_token(logp, old_logp, ref_logp, advantages, p: Params):
     """
     coef_1 = torch.exp(logp - old_logp)  # [B, T]
     coef_2 = torch.clamp(coef_1, 1 - p.epsilon_low, 1 + p.epsilon_high)  # [B, T]
-    adv = advantages.unsqueeze(1)  # [B, 1]
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [B, 1] or per token [B, T]
     per_token = -torch.min(coef_1 * adv, coef_2 * adv)  # [B, T]
     if p.beta != 0.0:
         d = ref_logp - logp  # [B, T]
@@ -138,7 +144,51 @@ def _no_compile_caches():
 
 
 def _args(x: StepInputs):
-    return (x.hidden, x.weight, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs)
+    """The padded [B, T] argument list. A packed batch is one sequence [1, N] of its tokens with
+    per-token advantages: the same DAPO loss (per-token terms, one normalizer over all tokens), so
+    the per-token providers (naive, CCE) run on exactly the packed tokens."""
+    if not x.packed:
+        return (x.hidden, x.weight, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs)
+    return (x.hidden.unsqueeze(0), x.weight, x.token_ids[None], x.token_advantages[None], x.mask[None],
+            x.old_logprobs[None], x.ref_logprobs[None])
+
+
+def _padded_only(x: StepInputs) -> Optional[str]:
+    return "packed input: takes per-sequence advantages [B] over padded [B, T] rows" if x.packed else None
+
+
+@dataclasses.dataclass
+class _Valid:
+    """The valid tokens, compacted outside the op: rows (None: all rows are valid, packed input)
+    indexes the flattened [B*T] positions; the per-token tensors are already compacted [N_valid]
+    (no grad flows to them). hidden(x) gathers the differentiable rows inside the step, so the
+    backward's scatter of dX into [B, T, H] is part of the timed work."""
+    rows: Optional[torch.Tensor]  # [N_valid] int64
+    token_ids: torch.Tensor  # [N_valid]
+    advantages: torch.Tensor  # [N_valid] fp32
+    old_logprobs: torch.Tensor  # [N_valid]
+    ref_logprobs: torch.Tensor  # [N_valid]
+    ones: torch.Tensor  # [N_valid] fp32, the all-valid mask
+
+    def hidden(self, x: StepInputs) -> torch.Tensor:  # [N_valid, H]
+        h = x.hidden.view(-1, x.hidden.shape[-1])
+        return h if self.rows is None else h.index_select(0, self.rows)
+
+
+def compact(x: StepInputs) -> _Valid:
+    """hidden[mask], ids[mask], ... with the index computed once here (one host sync, outside the
+    timed step: how TRL's trainer and padding-free pipelines hand tokens to a fused head)."""
+    if x.packed:
+        return _Valid(None, x.token_ids, x.token_advantages, x.old_logprobs, x.ref_logprobs, x.mask)
+    rows = x.mask.reshape(-1).nonzero().squeeze(1)  # [N_valid]
+    adv = x.advantages[:, None].expand_as(x.mask).reshape(-1)
+    return _Valid(rows, x.token_ids.reshape(-1)[rows], adv[rows], x.old_logprobs.reshape(-1)[rows],
+                  x.ref_logprobs.reshape(-1)[rows], torch.ones_like(rows, dtype=torch.float32))
+
+
+def _valid_dapo(logp: torch.Tensor, v: _Valid, p: Params) -> torch.Tensor:
+    """The bench's DAPO math (dapo_loss) on compacted per-token log-probs [N_valid]."""
+    return dapo_loss(logp[None], v.old_logprobs[None], v.ref_logprobs[None], v.advantages[None], v.ones[None], p)
 
 
 # ---- providers --------------------------------------------------------------------------------
@@ -146,15 +196,26 @@ def _args(x: StepInputs):
 FLOOR_ROWS = 16384  # [16384, V] bf16 tile = 4.6 GiB at V=152k; M=16k keeps each GEMM compute-bound
 
 
+def _floor(valid_only: bool):
+    @contextlib.contextmanager
+    def build(x: StepInputs, p: Params) -> Iterator[Step]:
+        h = x.hidden.detach().reshape(-1, x.hidden.shape[-1])  # [N, H]
+        if valid_only:
+            v = compact(x)
+            h = h if v.rows is None else h.index_select(0, v.rows).contiguous()  # [N_valid, H]
+        with _gemm_floor(h, x.weight.detach()) as step:
+            yield step
+    return build
+
+
 @contextlib.contextmanager
-def _floor(x: StepInputs, p: Params) -> Iterator[Step]:
-    """Three bf16 GEMMs of N*H*V (logits, dX = dZ@W, dW = dZ.T@h): the compute floor.
+def _gemm_floor(h: torch.Tensor, w: torch.Tensor) -> Iterator[Step]:
+    """Three bf16 GEMMs of M*H*V (logits, dX = dZ@W, dW = dZ.T@h): the compute floor, over all N
+    rows (`floor`) or the N_valid valid ones, compacted beforehand (`floor_valid`).
 
     dZ is the logits tile itself (same FLOPs, no extra buffer, random-looking data, not zeros).
     Rows are tiled at FLOOR_ROWS so the floor runs at every N; below that it is three plain GEMMs.
     """
-    h = x.hidden.detach().reshape(-1, x.hidden.shape[-1])  # [N, H]
-    w = x.weight.detach()  # [V, H]
 
     def step():
         dx = torch.empty_like(h)  # [N, H]
@@ -205,24 +266,121 @@ def _cg_config(cg, p: Params):
                          epsilon_high=p.epsilon_high, temperature=p.temperature)
 
 
+def _cg_packed(x: StepInputs) -> Optional[str]:
+    if not x.packed:
+        return None
+    cg, why = _import("compiled_grpo")
+    if cg is None:
+        return why
+    return None if "cu_seqlens" in inspect.signature(cg.grpo_loss).parameters else "grpo_loss has no cu_seqlens"
+
+
 def _compiled_grpo(compile_it: bool):
+    """cg.grpo_loss on the inputs as they are: padded [B, T] with the mask, or packed [N] with
+    cu_seqlens= (per-sequence advantages [S])."""
     @contextlib.contextmanager
     def build(x, p):
         import compiled_grpo as cg
         cfg = _cg_config(cg, p)
+        kw = dict(cu_seqlens=x.cu_seqlens) if x.packed else {}
 
         def loss_fn(*a):
-            return cg.grpo_loss(*a, config=cfg).loss
+            return cg.grpo_loss(*a, config=cfg, **kw).loss
 
+        args = (x.hidden, x.weight, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs)
         with _resetting():
             fn = torch.compile(loss_fn, fullgraph=True, dynamic=False) if compile_it else loss_fn
 
             def step():
-                loss = fn(*_args(x))
+                loss = fn(*args)
                 loss.backward()
                 return loss.detach()
             yield step
     return build
+
+
+@contextlib.contextmanager
+def _compiled_grpo_valid(x, p):
+    """The reference point "the op on the valid tokens, compacted outside": cg.grpo_loss (eager call)
+    on hidden[mask][None], ids[mask][None], per-token advantages [1, N_valid], an all-true mask."""
+    import compiled_grpo as cg
+    cfg = _cg_config(cg, p)
+    v = compact(x)
+
+    def step():
+        loss = cg.grpo_loss(v.hidden(x)[None], x.weight, v.token_ids[None], v.advantages[None], v.ones[None],
+                            v.old_logprobs[None], v.ref_logprobs[None], config=cfg).loss
+        loss.backward()
+        return loss.detach()
+    yield step
+
+
+TRL_CHUNK_SIZE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16 (vocab tile width)
+
+
+@contextlib.contextmanager
+def _trl_chunked(x, p):
+    """TRL 1.16 `trl.kernels.ChunkedLogProbFunction` (cuBLAS projection tiles of 4096 tokens x
+    32768 vocab, a Triton online-logsumexp fold, backward recomputes: 8*N*H*V, fp32 grad
+    accumulators) on the valid tokens, as TRL's fused LM head calls it; then the bench's DAPO math.
+    Its backward imports trl.trainer.utils (DeepSpeed ZeRO-3 gather context), which pulls in
+    `datasets`; where that import fails, a stub with the same no-op context (what it is outside
+    ZeRO-3) stands in, and the note says so."""
+    import sys
+    import types
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    note = ""
+    try:
+        from trl.trainer import utils as trl_utils
+        chunk = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", TRL_CHUNK_SIZE)
+        note = getattr(trl_utils, "bench_stub_note", "")
+    except Exception as e:
+        while e.__cause__ is not None:  # the lazy module wraps the real ImportError
+            e = e.__cause__
+        stub = types.ModuleType("trl.trainer.utils")
+        stub.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+        chunk = TRL_CHUNK_SIZE
+        note = stub.bench_stub_note = (f"trl.trainer.utils stubbed ({type(e).__name__}: "
+                                       f"{str(e).splitlines()[0][:80] if str(e) else ''})")
+        sys.modules["trl.trainer.utils"] = stub
+    v = compact(x)
+
+    def step():
+        logp = ChunkedLogProbFunction.apply(v.hidden(x), x.weight, None, v.token_ids, p.temperature, chunk,
+                                            None, 1.0, ())[0]  # [N_valid] fp32
+        loss = _valid_dapo(logp, v, p)
+        loss.backward()
+        return loss.detach()
+    step.note = note
+    yield step
+
+
+def _liger_cute_check(device):
+    why = _import("liger_kernel.ops.fused_linear_scaled_cross_entropy")[1]
+    if why is None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        # sm_90 dispatches to the CuTe-DSL kernels unconditionally: without nvidia-cutlass-dsl it raises
+        why = _import("liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90")[1]
+    return why
+
+
+@contextlib.contextmanager
+def _liger_cute(x, p):
+    """Liger 0.8.5 `LigerFusedLinearScaledCrossEntropyFunction` (per-token fp32 NLL, no reduction
+    inside; CuTe-DSL WGMMA kernels on sm_90, one persistent backward kernel, recompute: 8*N*H*V;
+    elsewhere a 512-token torch fallback, named in the note) on the valid tokens, negated into
+    log-probs, then the bench's DAPO math."""
+    from liger_kernel.ops import fused_linear_scaled_cross_entropy as fsce
+    v = compact(x)
+    impl = fsce._resolve_implementation(x.hidden.device) if hasattr(fsce, "_resolve_implementation") else None
+
+    def step():
+        nll = fsce.LigerFusedLinearScaledCrossEntropyFunction.apply(v.hidden(x), x.weight, v.token_ids,
+                                                                    p.temperature)
+        loss = _valid_dapo(-nll.float(), v, p)
+        loss.backward()
+        return loss.detach()
+    step.note = f"impl {getattr(impl, '__name__', '?')}"
+    yield step
 
 
 @contextlib.contextmanager
@@ -254,9 +412,10 @@ def _cce(x, p):
     from cut_cross_entropy import linear_cross_entropy
 
     def step():
-        h = x.hidden if p.temperature == 1.0 else x.hidden / p.temperature
-        logp = -linear_cross_entropy(h, x.weight, x.token_ids, reduction="none").float()  # [B, T]
-        loss = dapo_loss(logp, x.old_logprobs, x.ref_logprobs, x.advantages, x.mask, p)
+        hidden, weight, ids, adv, mask, old, ref = _args(x)
+        h = hidden if p.temperature == 1.0 else hidden / p.temperature
+        logp = -linear_cross_entropy(h, weight, ids, reduction="none").float()  # [B, T]
+        loss = dapo_loss(logp, old, ref, adv, mask, p)
         loss.backward()
         return loss.detach()
     yield step
@@ -267,13 +426,17 @@ def _cce(x, p):
 PROVIDERS: dict[str, Provider] = {
     pr.name: pr
     for pr in [
-        Provider("floor", _always, _floor),
+        Provider("floor", _always, _floor(False)),
+        Provider("floor_valid", _always, _floor(True)),
         Provider("naive_eager", _always, _naive_eager),
         Provider("naive_compile", _always, _compiled_naive(False)),
-        Provider("liger", _need("liger_kernel.chunked_loss"), _liger),
+        Provider("liger", _need("liger_kernel.chunked_loss"), _liger, accepts=_padded_only),
         Provider("cce", _need("cut_cross_entropy", cuda_only=True), _cce),
-        Provider("compiled_grpo", _need_cg("grpo_loss"), _compiled_grpo(False)),
-        Provider("compiled_grpo+compile", _need_cg("grpo_loss"), _compiled_grpo(True)),
+        Provider("trl_chunked", _need("trl.kernels.chunked_logprob"), _trl_chunked),
+        Provider("liger_cute", _liger_cute_check, _liger_cute),
+        Provider("compiled_grpo_valid", _need_cg("grpo_loss"), _compiled_grpo_valid),
+        Provider("compiled_grpo", _need_cg("grpo_loss"), _compiled_grpo(False), accepts=_cg_packed),
+        Provider("compiled_grpo+compile", _need_cg("grpo_loss"), _compiled_grpo(True), accepts=_cg_packed),
         Provider("naive_compile+pass", _need_cg("enable_naive_logprob_fusion"), _compiled_naive(True),
                  pass_provider=True),
     ]
@@ -281,9 +444,12 @@ PROVIDERS: dict[str, Provider] = {
 
 
 def resolve(names: Optional[list[str]]) -> list[Provider]:
-    """All providers by default; the floor always runs first, since every ratio divides by it."""
+    """All providers by default; the two floors always run first, since every ratio divides by them."""
     names = list(PROVIDERS) if not names else names
     unknown = [n for n in names if n not in PROVIDERS]
     if unknown:
         raise SystemExit(f"unknown provider(s) {unknown}; known: {', '.join(PROVIDERS)}")
-    return [pr for pr in PROVIDERS.values() if pr.name == "floor" or pr.name in names]  # run order
+    return [pr for pr in PROVIDERS.values() if pr.name in FLOORS or pr.name in names]  # run order
+
+
+FLOORS = ("floor", "floor_valid")

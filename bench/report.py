@@ -14,9 +14,9 @@ from typing import Iterable, Optional
 import torch
 
 COLUMNS = [
-    "run_id", "timestamp", "device", "torch", "triton", "liger_kernel", "cut_cross_entropy",
-    "commit", "shape", "B", "T", "H", "V", "N", "dtype", "provider", "status", "ms", "ms_min",
-    "reps", "ratio_to_floor", "tflops", "peak_mem_beyond_inputs_mib", "peak_mem_beyond_grads_mib",
+    "run_id", "timestamp", "device", "torch", "triton", "liger_kernel", "cut_cross_entropy", "trl",
+    "cutlass_dsl", "commit", "shape", "B", "T", "H", "V", "N", "N_valid", "valid_frac", "targets", "dtype", "provider",
+    "status", "ms", "ms_min", "reps", "ratio_to_valid_floor", "ratio_to_floor", "tflops", "peak_mem_beyond_inputs_mib", "peak_mem_beyond_grads_mib",
     "loss", "loss_rel_err", "dx_rel_err", "dw_rel_err", "reference", "first_call_s", "note",
 ]
 
@@ -53,7 +53,8 @@ def run_header(device: torch.device) -> dict:
         run_id=time.strftime("%Y%m%dT%H%M%S"),
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         torch=torch.__version__, triton=triton_v, liger_kernel=_version("liger-kernel"),
-        cut_cross_entropy=_version("cut-cross-entropy"), commit=git_commit(),
+        cut_cross_entropy=_version("cut-cross-entropy"), trl=_version("trl"),
+        cutlass_dsl=_version("nvidia-cutlass-dsl"), commit=git_commit(),
     )
 
 

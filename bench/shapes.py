@@ -1,12 +1,13 @@
 """Shape registry and the inputs of one GRPO step.
 
-Legend: B sequences, T completion tokens per sequence, H hidden size, V vocabulary, N = B*T.
-Every number the bench reports is relative to the N*H*V GEMM work of one shape.
+Legend: B sequences, T completion tokens per sequence, H hidden size, V vocabulary, N = B*T
+(padded) or the number of packed tokens, N_valid = tokens under the mask. Every number the bench
+reports is relative to the GEMM work of one shape: N*H*V (all positions) or N_valid*H*V.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -18,6 +19,7 @@ class Shape:
     T: int
     H: int
     V: int
+    packed: bool = False  # the valid tokens of the padded shape of the same B, T: [N_valid] + cu_seqlens
 
     @property
     def N(self) -> int:
@@ -42,6 +44,10 @@ SHAPES: dict[str, Shape] = {
         Shape("cpu-tiny", B=2, T=16, H=32, V=128),  # for tests/test_bench.py
     ]
 }
+# Packed (padding-free) twins: the same sequences (same seed: same lengths, hidden, targets) as the
+# padded shape's valid tokens, concatenated into [N_valid] rows with cu_seqlens [B + 1].
+SHAPES.update({f"{n}-packed": dataclasses.replace(SHAPES[n], name=f"{n}-packed", packed=True)
+               for n in ("qwen3-8b", "llama3-8b", "gemma2-2b", "long", "cpu-small", "cpu-tiny")})
 # N from 4k to 128k at T=2048; the memory-vs-N curve of the plot. Large N is expected to OOM
 # for the providers that hold [N, V] logits: that is recorded, not an error.
 SWEEP = [Shape(f"sweep-n{b * 2048 // 1024}k", B=b, T=2048, **_QWEN) for b in (2, 4, 8, 16, 32, 64)]
@@ -63,13 +69,40 @@ def resolve(names: list[str]) -> list[Shape]:
 
 
 class StepInputs(NamedTuple):
-    hidden: torch.Tensor  # [B, T, H] dtype, leaf, requires_grad
+    """Padded: hidden [B, T, H], per-token tensors [B, T]. Packed: hidden [N, H], per-token tensors
+    [N] (mask all ones), cu_seqlens [B + 1] int32, token_advantages [N] (advantages broadcast to
+    their sequence's tokens, for the per-token providers)."""
+    hidden: torch.Tensor  # [B, T, H] or [N, H] dtype, leaf, requires_grad
     weight: torch.Tensor  # [V, H] dtype, leaf, requires_grad
-    token_ids: torch.Tensor  # [B, T] int64
+    token_ids: torch.Tensor  # [B, T] or [N] int64
     advantages: torch.Tensor  # [B] fp32
-    mask: torch.Tensor  # [B, T] fp32 0/1
-    old_logprobs: torch.Tensor  # [B, T] fp32
-    ref_logprobs: torch.Tensor  # [B, T] fp32
+    mask: torch.Tensor  # [B, T] fp32 0/1, or [N] ones
+    old_logprobs: torch.Tensor  # [B, T] or [N] fp32
+    ref_logprobs: torch.Tensor  # [B, T] or [N] fp32
+    cu_seqlens: Optional[torch.Tensor] = None  # [B + 1] int32, packed only
+    token_advantages: Optional[torch.Tensor] = None  # [N] fp32, packed only
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+
+def n_valid(x: StepInputs) -> int:
+    return int(x.mask.sum().item())
+
+
+def pack(x: StepInputs) -> StepInputs:
+    """The valid tokens of padded inputs, concatenated in sequence order (cu_seqlens [B + 1])."""
+    keep = x.mask.view(-1) > 0  # [B*T]; valid tokens are a prefix of each row (lengths ~ U[1, T])
+    H = x.hidden.shape[-1]
+    lengths = x.mask.sum(1).to(torch.int32)  # [B]
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    cu[1:] = lengths.cumsum(0)
+    hidden = x.hidden.detach().reshape(-1, H)[keep].clone().requires_grad_()  # [N_valid, H]
+    tok_adv = x.advantages[:, None].expand_as(x.mask).reshape(-1)[keep]  # [N_valid]
+    return StepInputs(hidden, x.weight, x.token_ids.view(-1)[keep], x.advantages,
+                      torch.ones(hidden.shape[0], dtype=x.mask.dtype, device=x.mask.device),
+                      x.old_logprobs.view(-1)[keep], x.ref_logprobs.view(-1)[keep], cu, tok_adv)
 
 
 @torch.no_grad()
@@ -83,9 +116,24 @@ def _chunked_logprobs(h2d: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, row
     return out
 
 
+@torch.no_grad()
+def _chunked_sample(h2d: torch.Tensor, w: torch.Tensor, rows: int, g: torch.Generator) -> torch.Tensor:
+    """One target id per row drawn from softmax(h @ W.T) (on-policy sampling at temperature 1), in
+    row chunks: a [rows, V] fp32 tile and its softmax alive, never [N, V]."""
+    out = torch.empty(h2d.shape[0], dtype=torch.int64, device=h2d.device)
+    for i in range(0, h2d.shape[0], rows):
+        p = torch.softmax((h2d[i:i + rows] @ w.T).float(), dim=1)  # [rows, V]
+        out[i:i + rows] = torch.multinomial(p, 1, generator=g).squeeze(1)
+        del p
+    return out
+
+
+TARGETS = ("random", "sampled")
+
+
 def make_inputs(shape: Shape, device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
                 seed: int = 0, logit_std: float = 3.0, old_noise: float = 0.1,
-                ref_noise: float = 0.1) -> StepInputs:
+                ref_noise: float = 0.1, targets: str = "random") -> StepInputs:
     """Inputs that look like one step of GRPO training, not zeros or a degenerate on-policy batch.
 
     - hidden ~ N(0, 1), W ~ N(0, logit_std^2 / H): logits have std ~logit_std, so the softmax is
@@ -94,7 +142,13 @@ def make_inputs(shape: Shape, device: torch.device, dtype: torch.dtype = torch.b
     - old/ref log-probs: the current policy's own log-probs (no_grad) plus N(0, noise^2): the
       importance ratio is near 1 with a few percent clipped at eps=0.2, and KL(ref) is small.
     - advantages ~ N(0, 1) per sequence; mask: completion lengths ~ U[1, T] per sequence.
+    - targets="random": token ids uniform over V (off-policy-looking, log-probs ~ -log V - few);
+      "sampled": each id drawn from the policy's own softmax (on-policy rollouts: mostly the
+      peaked head of the distribution, as in real RL batches).
+    - a packed shape gets the padded shape's inputs (same seed, same draws), then `pack`.
     """
+    if targets not in TARGETS:
+        raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
     g = torch.Generator(device=device).manual_seed(seed)
     B, T, H, V = shape.B, shape.T, shape.H, shape.V
 
@@ -114,7 +168,10 @@ def make_inputs(shape: Shape, device: torch.device, dtype: torch.dtype = torch.b
     lengths = torch.randint(1, T + 1, (B, 1), generator=g, device=device)
     mask = (torch.arange(T, device=device)[None, :] < lengths).float()
     rows = max(1, (1 << 28) // (4 * V))  # 1 GiB fp32 tile
+    if targets == "sampled":  # drawn after the random ones, so the other inputs stay the same
+        token_ids = _chunked_sample(hidden.detach().view(-1, H), weight.detach(), rows, g).view(B, T)
     lp = _chunked_logprobs(hidden.detach().view(-1, H), weight.detach(), token_ids.view(-1), rows).view(B, T)
     old = lp + randn(B, T, std=old_noise, dt=torch.float32)
     ref = lp + randn(B, T, std=ref_noise, dt=torch.float32)
-    return StepInputs(hidden, weight, token_ids, advantages, mask, old, ref)
+    x = StepInputs(hidden, weight, token_ids, advantages, mask, old, ref)
+    return pack(x) if shape.packed else x

@@ -29,33 +29,47 @@ def _f(v, fmt: str) -> str:
     return "" if x is None else format(x, fmt)
 
 
+def _frac(v) -> str:
+    x = num(v)
+    return "n/a" if x is None else f"{x:.1%}"
+
+
 def markdown(rows: list[dict]) -> str:
+    """One table per shape. Headline: x valid floor (over three bf16 GEMMs of N_valid*H*V, the work
+    the batch's valid tokens need); x floor (all N positions) beside it. Old CSVs (no valid-floor
+    columns) print n/a there."""
     if not rows:
         return "(no rows)"
     h = rows[0]
     lines = [
         f"{h['device']}, torch {h['torch']}, triton {h['triton']}, liger-kernel {h['liger_kernel']}, "
-        f"cut-cross-entropy {h['cut_cross_entropy']}, commit {h['commit']}, run {h['run_id']}, {h['dtype']}.",
+        f"cut-cross-entropy {h['cut_cross_entropy']}, trl {h.get('trl') or 'n/a'}, "
+        f"nvidia-cutlass-dsl {h.get('cutlass_dsl') or 'n/a'}, commit {h['commit']}, run {h['run_id']}, "
+        f"{h['dtype']}, targets {h.get('targets') or 'random'}.",
         "",
-        "ms: median forward+backward; x floor: over three bf16 GEMMs of N*H*V in the same run; "
-        "TFLOP/s counts 6*N*H*V for every provider; memory: peak beyond inputs and the dX+dW "
+        "ms: median forward+backward; x valid floor: over three bf16 GEMMs of N_valid*H*V (the valid "
+        "tokens only, `floor_valid`) in the same run; x floor: over the same GEMMs of all N positions; "
+        "TFLOP/s counts 6*N_valid*H*V for every provider; memory: peak beyond inputs and the dX+dW "
         "gradients; errors: relative to the float32 reference (loss, dX, dW).",
     ]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         rs = [r for r in rows if r["shape"] == shape]
         s = rs[0]
-        lines += ["", f"**{shape}** (B={s['B']}, T={s['T']}, H={s['H']}, V={s['V']}, N={s['N']}; "
+        lines += ["", f"**{shape}** (B={s['B']}, T={s['T']}, H={s['H']}, V={s['V']}, N={s['N']}, "
+                      f"N_valid={s.get('N_valid') or 'n/a'} = {_frac(s.get('valid_frac'))} valid; "
                       f"reference: {s.get('reference') or 'n/a'})", "",
-                  "| provider | ms | x floor | TFLOP/s | peak mem beyond grads | loss err | dX err | dW err | status |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| provider | ms | x valid floor | x floor | TFLOP/s | peak mem beyond grads | loss err | dX err "
+                  "| dW err | status |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rs:
+            ok = r["status"] == "ok"
             status = r["status"] + (f" ({r['note']})" if r.get("note") not in (None, "", "n/a") else "")
             lines.append(
-                f"| {r['provider']} | {_f(r['ms'], '.1f')} | {_f(r['ratio_to_floor'], '.2f')} | "
-                f"{_f(r['tflops'], '.3g')} | {_mem(r['peak_mem_beyond_grads_mib']) if r['status'] == 'ok' else ''} | "
-                f"{_err(r['loss_rel_err']) if r['status'] == 'ok' else ''} | "
-                f"{_err(r['dx_rel_err']) if r['status'] == 'ok' else ''} | "
-                f"{_err(r['dw_rel_err']) if r['status'] == 'ok' else ''} | {status.replace('|', '/')} |")
+                f"| {r['provider']} | {_f(r.get('ms'), '.1f')} | {_f(r.get('ratio_to_valid_floor'), '.2f')} | "
+                f"{_f(r.get('ratio_to_floor'), '.2f')} | {_f(r.get('tflops'), '.3g')} | "
+                f"{_mem(r.get('peak_mem_beyond_grads_mib')) if ok else ''} | "
+                f"{_err(r.get('loss_rel_err')) if ok else ''} | {_err(r.get('dx_rel_err')) if ok else ''} | "
+                f"{_err(r.get('dw_rel_err')) if ok else ''} | {status.replace('|', '/')} |")
     return "\n".join(lines)
 
 

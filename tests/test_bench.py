@@ -8,7 +8,7 @@ import csv
 import pytest
 import torch
 
-from bench import measure, report, table
+from bench import measure, report, shapes, table
 from bench.__main__ import main
 
 
@@ -23,17 +23,27 @@ def test_cpu_run_writes_rows(tmp_path, capsys):
     assert main(args) == 0
     rows = _rows(tmp_path)
     assert list(rows[0]) == report.COLUMNS
-    assert [r["provider"] for r in rows] == ["floor", "naive_eager", "cce", "compiled_grpo"]  # run order
+    assert [r["provider"] for r in rows] == ["floor", "floor_valid", "naive_eager", "cce", "compiled_grpo"]
     by = {r["provider"]: r for r in rows}
     assert all(r["device"] == "cpu" and r["shape"] == "cpu-tiny" and r["N"] == "32" for r in rows)
+    assert all(r["targets"] == "random" for r in rows)  # the default
+    n_valid = int(rows[0]["N_valid"])
+    assert 0 < n_valid <= 32 and all(int(r["N_valid"]) == n_valid for r in rows)
+    assert float(rows[0]["valid_frac"]) == pytest.approx(n_valid / 32)
 
     floor = by["floor"]
     assert floor["status"] == "ok" and float(floor["ms"]) > 0 and float(floor["ratio_to_floor"]) == 1.0
     assert floor["loss_rel_err"] == "n/a"  # the floor computes no loss
+    fv = by["floor_valid"]  # the headline's denominator, measured in the same run
+    assert fv["status"] == "ok" and float(fv["ratio_to_valid_floor"]) == 1.0
+    assert float(floor["ratio_to_valid_floor"]) == pytest.approx(float(floor["ms"]) / float(fv["ms"]))
+    # TFLOP/s counts 6 * N_valid * H * V
+    assert float(fv["tflops"]) == pytest.approx(6 * n_valid * 32 * 128 / (float(fv["ms"]) * 1e-3) / 1e12, rel=1e-4)
 
     naive = by["naive_eager"]
     assert naive["status"] == "ok" and int(naive["reps"]) == 2
     assert float(naive["ratio_to_floor"]) > 0 and float(naive["tflops"]) > 0
+    assert float(naive["ratio_to_valid_floor"]) == pytest.approx(float(naive["ms"]) / float(fv["ms"]), rel=1e-4)
     assert naive["peak_mem_beyond_grads_mib"] == "n/a"  # no allocator statistics on CPU
     # bf16 logits: errors are bf16-sized, not garbage (and not NaN)
     for c in ("loss_rel_err", "dx_rel_err", "dw_rel_err"):
@@ -49,9 +59,64 @@ def test_cpu_run_writes_rows(tmp_path, capsys):
     # The Markdown printed at the end, and the table CLI over the same CSV, name every provider.
     md = capsys.readouterr().out
     assert "| naive_eager |" in md and "| cce |" in md
+    assert "| provider | ms | x valid floor | x floor |" in md and f"N_valid={n_valid} = " in md
     assert table.main(["--csv", str(tmp_path / "results.csv")]) == 1  # no GPU run in this CSV
     assert table.main(["--csv", str(tmp_path / "results.csv"), "--any-device"]) == 0
     assert "| floor | " in capsys.readouterr().out
+
+
+def test_valid_token_peers_and_packed_twin(tmp_path):
+    """Sampled targets; the peers on compacted valid tokens; the packed twin of cpu-tiny: same
+    sequences, so the same loss and dW, and dX = the padded dX at the valid positions."""
+    args = ["--device", "cpu", "--shapes", "cpu-tiny", "cpu-tiny-packed", "--targets", "sampled", "--providers",
+            "naive_eager", "liger", "trl_chunked", "liger_cute", "compiled_grpo_valid", "compiled_grpo",
+            "--out", str(tmp_path), "--reps", "1", "--warmup", "1"]
+    assert main(args) == 0
+    rows = _rows(tmp_path)
+    by = {(r["shape"], r["provider"]): r for r in rows}
+    assert all(r["targets"] == "sampled" for r in rows)
+    pad, pk = by[("cpu-tiny", "floor")], by[("cpu-tiny-packed", "floor")]
+    n_valid = int(pad["N_valid"])
+    assert pad["N"] == "32" and pk["N"] == pk["N_valid"] == str(n_valid)  # packed: N = its valid tokens
+    assert pk["valid_frac"] == pad["valid_frac"]  # of the padded twin's B*T
+    assert by[("cpu-tiny-packed", "liger")]["status"].startswith("skip: packed input")
+    for shape in ("cpu-tiny", "cpu-tiny-packed"):
+        for prov in ("naive_eager", "trl_chunked", "liger_cute", "compiled_grpo_valid", "compiled_grpo"):
+            r = by[(shape, prov)]
+            if r["status"].startswith("skip:"):  # optional peer absent; cu_seqlens not in grpo_loss yet
+                continue
+            assert r["status"] == "ok", (shape, prov, r["status"])
+            assert float(r["ratio_to_valid_floor"]) > 0 and float(r["tflops"]) > 0
+            for c in ("loss_rel_err", "dx_rel_err", "dw_rel_err"):
+                assert 0 <= float(r[c]) < 5e-2, (shape, prov, c, r[c])
+    # the same loss on both layouts (the naive math on [1, N_valid] with per-token advantages)
+    assert float(by[("cpu-tiny-packed", "naive_eager")]["loss"]) == pytest.approx(
+        float(by[("cpu-tiny", "naive_eager")]["loss"]), rel=1e-2)
+    cg_packed = by[("cpu-tiny-packed", "compiled_grpo")]["status"]
+    assert cg_packed == "ok" or cg_packed == "skip: grpo_loss has no cu_seqlens"
+    assert by[("cpu-tiny", "compiled_grpo_valid")]["status"] in ("ok",) or by[
+        ("cpu-tiny", "compiled_grpo_valid")]["status"].startswith("skip:")
+
+
+def test_sampled_targets_are_on_policy():
+    """sampled: ids drawn from the policy's softmax (chunked), so their log-probs sit far above
+    uniform random ids'; packing keeps the valid tokens in sequence order."""
+    sh = shapes.SHAPES["cpu-tiny"]
+    rnd = shapes.make_inputs(sh, torch.device("cpu"), torch.float32, targets="random")
+    smp = shapes.make_inputs(sh, torch.device("cpu"), torch.float32, targets="sampled")
+    assert torch.equal(rnd.hidden, smp.hidden) and torch.equal(rnd.mask, smp.mask)
+    assert smp.old_logprobs.mean() > rnd.old_logprobs.mean() + 1.0
+    h, w = smp.hidden.detach().view(-1, sh.H), smp.weight.detach()
+    assert torch.equal(shapes._chunked_sample(h, w, 5, torch.Generator().manual_seed(1)),
+                       shapes._chunked_sample(h, w, 64, torch.Generator().manual_seed(1)))
+    pk = shapes.make_inputs(shapes.SHAPES["cpu-tiny-packed"], torch.device("cpu"), torch.float32, targets="sampled")
+    keep = smp.mask.view(-1) > 0
+    assert torch.equal(pk.hidden.detach(), smp.hidden.detach().view(-1, sh.H)[keep])
+    assert torch.equal(pk.token_ids, smp.token_ids.view(-1)[keep])
+    assert pk.cu_seqlens.tolist() == [0, *smp.mask.sum(1).cumsum(0).int().tolist()]
+    assert torch.equal(pk.token_advantages, smp.advantages[:, None].expand(-1, sh.T).reshape(-1)[keep])
+    with pytest.raises(ValueError):
+        shapes.make_inputs(sh, torch.device("cpu"), targets="greedy")
 
 
 def test_time_limit_and_append(tmp_path):
@@ -60,9 +125,9 @@ def test_time_limit_and_append(tmp_path):
     assert main(base + ["--reps", "1", "--warmup", "1"]) == 0
     assert main(base + ["--time-limit-s", "0"]) == 0
     rows = _rows(tmp_path)
-    assert len(rows) == 4  # appended, not overwritten
-    assert all(r["status"].startswith("skip: --time-limit-s") for r in rows[2:])
-    assert rows[1]["loss_rel_err"] == "n/a"  # --no-check
+    assert len(rows) == 6  # appended, not overwritten (floor, floor_valid, naive_eager per run)
+    assert all(r["status"].startswith("skip: --time-limit-s") for r in rows[3:])
+    assert rows[2]["loss_rel_err"] == "n/a"  # --no-check
 
 
 def test_is_oom_sees_wrapped_errors():
