@@ -55,8 +55,8 @@ def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Opti
 
     hidden [..., H], weight [V, H], token_ids [...]; returns ``TokenLogprobs(logprobs, entropy, lse)``,
     each [...] fp32 (fp64 for fp64 inputs), entropy None unless ``with_entropy``. With ``mask``,
-    masked positions may hold any id and report logprob/entropy 0. Differentiable in hidden,
-    weight and bias.
+    masked positions may hold any id and report logprob/entropy/lse 0 (the op skips those rows:
+    no FLOPs on CUDA, no gradient). Differentiable in hidden, weight and bias.
 
     Packed inputs (``cu_seqlens`` [S + 1] int32/int64, 0 first, N last): hidden [N, H] or
     [1, N, H], token_ids and mask [N] or [1, N]; outputs take token_ids' shape. A token's
@@ -64,9 +64,12 @@ def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Opti
     dtype; values in eager CPU code, a device assert elsewhere) and otherwise unused.
     """
     ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens)
-    out = linear_logprobs(hidden, weight, ids, bias, temperature=float(temperature),
-                          fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
+    # row_mask: masked rows cost no FLOPs on CUDA (padding or prompt tokens) and get no gradient.
+    out = linear_logprobs(hidden, weight, ids, bias, temperature=float(temperature), fp32_lm_head=fp32_lm_head,
+                          with_entropy=with_entropy, row_mask=None if mask is None else valid.reshape(-1))
     if mask is None:
         return out
+    # The op already zeroes masked rows; this select is one cheap elementwise pass that keeps the
+    # outputs' contract (0 at masked positions) independent of the op's backends.
     ent = None if out.entropy is None else torch.where(valid, out.entropy, 0)
     return TokenLogprobs(torch.where(valid, out.logprobs, 0), ent, out.lse)

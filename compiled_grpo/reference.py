@@ -32,6 +32,7 @@ def reference_token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, 
     if mask is not None:
         logprobs = torch.where(valid, logprobs, 0)
         entropy = None if entropy is None else torch.where(valid, entropy, 0)
+        lse = torch.where(valid, lse, 0)
     return TokenLogprobs(logprobs, entropy, lse)
 
 
