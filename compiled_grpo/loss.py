@@ -123,13 +123,15 @@ class AdvantageStats(NamedTuple):
 def advantage_stats(advantages: Tensor, mask: Tensor, *, segments: Optional[Segments] = None) -> AdvantageStats:
     """Broadcastable advantages plus masked mean/max/min (detached) over valid tokens.
 
-    Packed (``segments``): advantages are [S] (one per sequence, broadcast to its tokens) or [N];
-    a 1-D tensor of length S is read per sequence (when S == N both readings agree unless a
-    sequence is empty). [B] advantages are broadcast over T (TRL's ``unsqueeze(1)``), then selected to 0 at masked
+    [B] advantages are broadcast over T (TRL's ``unsqueeze(1)``), then selected to 0 at masked
     positions, so a NaN advantage of a fully masked sequence (a zero-variance group) never enters
     the per-token loss (the masked selections downstream keep it out of the gradient too; see
     test_guards). Empty max/min are -inf/+inf, the
     identities of max/min, so per-rank values combine with all_reduce(MAX/MIN); never sum them.
+
+    Packed (``segments``): advantages are [S] (one per sequence, broadcast to its tokens) or [N];
+    a 1-D tensor of length S is read per sequence (when S == N both readings agree unless a
+    sequence is empty).
     """
     if segments is not None:
         adv = segments.broadcast(advantages) if advantages.shape[0] == segments.num_sequences else advantages  # [N]

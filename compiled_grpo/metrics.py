@@ -26,7 +26,8 @@ from compiled_grpo.loss import AdvantageStats, masked_mean
 
 
 class TokenStats(NamedTuple):
-    """Detached per-token statistics shared by the built-in and the user metrics. [B, T] unless noted."""
+    """Detached per-token statistics shared by the built-in and the user metrics. [B, T] unless noted
+    ([N] for packed inputs, whatever the caller's [1, N] shape)."""
 
     logprobs: Tensor
     old_logprobs: Tensor          # 0 at masked positions
