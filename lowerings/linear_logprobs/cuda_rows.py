@@ -39,10 +39,14 @@ from lowerings.linear_logprobs.kernels import (_dlogits_kernel, _dw_step_kernel,
 # Tiles of the two GEMM steps, (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages) by operand
 # size in bytes; LINEAR_LOGPROBS_GEMM_TILES="128,256,64,8,3" overrides them (tuning runs, and
 # the interpreter tests patch GEMM_TILES).
-_ENV = os.environ.get("LINEAR_LOGPROBS_GEMM_TILES")
-GEMM_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3), 8: (64, 64, 32, 4, 2)}
-if _ENV:
-    GEMM_TILES = {k: tuple(int(t) for t in _ENV.split(",")) for k in GEMM_TILES}
+def _tiles(env: str, default: dict) -> dict:
+    v = os.environ.get(env)
+    return {k: tuple(int(t) for t in v.split(",")) for k in default} if v else default
+
+
+GEMM_TILES = _tiles("LINEAR_LOGPROBS_GEMM_TILES",    # the dX step
+                    {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3), 8: (64, 64, 32, 4, 2)})
+DW_TILES = _tiles("LINEAR_LOGPROBS_DW_TILES", dict(GEMM_TILES))   # the dW step
 GROUP_M = 8       # row (or vocab) blocks a program group shares in L2 (see kernels._swizzle)
 GATHER_ROWS, GATHER_H = 16, 256
 
@@ -113,7 +117,9 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
              ) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes, from the valid rows only."""
     bn, bv, bk, warps, stages = _dense.TILES
-    gm, gh, gk, gwarps, gstages = GEMM_TILES[min(8, max(2, hidden.element_size()))]
+    size = min(8, max(2, hidden.element_size()))
+    gm, gh, gk, gwarps, gstages = GEMM_TILES[size]
+    wc, wh, wk, wwarps, wstages = DW_TILES[size]
     x, w, prec = _dense._prepare(hidden, weight, fp32_lm_head)
     tma = _dense._use_tma(x, w)
     bias = bias.contiguous() if bias is not None else None
@@ -131,7 +137,6 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     dx = hidden.new_zeros((n, h)) if need_x else None                      # [N, H], padded rows 0
     dw = weight.new_empty(weight.shape) if need_w else None                # [V, H]
     db = [None] * triton.cdiv(v, c)                                        # fp32 [C'] each
-    n_hblocks = triton.cdiv(h, gh)
     for g in range(groups):
         r0 = torch.sym_min(g * r, n)
         rows = torch.sym_min((g + 1) * r, n) - r0
@@ -149,16 +154,16 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
                 num_warps=warps, num_stages=stages)
             if need_w:
-                n_cblocks = triton.cdiv(cols, gm)
+                n_cblocks, n_hblocks = triton.cdiv(cols, wc), triton.cdiv(h, wh)
                 wrap(_dw_step_kernel)[(n_cblocks * n_hblocks,)](
                     ws, xg, dw, count, r0, rows, v0, cols, h, ws.stride(0), xg.stride(0),
                     dw.stride(0), n_cblocks, n_hblocks, ACCUMULATE=g > 0, DOT_PREC=prec,
-                    USE_TMA=tma, BLOCK_C=gm, BLOCK_H=gh, BLOCK_K=gk, GROUP_C=GROUP_M,
-                    num_warps=gwarps, num_stages=gstages)
+                    USE_TMA=tma, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk, GROUP_C=GROUP_M,
+                    num_warps=wwarps, num_stages=wstages)
             if need_x:
-                n_mblocks = triton.cdiv(rows, gm)
+                n_mblocks, n_hblocks = triton.cdiv(rows, gm), triton.cdiv(h, gh)
                 wrap(_dx_step_kernel)[(n_mblocks * n_hblocks,)](
-                    ws, w, acc, dx, perm, count, r0, rows, v0, cols, h, ws.stride(0),
+                    ws, w, acc, dx, perm, count, r0, rows, v0, cols, v, h, ws.stride(0),
                     w.stride(0), dx.stride(0), n_mblocks, n_hblocks, ACCUMULATE=v0 > 0,
                     STORE=v0 + c >= v, DOT_PREC=prec, USE_TMA=tma, BLOCK_M=gm, BLOCK_H=gh,
                     BLOCK_K=gk, GROUP_M=GROUP_M, num_warps=gwarps, num_stages=gstages)

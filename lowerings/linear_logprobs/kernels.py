@@ -208,7 +208,7 @@ def _tile(src, r0, c0, rows, cols, stride, USE_TMA: tl.constexpr, BR: tl.constex
 
 @triton.jit
 def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n_rows, v0, cols,
-                    H, stride_ws, stride_w, stride_dx, n_mblocks, n_hblocks,
+                    V, H, stride_ws, stride_w, stride_dx, n_mblocks, n_hblocks,
                     ACCUMULATE: tl.constexpr, STORE: tl.constexpr, DOT_PREC: tl.constexpr,
                     USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -221,12 +221,13 @@ def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n
     if pid_m * BLOCK_M >= n_valid:
         return
     a_src = _desc(ws_ptr, n_valid, cols, stride_ws, USE_TMA, BLOCK_M, BLOCK_K)
-    b_src = _desc(w_ptr + v0.to(tl.int64) * stride_w, cols, H, stride_w, USE_TMA, BLOCK_K,
-                  BLOCK_H)
+    # all of W (no offset pointer: v0 may be a specialized int): a K step past the chunk's
+    # last column reads the next chunk's W rows, multiplied by ws's zero fill
+    b_src = _desc(w_ptr, V, H, stride_w, USE_TMA, BLOCK_K, BLOCK_H)
     acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
     for k0 in range(0, cols, BLOCK_K):
         a = _tile(a_src, pid_m * BLOCK_M, k0, n_valid, cols, stride_ws, USE_TMA, BLOCK_M, BLOCK_K)
-        b = _tile(b_src, k0, pid_h * BLOCK_H, cols, H, stride_w, USE_TMA, BLOCK_K, BLOCK_H)
+        b = _tile(b_src, v0 + k0, pid_h * BLOCK_H, V, H, stride_w, USE_TMA, BLOCK_K, BLOCK_H)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
