@@ -50,7 +50,10 @@ class Segments(NamedTuple):
 def segments_from_cu_seqlens(cu_seqlens: Tensor, num_tokens) -> Segments:
     """:class:`Segments` of ``cu_seqlens`` [S + 1] (int32/int64, 0 first, N last, non-decreasing)."""
     pos = torch.arange(num_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)  # [N]
-    ids = torch.searchsorted(cu_seqlens[1:], pos, right=True)  # [N] int64
+    # = searchsorted(cu_seqlens[1:], pos, right=True) since cu_seqlens[0] = 0 <= pos. Not the slice:
+    # with the sliced boundaries, Inductor's CUDA code (torch 2.11) produced ids >= S (a device-side
+    # "index out of bounds" assert in the gather); the whole tensor compiles right on CPU and CUDA.
+    ids = torch.searchsorted(cu_seqlens, pos, right=True) - 1  # [N] int64
     return Segments(ids, cu_seqlens.shape[0] - 1)
 
 

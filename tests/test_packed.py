@@ -17,6 +17,7 @@ from helpers import make_inputs
 
 LENGTHS = (5, 0, 3, 7, 4)            # sequence 1 empty; sequence 4 fully masked (below)
 T = max(LENGTHS)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PAIRS = [(lt, lvl) for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
          for lvl in ("token", "sequence") if not (lvl == "sequence" and lt in ("cispo", "sapo"))]
 PER_TOKEN = ("token_ids", "mask", "old_logprobs", "ref_logprobs", "sampling_ratio")
@@ -212,12 +213,12 @@ PACKINGS = [(3, 0, 4), (2, 5, 1, 3), (6, 2), (1, 4, 2, 3, 5, 2), (4, 4, 4)]
 TOL = {"eager": (1e-5, 1e-6), "aot_eager": (1e-5, 1e-6), "inductor": (1e-4, 1e-5)}
 
 
-def _device_inputs(lengths, seed):
+def _device_inputs(lengths, seed, device="cpu"):
     pad, packed = padded_and_packed(lengths, seed=seed, fully_masked=(1,))
-    out = {k: v.detach().float() if v.is_floating_point() else v for k, v in packed.items()}
+    out = {k: (v.detach().float() if v.is_floating_point() else v).to(device) for k, v in packed.items()}
     out["hidden"].requires_grad_()
     out["weight"].requires_grad_()
-    out["cu_seqlens"] = cu_of(lengths, torch.int32)
+    out["cu_seqlens"] = cu_of(lengths, torch.int32).to(device)
     for k in ("hidden", "token_ids", "mask", "old_logprobs", "ref_logprobs", "advantages", "cu_seqlens"):
         torch._dynamo.mark_dynamic(out[k], 0)
     return out
@@ -234,14 +235,15 @@ CONFIGS = {
 
 @pytest.mark.parametrize("backend,name", [("eager", "grpo_sequence"), ("aot_eager", "grpo_sequence"),
                                           ("aot_eager", "dr_grpo"), ("inductor", "grpo_sequence_lean")])
-def test_compile_once_for_many_packings(backend, name):
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_once_for_many_packings(backend, name, device):
     cfg = CONFIGS[name]
     packings = PACKINGS if backend != "inductor" else PACKINGS[:3]
     torch._dynamo.reset()
     cnt = CompileCounterWithBackend(backend)
     compiled = torch.compile(cg.grpo_loss, backend=cnt, fullgraph=True)
     for i, lengths in enumerate(packings):
-        inp = _device_inputs(lengths, seed=i)
+        inp = _device_inputs(lengths, seed=i, device=device)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             out = compiled(**inp, config=cfg)
         ref = cg.grpo_loss(**inp, config=cfg)
@@ -258,12 +260,13 @@ def test_compile_once_for_many_packings(backend, name):
     assert cnt.frame_count == 1
 
 
-def test_token_logprobs_compile_once_for_many_packings():
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_logprobs_compile_once_for_many_packings(device):
     torch._dynamo.reset()
     cnt = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(cg.token_logprobs, backend=cnt, fullgraph=True)
     for i, lengths in enumerate(PACKINGS):
-        inp = _device_inputs(lengths, seed=i)
+        inp = _device_inputs(lengths, seed=i, device=device)
         args = (inp["hidden"], inp["weight"], inp["token_ids"])
         kw = dict(mask=inp["mask"], cu_seqlens=inp["cu_seqlens"], with_entropy=True)
         with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=i > 0):
@@ -272,3 +275,25 @@ def test_token_logprobs_compile_once_for_many_packings():
         torch.testing.assert_close(out.logprobs, ref.logprobs)
         torch.testing.assert_close(out.entropy, ref.entropy)
     assert cnt.frame_count == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the op's row-masked Triton path)")
+@pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "sequence"), ("dr_grpo", "sequence")])
+def test_cuda_float32_equals_padded(loss_type, level):
+    pad, packed = padded_and_packed(seed=21)
+    moved = []
+    for d in (pad, packed):
+        out = {k: (v.detach().float() if v.is_floating_point() else v).cuda() for k, v in d.items()}
+        out["hidden"].requires_grad_()
+        out["weight"].requires_grad_()
+        moved.append(out)
+    pad, packed = moved
+    cfg = cg.GRPOConfig(loss_type=loss_type, importance_sampling_level=level, beta=0.04, max_completion_length=8,
+                        metrics="with_entropy")
+    a = cg.grpo_loss(**packed, cu_seqlens=cu_of(LENGTHS).cuda(), config=cfg)
+    e = cg.grpo_loss(**pad, config=cfg)
+    assert_same(a, e, LENGTHS, rtol=1e-5, atol=1e-6)
+    gh, gw = torch.autograd.grad(a.loss, (packed["hidden"], packed["weight"]))
+    rh, rw = torch.autograd.grad(e.loss, (pad["hidden"], pad["weight"]))
+    torch.testing.assert_close(gh, pack(rh, LENGTHS), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
