@@ -238,3 +238,31 @@ def test_cuda_backward_trace_in_place_and_symbolic_n():
     r = subprocess.run([sys.executable, "-c", _CUDA_TRACE], env=env, cwd=root,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+def test_row_mask_opcheck_and_gradcheck():
+    """row_mask: opcheck of both ops with it, fp64 gradcheck through it; padded rows give 0
+    outputs and 0 d_hidden rows whatever their incoming grads (the CPU body computes them and
+    zeroes them; CUDA skips them, tests/test_linear_logprobs_gpu.py)."""
+    x, w, ids, b = make(dtype=torch.float32)
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) > 0.4
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_static", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(_linear_logprobs_op, (x, w, ids, b, 0.7, False, True, mask),
+                          test_utils=utils)
+    lp, ent, lse = (t.detach() for t in _linear_logprobs_op(x, w, ids, b, 0.7, False, True, mask))
+    assert not lp[~mask].any() and not ent[~mask].any() and not lse[~mask].any()
+    g = torch.randn_like(lp)
+    torch.library.opcheck(_linear_logprobs_backward_op,
+                          (x.detach(), w.detach(), ids, b.detach(), lse, ent, g, g, g, 0.7, False,
+                           True, True, True, True, mask), test_utils=utils[:1] + utils[2:])
+    dx, _, _ = _linear_logprobs_backward_op(x.detach(), w.detach(), ids, b.detach(), lse, ent, g,
+                                            g, g, 0.7, False, True, True, True, True, mask)
+    assert not dx[~mask].any()
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+
+    def f(x, w, b):
+        out = linear_logprobs(x, w, ids, b, temperature=0.7, with_entropy=True, row_mask=mask)
+        return out.logprobs, out.entropy, out.lse
+    torch.autograd.gradcheck(f, (x64, w64, b64))

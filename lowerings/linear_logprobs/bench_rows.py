@@ -35,11 +35,15 @@ SWEEP = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (256,
 
 
 def sweep(fn):
-    """Per-kernel CUDA times of one masked fwd+bwd for each GEMM-step tile config (both steps)."""
+    """Per-kernel CUDA times of one masked fwd+bwd for each GEMM-step tile config (both steps),
+    then for dlogits workspaces of 16, 24 and 32 MiB (wall time and peak memory too)."""
     from lowerings.linear_logprobs import cuda_rows
-    for tiles in SWEEP:
+    base = cuda_rows.GEMM_TILES[2]
+    configs = [(t, cuda_rows.WS_BYTES) for t in SWEEP] + [(base, mib << 20) for mib in (24, 32)]
+    for tiles, ws in configs:
         cuda_rows.GEMM_TILES = {**cuda_rows.GEMM_TILES, 2: tiles}
         cuda_rows.DW_TILES = {**cuda_rows.DW_TILES, 2: tiles}
+        cuda_rows.WS_BYTES = ws
         try:
             fn()
             fn()
@@ -51,7 +55,15 @@ def sweep(fn):
             print(f"tiles {tiles}: {type(e).__name__}: {str(e)[:100]}", flush=True)
             continue
         ms = {e.key: e.device_time_total / 1e3 for e in prof.key_averages()}
-        print(f"tiles {tiles}: dW step {ms.get('_dw_step_kernel', 0):.2f} ms, dX step "
+        wall = bench(fn)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+        print(f"ws {ws >> 20} MiB, wall {wall:.2f} ms, peak beyond inputs {peak:.0f} MiB (grads "
+              f"included), tiles {tiles}: dW step {ms.get('_dw_step_kernel', 0):.2f} ms, dX step "
               f"{ms.get('_dx_step_kernel', 0):.2f} ms, total {sum(ms.values()):.2f} ms", flush=True)
 
 

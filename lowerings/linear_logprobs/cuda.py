@@ -210,10 +210,11 @@ def _row_groups(n, h: int) -> int:
     return min(MAX_ROW_GROUPS, max(1, triton.cdiv(_hint(n) * h * 4, DX_GROUP_BYTES)))
 
 
-def _chunk_cols(v: int, r, groups: int, elem_bytes: int, bv: int) -> int:
+def _chunk_cols(v: int, r, groups: int, elem_bytes: int, bv: int, ws_bytes: int = 0) -> int:
     """C, the backward's vocab columns a step: CHUNK_V, shrunk so that the workspace [R, C]
-    fits WS_BYTES, grown so that there are at most MAX_STEPS (group, chunk) steps."""
-    fit = WS_BYTES // (_hint(r) * elem_bytes) // bv * bv                  # C of WS_BYTES
+    fits ws_bytes (WS_BYTES by default), grown so that there are at most MAX_STEPS (group,
+    chunk) steps."""
+    fit = (ws_bytes or WS_BYTES) // (_hint(r) * elem_bytes) // bv * bv    # C of the budget
     few_steps = triton.cdiv(triton.cdiv(v * groups, MAX_STEPS), bv) * bv  # C of MAX_STEPS
     return min(max(min(CHUNK_V, fit), few_steps, bv), triton.cdiv(v, bv) * bv)
 

@@ -47,6 +47,9 @@ def _tiles(env: str, default: dict) -> dict:
 GEMM_TILES = _tiles("LINEAR_LOGPROBS_GEMM_TILES",    # the dX step
                     {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3), 8: (64, 64, 32, 4, 2)})
 DW_TILES = _tiles("LINEAR_LOGPROBS_DW_TILES", dict(GEMM_TILES))   # the dW step
+# The dlogits workspace [R, C] of this path. H100, qwen3-8b shape, 67% valid (bench_rows
+# --sweep): 16 MiB (C = 4096) 102.1 ms, 24 MiB 97.6 ms, 32 MiB 97.7 ms, peaks within 5 MiB.
+WS_BYTES = int(os.environ.get("LINEAR_LOGPROBS_ROWS_WS_MIB", "24")) << 20
 GROUP_M = 8       # row (or vocab) blocks a program group shares in L2 (see kernels._swizzle)
 GATHER_ROWS, GATHER_H = 16, 256
 
@@ -130,7 +133,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     ids, lse, entropy, g_lp, g_ent, g_lse = (
         t.index_select(0, perm) for t in (ids, lse, entropy, g_lp, g_ent, g_lse))
     groups, r = _groups(n, h, bn)
-    c = _dense._chunk_cols(v, r, groups, x.element_size(), bv)
+    c = _dense._chunk_cols(v, r, groups, x.element_size(), bv, WS_BYTES)
     ws = x.new_empty((r, c))                                               # [R, C]
     xg = x.new_empty((r, h))                                               # [R, H]
     acc = x.new_empty((r, h), dtype=torch.float32) if need_x else None     # [R, H] fp32
