@@ -143,6 +143,8 @@ def advantage_stats(advantages: Tensor, mask: Tensor, *, segments: Optional[Segm
     adv = torch.where(mask, adv, 0)  # [B, T]
     full = adv.detach()  # [B, T]
     mean = masked_mean(full, mask)
+    if full.numel() == 0:  # an empty batch: amax() of no element raises; a size check, no guard (0 is static)
+        return AdvantageStats(adv, mean, full.new_full((), -torch.inf), full.new_full((), torch.inf))
     amax = torch.where(mask, full, -torch.inf).amax()
     amin = torch.where(mask, full, torch.inf).amin()
     return AdvantageStats(adv, mean, amax, amin)
@@ -245,6 +247,8 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, config, num_items_in_batch=N
     one = torch.ones((), dtype=dtype, device=mask.device)
     # B (S packed): a SymInt under dynamic shapes: multiply, never float() it (would specialize)
     batch = mask.shape[0] if segments is None else segments.num_sequences
+    if isinstance(batch, int):  # B = 0, an empty batch: 0 / 1, not 0 / 0 (a SymInt B is never 0: 0 specializes)
+        batch = max(batch, 1)
     if kind.divisor == "batch":
         divisor = one * batch
     elif kind.divisor == "dr_grpo":
