@@ -28,7 +28,16 @@ def check_shape(name: str, x: torch.Tensor, expected: tuple, what: str) -> None:
         raise ValueError(f"{name} must have shape {what} = {tuple(expected)}, got {tuple(x.shape)}")
 
 
+def _host_checks(x: torch.Tensor) -> bool:
+    """Data checks that read values on the host: eager code on CPU tensors only (no sync elsewhere)."""
+    return not torch.compiler.is_compiling() and x.device.type == "cpu"
+
+
 def check_lm_head(hidden, weight, bias) -> None:
+    """Shapes and dtypes always. Mixed dtypes are allowed (the GEMM runs in their promoted type,
+    grads come back in each input's dtype). Values in eager CPU code: no NaN in weight or bias and
+    no +inf in bias (a -inf bias entry bans a token and is fine); compiled / CUDA code does not
+    check (a NaN there gives NaN log-probs, loss and grads)."""
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndims=(2,), dtypes=FLOAT_DTYPES, device=hidden.device)
     if weight.shape[1] != hidden.shape[-1]:
@@ -37,12 +46,39 @@ def check_lm_head(hidden, weight, bias) -> None:
     if bias is not None:
         check_tensor("bias", bias, dtypes=FLOAT_DTYPES, device=hidden.device)
         check_shape("bias", bias, (weight.shape[0],), "[V]")
+    if _host_checks(weight):
+        with torch.no_grad():
+            if bool(torch.isnan(weight).any()):
+                rows = torch.isnan(weight).any(-1).nonzero()[:, 0]
+                raise ValueError(f"weight holds NaN (rows {rows[:5].tolist()}{' ...' if rows.numel() > 5 else ''})")
+            if bias is not None and bool((torch.isnan(bias) | (bias == torch.inf)).any()):
+                bad = (torch.isnan(bias) | (bias == torch.inf)).nonzero()[:, 0]
+                raise ValueError(f"bias holds NaN or +inf at {bad[:5].tolist()}{' ...' if bad.numel() > 5 else ''} "
+                                 "(-inf is allowed: it bans a token)")
+
+
+def mask_to_bool(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask, or a 0/1 mask of any dtype as bool. Other values (a float mask of per-token
+    weights, as TRL could multiply by) are rejected rather than read as True: ValueError in eager
+    CPU code, ``torch._assert_async`` under compile and on other devices (no host sync)."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_complex():
+        raise TypeError(f"mask must be bool or hold 0/1 values, got dtype {mask.dtype}")
+    ok = ((mask == 0) | (mask == 1)).all()
+    what = "mask must be bool or hold only 0 and 1 (a float mask of per-token weights is not supported)"
+    if not _host_checks(mask):
+        torch._assert_async(ok, what)
+    elif not bool(ok):
+        bad = mask[(mask != 0) & (mask != 1)]
+        raise ValueError(f"{what}; found {bad[:5].tolist()}")
+    return mask != 0
 
 
 def check_token_ids(token_ids: torch.Tensor, vocab_size: int, valid: torch.Tensor) -> None:
     """token_ids at valid positions must lie in [0, V); masked positions may hold anything (-100)."""
     ok = ((token_ids >= 0) & (token_ids < vocab_size)) | ~valid
-    if torch.compiler.is_compiling() or token_ids.device.type != "cpu":
+    if not _host_checks(token_ids):
         torch._assert_async(ok.all(), f"token_ids must lie in [0, V={vocab_size}) at unmasked positions")
     elif not bool(ok.all()):
         bad = token_ids[~ok]

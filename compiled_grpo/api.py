@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from compiled_grpo._checks import FLOAT_DTYPES, check_cu_seqlens, check_shape, check_tensor
+from compiled_grpo._checks import FLOAT_DTYPES, check_cu_seqlens, check_shape, check_tensor, mask_to_bool
 from compiled_grpo.config import GRPOConfig
 from compiled_grpo.logprobs import check_packed_hidden, token_logprobs
 from compiled_grpo.loss import (advantage_stats, aggregate, importance_ratio, kl_penalty, masked_mean,
@@ -142,7 +142,7 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
             flat, (token_ids, mask, old_logprobs, ref_logprobs, sampling_ratio))  # [N]
         advantages = flat(advantages)  # [S] or [N]
         segments = segments_from_cu_seqlens(cu_seqlens, hidden.shape[0])
-    valid = mask if mask.dtype == torch.bool else mask != 0  # [B, T]
+    valid = mask_to_bool(mask)  # [B, T]; a mask other than 0/1 is rejected (README: Edge cases)
     want_entropy = cfg.entropy_coef > 0 or cfg.metrics_level == "with_entropy"
     tok = logprob_fn(hidden, weight, token_ids, bias, mask=valid, temperature=cfg.temperature,
                      fp32_lm_head=cfg.fp32_lm_head, with_entropy=want_entropy)

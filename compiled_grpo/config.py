@@ -67,6 +67,8 @@ class GRPOConfig:
         for field in ("epsilon_low", "epsilon_high", "beta", "entropy_coef"):
             if not _is_real(getattr(self, field)) or getattr(self, field) < 0:
                 bad(field, "must be a finite number >= 0")
+        if self.epsilon_low >= 1:
+            bad("epsilon_low", "must be < 1 (the lower clip bound 1 - epsilon_low must stay > 0)")
         for field in ("temperature", "sapo_temperature_pos", "sapo_temperature_neg"):
             if not _is_real(getattr(self, field)) or getattr(self, field) <= 0:
                 bad(field, "must be a finite number > 0")

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from compiled_grpo._checks import INT_DTYPES, check_cu_seqlens, check_lm_head, check_tensor, check_token_ids
+from compiled_grpo._checks import (INT_DTYPES, check_cu_seqlens, check_lm_head, check_tensor, check_token_ids,
+                                   mask_to_bool)
 from lowerings.linear_logprobs import LinearLogprobs as TokenLogprobs
 from lowerings.linear_logprobs import linear_logprobs
 
@@ -41,7 +42,7 @@ def _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens=None
         check_tensor("mask", mask, device=hidden.device)
         if tuple(mask.shape) != tuple(token_ids.shape):
             raise ValueError(f"mask must have the shape of token_ids {tuple(token_ids.shape)}, got {tuple(mask.shape)}")
-        valid = mask if mask.dtype == torch.bool else mask != 0
+        valid = mask_to_bool(mask)
     check_token_ids(token_ids, weight.shape[0], valid)
     # Masked positions may hold padding ids such as -100: read row 0 there instead.
     ids = torch.where(valid, token_ids, 0).long()

@@ -20,15 +20,26 @@ def reference_token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, 
                              with_entropy: bool = False, cu_seqlens: Optional[Tensor] = None) -> TokenLogprobs:
     """Same contract as :func:`compiled_grpo.token_logprobs`; ``fp32_lm_head`` is implied (upcast)."""
     ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens)
-    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    logits = hidden.to(dtype) @ weight.to(dtype).T  # [..., V]
+    dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+    w = weight.to(dtype)  # [V, H]
+    # An inf weight entry makes its logits +-inf (a banned token when -inf) and their dlogits 0:
+    # d hidden = dlogits @ W then counts 0 * inf as 0 (the inf part of W is seen by value only).
+    # (A host check, as this eager reference may sync; no copy of W without an inf entry.)
+    if bool(torch.isinf(w).any()):
+        w_fin = torch.where(torch.isinf(w), 0, w)
+        logits = hidden.to(dtype) @ w_fin.T + hidden.detach().to(dtype) @ (w - w_fin).T  # [..., V]
+    else:
+        logits = hidden.to(dtype) @ w.T  # [..., V]
     if bias is not None:
         logits = logits + bias.to(dtype)
     logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)  # [..., V]
     logprobs = logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [...]
     lse = torch.logsumexp(logits, dim=-1)  # [...]
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None  # [...]
+    entropy = None
+    if with_entropy:  # 0 * log 0 = 0 at banned (-inf) tokens, in the value and in the gradient
+        logp_fin = torch.where(logp_all == -torch.inf, 0, logp_all)  # [..., V]
+        entropy = -(logp_all.exp() * logp_fin).sum(-1)  # [...]
     if mask is not None:
         logprobs = torch.where(valid, logprobs, 0)
         entropy = None if entropy is None else torch.where(valid, entropy, 0)

@@ -69,3 +69,116 @@ def test_empty_token_logprobs():
     assert out.logprobs.shape == (0,) and out.entropy.shape == (0,)
     (out.logprobs.sum() + out.entropy.sum()).backward()
     assert not weight.grad.any()
+
+
+def _banned_inputs(kind, dtype=torch.float64, N=6, H=8, V=40, seed=1):
+    """hidden [N, H], weight [V, H], bias [V], ids [N] where tokens 0, 5 and 16..31 (two whole
+    16-column chunks when CHUNK_V = 16: a row's first chunk may be all -inf) have logit -inf:
+    by a -inf bias, a -inf weight row (hidden > 0), or a weight row whose logit overflows."""
+    hidden, weight, bias = (t.detach() for t in _leaves((N, H), (V, H), (V,), dtype=dtype, seed=seed))
+    banned = torch.tensor([0, 5] + list(range(16, 32)))
+    if kind == "bias":
+        bias[banned] = -torch.inf
+    else:
+        hidden = hidden.abs() + 0.1                     # every logit of a negative row is negative
+        weight[banned] = -torch.inf if kind == "weight_inf" else -torch.finfo(dtype).max
+    ids = torch.randint(33, V, (N,), generator=torch.Generator().manual_seed(seed))
+    return [t.requires_grad_() for t in (hidden, weight, bias)] + [ids]
+
+
+@pytest.mark.parametrize("kind", ["bias", "weight_inf", "weight_overflow"])
+@pytest.mark.parametrize("chunk", [16, 4096])
+def test_minus_inf_logits_give_finite_values_and_grads(monkeypatch, kind, chunk):
+    from lowerings.linear_logprobs import cpu
+    monkeypatch.setattr(cpu, "CHUNK_V", chunk)
+    hidden, weight, bias, ids = _banned_inputs(kind)
+    outs = []
+    for fn in (cg.token_logprobs, cg.reference_token_logprobs):
+        out = fn(hidden, weight, ids, bias, with_entropy=True)
+        loss = (out.logprobs * 0.7 + out.entropy * 1.3 + out.lse * 0.1).sum()
+        outs.append((out.logprobs, out.entropy, out.lse) + torch.autograd.grad(loss, (hidden, weight, bias)))
+    for a, r in zip(*outs):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-12)
+    assert not outs[0][4][16:32].any()                  # dW rows of banned tokens are 0
+
+
+@pytest.mark.parametrize("kind", ["bias", "weight_overflow"])
+def test_minus_inf_logits_in_grpo_loss(kind):
+    hidden, weight, bias, ids = _banned_inputs(kind, dtype=torch.float32, N=12)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    args = (hidden.view(2, 6, -1), weight, ids.view(2, 6).masked_fill(~mask, 5), torch.tensor([1.0, -1.0]), mask)
+    kw = dict(bias=bias, config=cg.GRPOConfig(entropy_coef=0.1, metrics="with_entropy"))
+    ours = cg.grpo_loss(*args, **kw)
+    gold = reference_grpo_loss(*args, **kw)
+    compiled = torch.compile(cg.grpo_loss, backend="aot_eager", fullgraph=True)(*args, **kw)
+    for out in (ours, compiled):
+        grads = torch.autograd.grad(out.loss, (hidden, weight, bias))
+        assert torch.isfinite(out.loss) and all(torch.isfinite(g).all() for g in grads)
+    torch.testing.assert_close(ours.loss, gold.loss)
+    torch.testing.assert_close(ours.entropy, gold.entropy)
+
+
+def _loss_inputs(dtype=torch.float32):
+    hidden, weight = _leaves((2, 5, 8), (11, 8), dtype=dtype)
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(0))
+    return dict(hidden=hidden, weight=weight, token_ids=ids, advantages=torch.tensor([1.0, -0.5]),
+                mask=torch.ones(2, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("where", ["weight", "bias", "bias+inf"])
+def test_nan_in_lm_head_is_reported_in_eager_cpu(where):
+    inp = _loss_inputs()
+    bias = torch.zeros(11)
+    if where == "weight":
+        inp["weight"] = inp["weight"].detach().clone()
+        inp["weight"][3, 2] = float("nan")
+    else:
+        bias[7] = float("nan") if where == "bias" else float("inf")
+    name = where.rstrip("+inf")
+    with pytest.raises(ValueError, match=f"{name} holds NaN"):
+        cg.grpo_loss(**inp, bias=bias)
+    with pytest.raises(ValueError, match=f"{name} holds NaN"):
+        cg.token_logprobs(inp["hidden"], inp["weight"], inp["token_ids"], bias)
+
+
+@pytest.mark.parametrize("value", [0.5, 2.0, -1.0, float("nan")])
+def test_mask_other_than_0_1_is_rejected(value):
+    inp = _loss_inputs()
+    inp["mask"] = inp["mask"].float()
+    inp["mask"][1, 2] = value
+    with pytest.raises(ValueError, match="mask must be bool or hold only 0 and 1"):
+        cg.grpo_loss(**inp)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        cg.token_logprobs(inp["hidden"], inp["weight"], inp["token_ids"], mask=inp["mask"])
+    f = torch.compile(cg.grpo_loss, backend="aot_eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="mask must be bool"):
+        f(**inp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.uint8])
+def test_0_1_masks_of_any_dtype_equal_the_bool_mask(dtype):
+    inp = _loss_inputs()
+    inp["mask"][1, 3:] = False
+    ref = cg.grpo_loss(**inp).loss
+    assert cg.grpo_loss(**dict(inp, mask=inp["mask"].to(dtype))).loss == ref
+
+
+@pytest.mark.parametrize("h_dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                             (torch.float32, torch.float64)])
+def test_mixed_dtypes_compute_in_the_promoted_type(h_dtype, w_dtype):
+    """The GEMM runs in promote_types(hidden, weight) (fp32 at least on CPU), grads in each input's dtype."""
+    inp = _loss_inputs()
+    h = inp["hidden"].detach().to(h_dtype).requires_grad_()
+    w = inp["weight"].detach().to(w_dtype).requires_grad_()
+    out = cg.grpo_loss(**dict(inp, hidden=h, weight=w), config=cg.GRPOConfig(metrics="with_entropy"))
+    gh, gw = torch.autograd.grad(out.loss, (h, w))
+    assert gh.dtype == h_dtype and gw.dtype == w_dtype
+    cd = torch.promote_types(torch.promote_types(h_dtype, w_dtype), torch.float32)
+    assert out.logprobs.dtype == cd
+    h_up, w_up = h.detach().to(cd).requires_grad_(), w.detach().to(cd).requires_grad_()
+    gold = reference_grpo_loss(**dict(inp, hidden=h_up, weight=w_up), config=cg.GRPOConfig(metrics="with_entropy"))
+    torch.testing.assert_close(out.loss, gold.loss.to(out.loss.dtype))
+    for g, r in zip((gh, gw), torch.autograd.grad(gold.loss, (h_up, w_up))):
+        torch.testing.assert_close(g, r.to(g.dtype))

@@ -19,6 +19,8 @@ def _inp(**over):
     ("temperature", 0.0, "temperature"),
     ("temperature", -1.0, "temperature"),
     ("epsilon_low", -0.1, "epsilon_low"),
+    ("epsilon_low", 1.0, "epsilon_low"),
+    ("epsilon_low", 2.5, "epsilon_low"),
     ("beta", float("nan"), "beta"),
     ("delta", 0.0, "delta"),
     ("log_ratio_clamp", -1.0, "log_ratio_clamp"),

@@ -22,8 +22,10 @@ from torch import Tensor
 CHUNK_V = 4096
 
 
-def _compute_dtype(hidden: Tensor) -> torch.dtype:
-    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """float64 if either operand is (a mixed-dtype head computes in the promoted type, as on
+    CUDA), float32 otherwise."""
+    return torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
 
 
 def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int,
@@ -46,7 +48,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     """(logprobs, entropy, lse), each [N] float32 (float64 for float64 inputs).
 
     entropy is zeros when with_entropy is False (the work is skipped)."""
-    cd = _compute_dtype(hidden)
+    cd = _compute_dtype(hidden, weight)
     x = hidden.to(cd)                                                      # [N, H]
     n, v = hidden.shape[0], weight.shape[0]
     m = x.new_full((n,), float("-inf"))        # running max                 [N]
@@ -57,11 +59,14 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
         v1 = min(v0 + CHUNK_V, v)
         z = _chunk_logits(x, weight, bias, v0, v1, temperature)           # [N, C]
         m_new = torch.maximum(m, z.amax(-1))                               # [N]
-        alpha = torch.exp(m - m_new)           # exp(-inf) = 0 on the first chunk
-        e = torch.exp(z - m_new[:, None])                                  # [N, C]
+        # -inf logits (a banned token): a row whose columns so far are all -inf has m_new = -inf;
+        # shifting by finfo.min there keeps exp(-inf - -inf) = NaN out of alpha and e
+        m_sh = m_new.clamp(min=torch.finfo(cd).min)                        # [N]
+        alpha = torch.exp(m - m_sh)            # exp(-inf) = 0 on the first chunk
+        e = torch.exp(z - m_sh[:, None])                                   # [N, C]
         s = s * alpha + e.sum(-1)
-        if with_entropy:
-            t = t * alpha + (e * z).sum(-1)
+        if with_entropy:                       # 0 * log 0 = 0: e = 0 where z = -inf
+            t = t * alpha + torch.where(e > 0, e * z, 0).sum(-1)
         hit = (ids >= v0) & (ids < v1)                                     # [N]
         col = (ids - v0).clamp(0, v1 - v0 - 1)                             # [N]
         zt = zt + torch.where(hit, z.gather(1, col[:, None])[:, 0], 0.0)
@@ -79,7 +84,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
 
     dlogits = (g_lp * (onehot - p) + g_lse * p - g_ent * p * (log p + H)) / T, i.e.
     g_lp * onehot - p * (g_lp - g_lse + g_ent * (z - lse + H)), over T."""
-    cd = _compute_dtype(hidden)
+    cd = _compute_dtype(hidden, weight)
     x = hidden.to(cd)                                                      # [N, H]
     v = weight.shape[0]
     lse_, a = lse.to(cd), (g_lp - g_lse).to(cd)                            # [N]
@@ -93,12 +98,13 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
         logp = z - lse_[:, None]                                           # [N, C]
         p = torch.exp(logp)
         coef = a[:, None]
-        if with_entropy:
-            coef = coef + g_ent_[:, None] * (logp + ent_[:, None])
+        if with_entropy:                       # p log p -> 0 as p -> 0: no -inf * 0 at banned tokens
+            coef = coef + g_ent_[:, None] * (torch.where(p > 0, logp, 0) + ent_[:, None])
         onehot = torch.arange(v0, v1, device=ids.device)[None, :] == ids[:, None]
         dz = (torch.where(onehot, g_lp_[:, None], 0.0) - p * coef) / temperature
-        if need_x:
-            dx = dx + dz @ weight[v0:v1].to(cd)                            # [N, H]
+        if need_x:   # an inf weight entry makes its logit +-inf and dz 0 there: count 0 * inf as 0
+            w = weight[v0:v1].to(cd)                                       # [C, H]
+            dx = dx + dz @ torch.where(torch.isinf(w), 0, w)               # [N, H]
         if need_w:
             dw.append((dz.T @ x).to(weight.dtype))                         # [C, H]
         if need_b:
