@@ -217,17 +217,21 @@ def test_row_mask_no_host_sync_and_deterministic():
 
     def step(fn, x, w, ids, mask):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        torch._dynamo.mark_dynamic(xg, 0)                   # clone() drops the mark
         out = fn(xg, wg, ids, mask)
         (out.logprobs.sum() + out.entropy.sum()).backward()
         return out.logprobs.detach(), xg.grad, wg.grad
 
     fn = lambda x, w, ids, m: linear_logprobs(x, w, ids, with_entropy=True, row_mask=m)  # noqa: E731
-    cfn = torch.compile(fn, backend=cnt, fullgraph=True, dynamic=True)
+    cfn = torch.compile(fn, backend=cnt, fullgraph=True)
     for n in (2048, 1536):
         x, w, ids, _ = make(n, v=32768)
         mask = _padded_mask(n)
+        for t in (ids, mask):                               # N dynamic (x: in step)
+            torch._dynamo.mark_dynamic(t, 0)
         for f in (fn, cfn):
-            step(f, x, w, ids, mask)                        # compile / autotune outside the check
+            with torch._dynamo.config.patch(error_on_recompile=n != 2048):
+                step(f, x, w, ids, mask)                    # compile / autotune outside the check
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:

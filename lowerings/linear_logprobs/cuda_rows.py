@@ -57,7 +57,7 @@ GATHER_ROWS, GATHER_H = 16, 256
 def order_rows(row_mask: Tensor) -> tuple[Tensor, Tensor]:
     """perm [N] int64, valid rows first in their original order (a stable device sort, no host
     sync), and count [1] int32, the number of valid rows."""
-    perm = torch.argsort(row_mask.logical_not().to(torch.uint8), stable=True)   # [N]
+    perm = torch.argsort(row_mask.to(torch.uint8), descending=True, stable=True)  # [N]
     return perm, row_mask.sum(dtype=torch.int32).reshape(1)
 
 
