@@ -297,3 +297,26 @@ def test_cuda_float32_equals_padded(loss_type, level):
     rh, rw = torch.autograd.grad(e.loss, (pad["hidden"], pad["weight"]))
     torch.testing.assert_close(gh, pack(rh, LENGTHS), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (host syncs are a CUDA notion)")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_step_has_no_host_sync(compiled):
+    """A whole grpo_loss fwd+bwd step, padded and packed, under set_sync_debug_mode("error"):
+    the row-masked op, the segment reductions and the device-side argument checks never wait
+    on the GPU (issue: real batches)."""
+    pad, packed = padded_and_packed(seed=22)
+    cfg = cg.GRPOConfig(loss_type="grpo", importance_sampling_level="sequence", beta=0.04,
+                        metrics="with_entropy")
+    fn = torch.compile(cg.grpo_loss, fullgraph=True) if compiled else cg.grpo_loss
+    for d, extra in ((pad, {}), (packed, {"cu_seqlens": cu_of(LENGTHS).cuda()})):
+        x = {k: (v.detach().float() if v.is_floating_point() else v).cuda() for k, v in d.items()}
+        x["hidden"].requires_grad_()
+        x["weight"].requires_grad_()
+        fn(**x, **extra, config=cfg).loss.backward()        # compile outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn(**x, **extra, config=cfg).loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
