@@ -17,6 +17,7 @@ Packed inputs (``cu_seqlens``): the same functions on flat [N] tensors, with a `
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -46,7 +47,7 @@ def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Ten
               old_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None, *,
               bias: Optional[Tensor] = None, sampling_ratio: Optional[Tensor] = None,
               num_items_in_batch=None, cu_seqlens: Optional[Tensor] = None,
-              config: GRPOConfig = _DEFAULT) -> GRPOOutput:
+              config: GRPOConfig = _DEFAULT, tp_group=None, vocab_start: Optional[int] = None) -> GRPOOutput:
     """GRPO-family loss of ``config.loss_type`` (README: loss table).
 
     hidden [B, T, H] bf16/fp16/fp32(/fp64), weight [V, H], token_ids [B, T] int64, advantages [B] or
@@ -65,8 +66,15 @@ def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Ten
     take token_ids' shape. Every loss type, IS level, KL, normalizer and metric gives the value of
     the padded [S, T] layout of the same sequences (B = S, empty sequences included; L_i = the
     segment's valid tokens; dr_grpo's divisor S * max_completion_length), up to summation order.
+
+    Vocab-parallel TP: ``tp_group`` / ``vocab_start`` go to token_logprobs (weight and bias are this
+    rank's vocab shard, or a Shard(0) DTensor; compiled_grpo/distributed.py). Every other input is
+    the same on every rank, and so are all outputs; grads: full d_hidden, this rank's dW/db shard.
     """
-    return _grpo_loss(token_logprobs, hidden, weight, token_ids, advantages, mask, old_logprobs, ref_logprobs,
+    logprob_fn = token_logprobs
+    if tp_group is not None or vocab_start is not None:
+        logprob_fn = functools.partial(token_logprobs, tp_group=tp_group, vocab_start=vocab_start)
+    return _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logprobs, ref_logprobs,
                       bias=bias, sampling_ratio=sampling_ratio, num_items_in_batch=num_items_in_batch,
                       cu_seqlens=cu_seqlens, config=config)
 

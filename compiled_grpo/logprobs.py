@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from compiled_grpo import distributed as _tp
 from compiled_grpo._checks import (INT_DTYPES, check_cu_seqlens, check_lm_head, check_tensor, check_token_ids,
                                    mask_to_bool)
 from lowerings.linear_logprobs import LinearLogprobs as TokenLogprobs
@@ -25,7 +26,9 @@ def check_packed_hidden(hidden) -> None:
                          f"got {tuple(hidden.shape)}")
 
 
-def _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens=None):
+def _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens=None, vocab_size=None):
+    """vocab_size: the ids' upper bound, weight.shape[0] by default (the global V under TP; inf for
+    uneven TP shards, whose range is checked after the gather)."""
     check_lm_head(hidden, weight, bias)
     if cu_seqlens is not None:
         check_packed_hidden(hidden)
@@ -43,7 +46,7 @@ def _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens=None
         if tuple(mask.shape) != tuple(token_ids.shape):
             raise ValueError(f"mask must have the shape of token_ids {tuple(token_ids.shape)}, got {tuple(mask.shape)}")
         valid = mask_to_bool(mask)
-    check_token_ids(token_ids, weight.shape[0], valid)
+    check_token_ids(token_ids, weight.shape[0] if vocab_size is None else vocab_size, valid)
     # Masked positions may hold padding ids such as -100: read row 0 there instead.
     ids = torch.where(valid, token_ids, 0).long()
     return ids, valid
@@ -51,7 +54,8 @@ def _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens=None
 
 def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Optional[Tensor] = None, *,
                    mask: Optional[Tensor] = None, temperature: float = 1.0, fp32_lm_head: bool = False,
-                   with_entropy: bool = False, cu_seqlens: Optional[Tensor] = None) -> TokenLogprobs:
+                   with_entropy: bool = False, cu_seqlens: Optional[Tensor] = None, tp_group=None,
+                   vocab_start: Optional[int] = None) -> TokenLogprobs:
     """log_softmax((hidden @ weight.T + bias) / temperature)[token_ids], without the logits.
 
     hidden [..., H], weight [V, H], token_ids [...]; returns ``TokenLogprobs(logprobs, entropy, lse)``,
@@ -63,11 +67,27 @@ def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Opti
     [1, N, H], token_ids and mask [N] or [1, N]; outputs take token_ids' shape. A token's
     log-prob does not depend on where its sequence starts, so ``cu_seqlens`` is checked (shape,
     dtype; values in eager CPU code, a device assert elsewhere) and otherwise unused.
+
+    Vocab-parallel TP (``tp_group``, compiled_grpo/distributed.py): weight [V_r, H] and bias [V_r]
+    are this rank's contiguous vocab shard, ranks in order, an even split unless ``vocab_start``
+    (this rank's first id) or a DTensor weight (Shard(0) on a 1-D mesh) says otherwise; hidden and
+    the global token_ids are the same on every rank. Outputs are the full-vocab values, identical
+    on every rank; grads: the full d_hidden on every rank, each rank's d_weight/d_bias shard.
     """
-    ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens)
+    shard = None
+    if tp_group is not None or vocab_start is not None or _tp.is_dtensor(weight):
+        shard = _tp.vocab_shard(weight, bias, tp_group, vocab_start)
+        weight, bias = shard.weight, shard.bias
+    ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens,
+                          vocab_size=None if shard is None else shard.vocab_size or float("inf"))
     # row_mask: masked rows cost no FLOPs on CUDA (padding or prompt tokens) and get no gradient.
-    out = linear_logprobs(hidden, weight, ids, bias, temperature=float(temperature), fp32_lm_head=fp32_lm_head,
-                          with_entropy=with_entropy, row_mask=None if mask is None else valid.reshape(-1))
+    row_mask = None if mask is None else valid.reshape(-1)
+    if shard is None:
+        out = linear_logprobs(hidden, weight, ids, bias, temperature=float(temperature), fp32_lm_head=fp32_lm_head,
+                              with_entropy=with_entropy, row_mask=row_mask)
+    else:
+        out = _tp.tp_linear_logprobs(hidden, shard, ids, temperature=float(temperature), fp32_lm_head=fp32_lm_head,
+                                     with_entropy=with_entropy, row_mask=row_mask)
     if mask is None:
         return out
     # The op already zeroes masked rows; this select is one cheap elementwise pass that keeps the
