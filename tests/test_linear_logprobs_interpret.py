@@ -49,10 +49,13 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tk, "GROUP_N", 2)    # 2 row blocks: the last group is partial
 
 
-def golden(x, w, ids, b, temperature):
+def golden(x, w, ids, b, temperature, scale=1.0, cap=None):
     z = x.double() @ w.double().T                                          # [N, V]
     if b is not None:
         z = z + b.double()
+    z = z * scale
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
     z = z / temperature
     lse = z.logsumexp(-1)
     return z.gather(-1, ids[:, None])[:, 0] - lse, lse - (z.softmax(-1) * z).sum(-1), lse
@@ -225,3 +228,36 @@ def test_row_masked_half_no_weight_grad(monkeypatch):
     ((out[0] + out[1]) * mask).sum().backward()
     err = (dx.double() - xr.grad).norm() / xr.grad.norm()
     assert err < 1e-2, err
+
+
+# logit_scale / final_logit_softcapping (Cohere-style scale, Gemma-2 cap): the scale folded into
+# inv_temp without a cap; with one, tanh in the tile and (1 - tanh^2) in the dlogits kernel.
+# Logits have std ~5 at H=24, so a cap of 3 saturates many of them.
+@pytest.mark.parametrize("scale,cap,bias,rows", [(0.5, None, True, False), (0.5, 3.0, True, False),
+                                                 (1.0, 30.0, False, False), (1.7, 3.0, True, True)])
+def test_scale_and_softcap(monkeypatch, scale, cap, bias, rows):
+    monkeypatch.setattr(rk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    x, w, ids, b = make(40, 24, 75, torch.float32, bias, seed=6)
+    mask = MASKS["scattered"] if rows else torch.ones(40, dtype=torch.bool)
+    kw = dict(logit_scale=scale, softcap=cap)
+    if rows:
+        lp, ent, lse = rk.forward(x, w, ids, b, mask, 0.7, False, True, **kw)
+    else:
+        lp, ent, lse = tk.forward(x, w, ids, b, 0.7, False, True, **kw)
+    m = mask.double()
+    for got, ref in zip((lp, ent, lse), golden(x, w, ids, b, 0.7, scale, cap)):
+        torch.testing.assert_close(got.double(), ref * m, rtol=1e-6, atol=1e-5)
+    g = torch.Generator().manual_seed(7)
+    g_lp, g_ent, g_lse = (torch.randn(40, generator=g) for _ in range(3))
+    if rows:
+        dx, dw, db = rk.backward(x, w, ids, b, mask, lse, ent, g_lp, g_ent, g_lse, 0.7, False,
+                                 True, True, True, bias, **kw)
+    else:
+        dx, dw, db = tk.backward(x, w, ids, b, lse, ent, g_lp, g_ent, g_lse, 0.7, False, True,
+                                 True, True, bias, **kw)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    br = b.double().requires_grad_() if bias else None
+    out = golden(xr, wr, ids, br, 0.7, scale, cap)
+    ((out[0] * g_lp + out[1] * g_ent + out[2] * g_lse) * m).sum().backward()
+    for got, ref in ((dx, xr.grad), (dw, wr.grad)) + (((db, br.grad),) if bias else ()):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)

@@ -135,10 +135,21 @@ def _use_tma(x: Tensor, w: Tensor) -> bool:
     return True
 
 
+def _scalars(temperature: float, logit_scale: float, softcap: Optional[float]) -> tuple:
+    """(inv_temp, cap_pre, cap_post) of kernels._logits_tile: s / T, s / c and c / T for
+    z = c * tanh(a * s / c) / T; without a cap z = a * (s / T) (cap_pre, cap_post unused)."""
+    if softcap is None:
+        return logit_scale / temperature, 1.0, 1.0
+    return logit_scale / temperature, logit_scale / softcap, softcap / temperature
+
+
 def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
             temperature: float, fp32_lm_head: bool, with_entropy: bool,
-            wrap: Callable = lambda k: k) -> tuple[Tensor, Tensor, Tensor]:
-    """(logprobs, entropy, lse), each [N] fp32; entropy is zeros unless with_entropy."""
+            wrap: Callable = lambda k: k, logit_scale: float = 1.0,
+            softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(logprobs, entropy, lse), each [N] fp32; entropy is zeros unless with_entropy.
+    Logits z = softcap * tanh(a * logit_scale / softcap) / T, a = hidden @ weight.T + bias
+    (z = a * logit_scale / T when softcap is None)."""
     bn, bv, bk, warps, stages = TILES
     x, w, prec = _prepare(hidden, weight, fp32_lm_head)
     tma = _use_tma(x, w)
@@ -151,8 +162,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     n_blocks = triton.cdiv(n, bn)
     wrap(_fwd_kernel)[(n_blocks * splits,)](
         x, w, bias if bias is not None else x, ids, m, s, t, zt, ids, n, v, h, x.stride(0),
-        w.stride(0), 1.0 / temperature, cols, n_blocks, splits, 0, n, HAS_BIAS=bias is not None,
-        WITH_ENTROPY=with_entropy, HAS_COUNT=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
+        w.stride(0), *_scalars(temperature, logit_scale, softcap), cols, n_blocks, splits, 0, n,
+        HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy, HAS_COUNT=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_K=bk, GROUP_N=GROUP_N, num_warps=warps, num_stages=stages)
     return _combine(m, s, t, zt, with_entropy)
 
@@ -222,8 +233,10 @@ def _chunk_cols(v: int, r, groups: int, elem_bytes: int, bv: int, ws_bytes: int 
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
              entropy: Tensor, g_lp: Tensor, g_ent: Tensor, g_lse: Tensor, temperature: float,
              fp32_lm_head: bool, with_entropy: bool, need_x: bool, need_w: bool, need_b: bool,
-             wrap: Callable = lambda k: k) -> tuple[Tensor, Tensor, Tensor]:
-    """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes; [0]-shaped where not needed."""
+             wrap: Callable = lambda k: k, logit_scale: float = 1.0,
+             softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes; [0]-shaped where not needed.
+    The dlogits kernel applies the chain rule of the scale and cap (see _dlogits_kernel)."""
     bn, bv, bk, warps, stages = TILES
     x, w, prec = _prepare(hidden, weight, fp32_lm_head)
     tma = _use_tma(x, w)
@@ -260,8 +273,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
             wrap(_dlogits_kernel)[(n_blocks * n_vtiles,)](
                 x, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse,
                 ws, dbp, ids, n, v, h, r0, r0, rows, v0, x.stride(0), w.stride(0), c,
-                1.0 / temperature, n_blocks, n_vtiles, HAS_BIAS=bias is not None,
-                WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
+                *_scalars(temperature, logit_scale, softcap), n_blocks, n_vtiles,
+                HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
                 GROUP_N=GROUP_N, num_warps=warps, num_stages=stages)
             if need_w:
                 dw_rows(dw, v0, ws, cols, x, r0, rows, g > 0)

@@ -82,8 +82,10 @@ def _unpermute(perm: Tensor, row_mask: Tensor, v: Tensor) -> Tensor:
 
 def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], row_mask: Tensor,
             temperature: float, fp32_lm_head: bool, with_entropy: bool,
-            wrap: Callable = lambda k: k) -> tuple[Tensor, Tensor, Tensor]:
-    """(logprobs, entropy, lse), each [N] fp32, 0 at padded rows; entropy 0 unless with_entropy."""
+            wrap: Callable = lambda k: k, logit_scale: float = 1.0,
+            softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(logprobs, entropy, lse), each [N] fp32, 0 at padded rows; entropy 0 unless with_entropy.
+    logit_scale / softcap as in cuda.forward."""
     bn, bv, bk, warps, stages = _dense.TILES
     x, w, prec = _dense._prepare(hidden, weight, fp32_lm_head)
     tma = _dense._use_tma(x, w)
@@ -103,8 +105,9 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
         n_blocks = triton.cdiv(rows, bn)
         wrap(_fwd_kernel)[(n_blocks * splits,)](
             xg, w, bias if bias is not None else x, ids_p, m, s, t, zt, count, rows, v, h,
-            xg.stride(0), w.stride(0), 1.0 / temperature, cols, n_blocks, splits, r0, n,
-            HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, HAS_COUNT=True, DOT_PREC=prec,
+            xg.stride(0), w.stride(0), *_dense._scalars(temperature, logit_scale, softcap), cols,
+            n_blocks, splits, r0, n, HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
+            WITH_ENTROPY=with_entropy, HAS_COUNT=True, DOT_PREC=prec,
             USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
             num_warps=warps, num_stages=stages)
     lp, ent, lse = _dense._combine(m, s, t, zt, with_entropy)              # [N] permuted
@@ -116,8 +119,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], row_mask: Tensor,
              lse: Tensor, entropy: Tensor, g_lp: Tensor, g_ent: Tensor, g_lse: Tensor,
              temperature: float, fp32_lm_head: bool, with_entropy: bool, need_x: bool,
-             need_w: bool, need_b: bool, wrap: Callable = lambda k: k
-             ) -> tuple[Tensor, Tensor, Tensor]:
+             need_w: bool, need_b: bool, wrap: Callable = lambda k: k, logit_scale: float = 1.0,
+             softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes, from the valid rows only."""
     bn, bv, bk, warps, stages = _dense.TILES
     size = min(8, max(2, hidden.element_size()))
@@ -152,8 +155,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
             wrap(_dlogits_kernel)[(n_blocks * n_vtiles,)](
                 xg, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse,
                 ws, dbp, count, rows, v, h, 0, r0, rows, v0, xg.stride(0), w.stride(0), c,
-                1.0 / temperature, n_blocks, n_vtiles, HAS_BIAS=bias is not None,
-                WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=True, DOT_PREC=prec,
+                *_dense._scalars(temperature, logit_scale, softcap), n_blocks, n_vtiles,
+                HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=True, DOT_PREC=prec,
                 USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
                 num_warps=warps, num_stages=stages)
             if need_w:

@@ -47,13 +47,31 @@ def _operands(x_ptr, w_ptr, N, V, H, stride_x, stride_w, USE_TMA: tl.constexpr,
 
 
 @triton.jit
+def _tanh(x):
+    """tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) in [0, 1]: no overflow at any x
+    (+-inf -> +-1), absolute error ~1e-7, so ~cap * 1e-7 in a softcapped logit: about its fp32
+    ulp at |z| ~ cap, far under the error of the fp32-accumulated GEMM that produced it. Not
+    libdevice.tanh: the TRITON_INTERPRET tests cannot run extern calls; this way they test the
+    form the GPU runs."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask, H, stride_x,
-                 stride_w, inv_temp, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                 USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """z = (x[rows] @ w[cols].T + b[cols]) * inv_temp, fp32 [BLOCK_N, BLOCK_V]; rows = row0 +
-    arange(BLOCK_N), cols = col0 + arange(BLOCK_V). USE_TMA: x_src / w_src are descriptors
-    whose loads zero-fill rows >= N, cols >= V and k >= H (what the pointer path's masks do)."""
+                 stride_w, inv_temp, cap_pre, cap_post, HAS_BIAS: tl.constexpr,
+                 HAS_CAP: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(z, y), fp32 [BLOCK_N, BLOCK_V]: with a = x[rows] @ w[cols].T + b[cols] and the model's
+    logit_scale s, softcap c and temperature T,
+        HAS_CAP:  y = tanh(a * cap_pre), z = y * cap_post   (cap_pre = s / c, cap_post = c / T)
+        else:     z = y = a * inv_temp                      (inv_temp = s / T)
+    i.e. z = c * tanh(a * s / c) / T (HF / TRL order: scale, cap, temperature), z = a * s / T
+    without a cap (s folds into inv_temp only then; s = 1 is the unscaled kernel exactly).
+    rows = row0 + arange(BLOCK_N), cols = col0 + arange(BLOCK_V). USE_TMA: x_src / w_src are
+    descriptors whose loads zero-fill rows >= N, cols >= V and k >= H (what the pointer path's
+    masks do)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     if USE_TMA:
         for k0 in range(0, H, BLOCK_K):
@@ -73,13 +91,19 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
             w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    return acc * tl.cast(inv_temp, tl.float32)
+    if HAS_CAP:
+        y = _tanh(acc * tl.cast(cap_pre, tl.float32))
+        return y * tl.cast(cap_post, tl.float32), y
+    else:
+        z = acc * tl.cast(inv_temp, tl.float32)
+        return z, z
 
 
 @triton.jit
 def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, N, V, H,
-                stride_x, stride_w, inv_temp, cols_per_split, n_blocks, n_splits, out_row0, out_n,
-                HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, HAS_COUNT: tl.constexpr,
+                stride_x, stride_w, inv_temp, cap_pre, cap_post, cols_per_split, n_blocks,
+                n_splits, out_row0, out_n, HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr,
+                WITH_ENTROPY: tl.constexpr, HAS_COUNT: tl.constexpr,
                 DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
     """Statistics of rows [0, N) of x (ids alike) into column out_row0 + row of the [S, out_n]
@@ -104,9 +128,9 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
         col0 = split * cols_per_split + i
         cols = col0 + tl.arange(0, BLOCK_V)
         col_mask = cols < V
-        z = _logits_tile(x_src, w_src, b_ptr, pid_n * BLOCK_N, col0, rows, cols, row_mask,
-                         col_mask, H, stride_x, stride_w, inv_temp, HAS_BIAS, DOT_PREC, USE_TMA,
-                         BLOCK_N, BLOCK_V, BLOCK_K)
+        z, _ = _logits_tile(x_src, w_src, b_ptr, pid_n * BLOCK_N, col0, rows, cols, row_mask,
+                            col_mask, H, stride_x, stride_w, inv_temp, cap_pre, cap_post,
+                            HAS_BIAS, HAS_CAP, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
         z = tl.where(col_mask[None, :], z, float("-inf"))
         # the target logit first: after the max, z is only needed as d = z - m_new (same
         # registers), so the tile is held once rather than as z and exp(z) side by side
@@ -131,8 +155,9 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
 @triton.jit
 def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, glse_ptr,
                     ws_ptr, dbp_ptr, count_ptr, N, V, H, x_row_first, row_first, n_rows, v_first,
-                    stride_x, stride_w, stride_ws, inv_temp, n_blocks, n_vtiles,
-                    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr,
+                    stride_x, stride_w, stride_ws, inv_temp, cap_pre, cap_post, n_blocks, n_vtiles,
+                    HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                    NEED_DB: tl.constexpr,
                     HAS_COUNT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_N: tl.constexpr):
@@ -156,9 +181,9 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
     row_mask = local_rows < n_valid
     x_src, w_src = _operands(x_ptr, w_ptr, N, V, H, stride_x, stride_w, USE_TMA, BLOCK_N,
                              BLOCK_V, BLOCK_K)
-    z = _logits_tile(x_src, w_src, b_ptr, x_row_first + pid_n * BLOCK_N, v_first + pid_v * BLOCK_V,
-                     x_row_first + local_rows, cols, row_mask, col_mask, H, stride_x, stride_w, inv_temp, HAS_BIAS,
-                     DOT_PREC, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
+    z, y = _logits_tile(x_src, w_src, b_ptr, x_row_first + pid_n * BLOCK_N, v_first + pid_v * BLOCK_V,
+                        x_row_first + local_rows, cols, row_mask, col_mask, H, stride_x, stride_w, inv_temp,
+                        cap_pre, cap_post, HAS_BIAS, HAS_CAP, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
     ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
@@ -171,7 +196,10 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
         dz = -p * (coef[:, None] + g_ent[:, None] * (logp + ent[:, None]))
     else:
         dz = -p * coef[:, None]
+    # d/da of z = c tanh(a s / c) / T is (s / T) (1 - y^2); of z = a s / T, s / T (= inv_temp)
     dz = tl.where(cols[None, :] == ids[:, None], dz + g_lp[:, None], dz) * tl.cast(inv_temp, tl.float32)
+    if HAS_CAP:
+        dz = dz * (1.0 - y * y)
     mask = row_mask[:, None] & col_mask[None, :]
     dz = tl.where(mask, dz, 0.0)                      # padded rows/cols may hold inf/nan
     ws_ptrs = ws_ptr + local_rows.to(tl.int64)[:, None] * stride_ws + local[None, :]
