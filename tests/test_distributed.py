@@ -59,9 +59,9 @@ def _close(a, e, what):
     torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
-def _same_on_every_rank(vals: dict, what):
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {k: v.clone() for k, v in vals.items()})
+def _same_on_every_rank(vals: dict, what, group=None):
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, {k: v.clone() for k, v in vals.items()}, group=group)
     for other in gathered:
         for k, v in vals.items():
             assert torch.equal(other[k], v), f"{what}: {k} differs between ranks"
@@ -74,7 +74,7 @@ def _scalar(out):
     return (c[0] * out.logprobs + c[1] * out.entropy + c[2] * out.lse).sum()
 
 
-def _check(name, fn_tp, fn_ref, inp, rank, sizes, bias, grad_of, backend="eager"):
+def _check(name, fn_tp, fn_ref, inp, rank, sizes, bias, grad_of, backend="eager", group=None):
     """Run fn_tp(hidden, w_shard, b_shard, start) on this rank and fn_ref(hidden, w, b) in-process."""
     h, w, b = _leaf(inp["hidden"]), _leaf(inp["weight"]), _leaf(bias)
     ref = fn_ref(h, w, b)
@@ -97,7 +97,7 @@ def _check(name, fn_tp, fn_ref, inp, rank, sizes, bias, grad_of, backend="eager"
     _close(dh, ref_grads[0], f"{what} d_hidden")
     _close(dw, ref_grads[1][rows], f"{what} d_weight shard")
     _close(db, ref_grads[2][rows], f"{what} d_bias shard")
-    _same_on_every_rank({**got, "d_hidden": dh}, what)
+    _same_on_every_rank({**got, "d_hidden": dh}, what, group)
     if cnt is not None:
         assert cnt.frame_count == 1, f"{what}: {cnt.frame_count} frames"
 
@@ -205,6 +205,55 @@ def _case_dtensor(rank, group, world, backend):
     _close(db.to_local(), ref_grads[2][rows], f"{what} d_bias shard")
 
 
+def _case_subgroups(rank, group, world):
+    """TP groups that are not WORLD: ranks [0, 1] form a TP pair, the rest a 1-rank group (no
+    collectives); the group's own rank picks the shard."""
+    layout = [[0, 1]] + [[r] for r in range(2, world)]
+    sub, _ = dist.new_subgroups_by_enumeration(layout)
+    size = dist.get_world_size(sub)
+    sizes = (6,) * size
+    inp = _inputs(size, seed=6, V=sum(sizes))
+    kw = dict(mask=inp["mask"], with_entropy=True)
+    ids = inp["token_ids"]
+    _check(f"subgroup{size}", lambda h, w, b, s: cg.token_logprobs(h, w, ids, b, tp_group=sub, **kw),
+           lambda h, w, b: cg.token_logprobs(h, w, ids, b, **kw), inp, dist.get_rank(sub), sizes, inp["bias"],
+           _scalar, group=sub)
+
+
+class _GRPOHead(torch.nn.Module):
+    """FSDP2 pattern (README): the loss runs inside the module's forward, where FSDP2 has all-gathered
+    the lm_head weight to a plain tensor; its backward reduce-scatters dW to Shard(0)."""
+
+    def __init__(self, lm_head):
+        super().__init__()
+        self.lm_head = lm_head
+
+    def forward(self, hidden, *args, **kwargs):
+        return cg.grpo_loss(hidden, self.lm_head.weight, *args, **kwargs)
+
+
+def _case_fsdp2(rank, group, world):
+    """FSDP2 (data parallel: a different batch per rank) with fully_shard on the head module."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    V = 6 * world + 1
+    batches = [_inputs(world, seed=10 + r, V=V) for r in range(world)]
+    args = lambda inp: (inp["token_ids"], inp["advantages"], inp["mask"], inp["old_logprobs"],  # noqa: E731
+                        inp["ref_logprobs"])
+    w = _leaf(batches[0]["weight"])
+    loss = sum(cg.grpo_loss(_leaf(b["hidden"]), w, *args(b), config=CFG).loss for b in batches) / world
+    (ref_dw,) = torch.autograd.grad(loss, (w,))  # FSDP2 averages grads over the data-parallel ranks
+    head = _GRPOHead(torch.nn.Linear(16, V, bias=False, dtype=torch.float64))
+    with torch.no_grad():
+        head.lm_head.weight.copy_(batches[0]["weight"])
+    fully_shard(head, mesh=init_device_mesh("cpu", (world,)))
+    mine = batches[rank]
+    out = head(_leaf(mine["hidden"]), *args(mine), config=CFG)
+    out.loss.backward()
+    _close(head.lm_head.weight.grad.full_tensor(), ref_dw, f"fsdp2[rank {rank}/{world}] d_weight")
+
+
 def _worker(rank, world, init_file, cases):
     torch.set_num_threads(1)
     torch._inductor.config.compile_threads = 1  # no compile worker pool per rank on a 2-core runner
@@ -222,7 +271,8 @@ def _worker(rank, world, init_file, cases):
 
 
 CASES = {"token_logprobs": _case_token_logprobs, "grpo_loss": _case_grpo_loss,
-         "no_grad_old": _case_no_grad_old_logprobs, "uneven_errors": _case_uneven_errors, "dtensor": _case_dtensor}
+         "no_grad_old": _case_no_grad_old_logprobs, "uneven_errors": _case_uneven_errors, "dtensor": _case_dtensor,
+         "subgroups": _case_subgroups, "fsdp2": _case_fsdp2}
 
 
 def _spawn(world, cases):
@@ -245,7 +295,8 @@ def _cases(world):
              ("grpo_loss", dict(backend="eager", packed=True)),
              ("grpo_loss", dict(backend="eager", sizes=s, vocab_start=True)),
              ("grpo_loss", dict(backend="aot_eager", sizes=s, vocab_start=True, packed=True)),
-             ("no_grad_old", {}), ("uneven_errors", {}), ("dtensor", dict(backend="eager"))]
+             ("no_grad_old", {}), ("uneven_errors", {}), ("dtensor", dict(backend="eager")),
+             ("subgroups", {}), ("fsdp2", {})]
     if world == 2:
         cases += [("grpo_loss", dict(backend="aot_eager")), ("dtensor", dict(backend="aot_eager"))]
     return cases
