@@ -1,0 +1,188 @@
+"""compiled_grpo.integrations.trl.GRPOTrainer against trl.GRPOTrainer (TRL 1.16) on a tiny random model.
+
+Both trainers train the same randomly initialised 2-layer Qwen3 (H=32, V=48, a character tokenizer)
+for 3 steps from the same seed, with a rule reward on synthetic prompts; every metric TRL logs
+from its loss (loss, grad_norm, kl, entropy, clip ratios, policy_loss, cispo_clip_ratio) must
+agree. The rewards and completion lengths must be identical: the same seed and near-identical
+weights sample the same completions, so the comparison is of the same batches. trl is a hard
+import: the README's test command installs it (the test extra), so CI never skips this file.
+"""
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+import transformers
+import trl
+import trl.trainer.utils
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+import compiled_grpo as cg
+from compiled_grpo.integrations.trl import GRPOTrainer
+
+transformers.logging.set_verbosity_error()
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +="
+LOSS_METRICS = ("loss", "grad_norm", "kl", "entropy", "policy_loss", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio")
+SAME_BATCH = ("reward", "reward_std", "completions/mean_length", "num_tokens")
+
+
+def char_tokenizer():
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A saved random model: TRL builds the reference model from the policy's path when beta > 0."""
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def count_a(completions, **kwargs):
+    return [c.count("a") / 4 + len(c) / 64 for c in completions]
+
+
+def make_args(out, **overrides):
+    # num_iterations=2, a large lr and a small epsilon: the second update of each batch is off-policy
+    # enough that every clip ratio is non-zero.
+    base = dict(output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=12,
+                max_steps=3, logging_steps=1, learning_rate=3e-2, beta=0.04, epsilon=0.05, num_iterations=2,
+                bf16=False, use_cpu=True, report_to=[], save_strategy="no", seed=0, disable_tqdm=True)
+    return trl.GRPOConfig(**{**base, **overrides})
+
+
+def train(trainer_cls, model_dir, out, monkeypatch=None, trainer_kwargs=None, **overrides):
+    dataset = Dataset.from_dict({"prompt": [f"{i} + {i + 1} =" for i in range(16)]})
+    trainer = trainer_cls(model=model_dir, reward_funcs=count_a, args=make_args(out, **overrides),
+                          train_dataset=dataset, processing_class=char_tokenizer(), **(trainer_kwargs or {}))
+    calls = {"grpo_loss": 0}
+    if trainer_cls is GRPOTrainer:  # prove the loss is ours and TRL's fused head never runs
+        inner = trainer._grpo_loss
+
+        def counted(*args, **kwargs):
+            calls["grpo_loss"] += 1
+            return inner(*args, **kwargs)
+
+        trainer._grpo_loss = counted
+
+        def trl_head(*args, **kwargs):
+            raise AssertionError("TRL's fused lm_head ran inside compiled_grpo's trainer")
+
+        monkeypatch.setattr(trl.trainer.utils._ChunkedLogProbFunction, "apply", trl_head)
+    trainer.train()
+    if trainer_cls is GRPOTrainer:
+        monkeypatch.undo()
+        assert calls["grpo_loss"] == 3 * trainer.args.gradient_accumulation_steps
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def assert_same_logs(ref_logs, our_logs, rtol=2e-4, atol=2e-6):
+    assert len(ref_logs) == len(our_logs) == 3
+    worst = 0.0
+    for step, (ref, ours) in enumerate(zip(ref_logs, our_logs)):
+        assert set(ref) == set(ours), f"step {step}: logged names differ: {set(ref) ^ set(ours)}"
+        for name in SAME_BATCH:
+            if name in ref:
+                assert ours[name] == ref[name], f"step {step} {name}: different batch ({ours[name]} vs {ref[name]})"
+        for name in LOSS_METRICS:
+            if name in ref:
+                a, b = ref[name], ours[name]
+                assert math.isclose(a, b, rel_tol=rtol, abs_tol=atol), f"step {step} {name}: TRL {a} vs ours {b}"
+                worst = max(worst, abs(a - b) / max(abs(a), 1e-3))
+    return worst
+
+
+PARITY = {
+    "dapo_kl_offpolicy": dict(),
+    "grpo_gspo_delta_entropy_accum": dict(loss_type="grpo", importance_sampling_level="sequence", delta=1.5,
+                                          entropy_coef=0.01, gradient_accumulation_steps=2,
+                                          per_device_train_batch_size=4),
+    "cispo_entropy_steps_per_generation": dict(loss_type="cispo", epsilon_high=1.02, entropy_coef=0.02,
+                                               gradient_accumulation_steps=2, per_device_train_batch_size=4,
+                                               steps_per_generation=4),
+    "bnpo_accum": dict(loss_type="bnpo", gradient_accumulation_steps=2, per_device_train_batch_size=4),
+    "dr_grpo_no_bias_correction": dict(loss_type="dr_grpo", use_bias_correction_kl=False),
+    "sapo": dict(loss_type="sapo"),
+    "luspo_gspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
+}
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_parity_with_trl(name, model_dir, tmp_path, monkeypatch):
+    ref = train(trl.GRPOTrainer, model_dir, tmp_path / "trl", **PARITY[name])
+    ours = train(GRPOTrainer, model_dir, tmp_path / "ours", monkeypatch, **PARITY[name])
+    assert any(step.get("clip_ratio/region_mean", step.get("cispo_clip_ratio", 1.0)) > 0 for step in ref)
+    assert any(step.get("kl", 0) > 0 for step in ref)
+    assert_same_logs(ref, ours)
+
+
+def test_parity_compiled_loss(model_dir, tmp_path, monkeypatch):
+    """compile_loss: grpo_loss under torch.compile(fullgraph=True), one graph for the run (aot_eager
+    keeps the test fast; the default Inductor backend gives the same numbers)."""
+    torch._dynamo.reset()
+    ref = train(trl.GRPOTrainer, model_dir, tmp_path / "trl")
+    frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    ours = train(GRPOTrainer, model_dir, tmp_path / "ours", monkeypatch,
+                 trainer_kwargs={"compile_loss": {"backend": "aot_eager"}})
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before == 1
+    assert_same_logs(ref, ours)
+
+
+def test_logit_scale_and_softcap(tmp_path, monkeypatch):
+    """A model whose config scales / softcaps its logits (TRL's lookup): parity when compiled_grpo
+    has the fields, a ValueError naming the config attribute otherwise (never a silent mismatch)."""
+    config = Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
+    config.logit_scale, config.final_logit_softcapping = 2.0, 5.0
+    torch.manual_seed(1)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "model")
+    char_tokenizer().save_pretrained(tmp_path / "model")
+    model = str(tmp_path / "model")
+    fields = {f.name for f in dataclasses.fields(cg.GRPOConfig)}
+    if {"logit_scale", "final_logit_softcapping"} <= fields:
+        ref = train(trl.GRPOTrainer, model, tmp_path / "trl")
+        assert_same_logs(ref, train(GRPOTrainer, model, tmp_path / "ours", monkeypatch))
+    else:
+        missing = "logit_scale" if "logit_scale" not in fields else "final_logit_softcapping"
+        with pytest.raises(ValueError, match=missing):
+            train(GRPOTrainer, model, tmp_path / "ours", monkeypatch)
+
+
+@pytest.mark.parametrize("option, value", [("loss_type", "vespo"), ("off_policy_mask_threshold", 0.5),
+                                           ("top_entropy_quantile", 0.2), ("use_adaptive_entropy", True)])
+def test_unsupported_option_raises_at_construction(option, value, tmp_path):
+    args = make_args(tmp_path, **{option: value})
+    with pytest.raises(ValueError, match=f"{option}={value!r}"):  # before the (absent) model is loaded
+        GRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=count_a, args=args,
+                    train_dataset=Dataset.from_dict({"prompt": ["1 ="]}), processing_class=char_tokenizer())
+
+
+def test_config_mapping():
+    args = make_args("unused", loss_type="dr_grpo", epsilon=0.1, epsilon_high=0.3, delta=2.0, beta=0.1,
+                     importance_sampling_level="sequence", temperature=0.7, max_completion_length=64,
+                     entropy_coef=0.05, use_bias_correction_kl=False, cast_lm_head_to_fp32=True)
+    from compiled_grpo.integrations.trl import grpo_config_from_trl
+
+    cfg = grpo_config_from_trl(args)
+    assert (cfg.loss_type, cfg.epsilon_low, cfg.epsilon_high, cfg.delta, cfg.beta) == ("dr_grpo", 0.1, 0.3, 2.0, 0.1)
+    assert (cfg.importance_sampling_level, cfg.temperature, cfg.max_completion_length) == ("sequence", 0.7, 64)
+    assert (cfg.entropy_coef, cfg.use_bias_correction_kl, cfg.fp32_lm_head, cfg.kl_estimator) == (0.05, False, True,
+                                                                                                   "k3")
+    assert (cfg.log_ratio_clamp, cfg.kl_input_clamp, cfg.kl_output_clamp) == (None, None, None)
+    assert grpo_config_from_trl(make_args("unused")).epsilon_high == 0.05  # epsilon_high None -> epsilon
