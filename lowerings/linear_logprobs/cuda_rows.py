@@ -176,6 +176,6 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
             if need_b:
                 part = dbp.sum(0).narrow(0, 0, cols)                       # [C'] fp32
                 db[ci] = part if db[ci] is None else db[ci] + part
-    empty = hidden.new_empty(0)
-    return (dx if need_x else empty, dw if need_w else weight.new_empty(0),
-            torch.cat(db).to(bias.dtype) if need_b else empty)
+    # a fresh [0] tensor for each grad not needed: a custom op's outputs must not alias
+    return (dx if need_x else hidden.new_empty(0), dw if need_w else weight.new_empty(0),
+            torch.cat(db).to(bias.dtype) if need_b else hidden.new_empty(0))
