@@ -189,9 +189,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._check_model_supported()
         scale, softcap, source = lm_head_scalings(self.model.config)
-        self.compiled_grpo_config = grpo_config_from_trl(self.args, logit_scale=scale, final_logit_softcapping=softcap)
-        params = inspect.signature(cg.token_logprobs).parameters
+        params = inspect.signature(cg.token_logprobs).parameters  # first: its error names the model's attribute
         self._logprob_kwargs = _scaling_kwargs(params, scale, softcap, "token_logprobs", source)
+        self.compiled_grpo_config = grpo_config_from_trl(self.args, logit_scale=scale, final_logit_softcapping=softcap)
         self._grpo_loss = cg.grpo_loss
         self._compiled = bool(compile_loss)
         if compile_loss:
