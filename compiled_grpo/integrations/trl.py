@@ -26,7 +26,8 @@ dapo, cispo, sapo (``sapo_temperature_pos/neg``), luspo; ``epsilon``, ``epsilon_
 ``beta`` with ``use_bias_correction_kl``, ``importance_sampling_level`` token or sequence (GSPO),
 ``temperature``, ``num_iterations``, ``steps_per_generation``, gradient accumulation, a static
 ``entropy_coef``, ``cast_lm_head_to_fp32`` (``fp32_lm_head``), tool masks, mixed precision (the
-lm_head GEMM runs in the autocast dtype, as TRL's). The model's logit scale and final-logit
+lm_head GEMM runs in the autocast dtype, as TRL's; TRL also rounds its logits tiles to that dtype,
+so under bf16 the two agree to bf16 rounding, about 1e-3 on the first step, not to 1e-5). The model's logit scale and final-logit
 softcapping are read from its config as TRL does (``logit_scale``, ``output_multiplier``,
 ``lm_head_multiplier``, ``logits_scaling``, ``final_logit_softcapping``); a model that needs them
 raises ``ValueError`` unless the installed compiled_grpo has those ``GRPOConfig`` fields.
