@@ -107,7 +107,8 @@ def main() -> None:
                    help="compiled_grpo's drop-in or the stock trl.GRPOTrainer, same seed")
     p.add_argument("--loss-type", default="dapo")
     p.add_argument("--beta", type=float, default=0.02, help="KL to the reference model (0 drops the reference)")
-    p.add_argument("--compile", action="store_true", help="compile the loss (GRPOTrainer(compile_loss=True)); on CPU the first, cold Inductor "
+    p.add_argument("--compile", action="store_true",
+                   help="compile the loss (GRPOTrainer(compile_loss=True)); on CPU the first, cold Inductor "
                    "compile takes 1-2 min on 2 cores, later runs hit the cache")
     p.add_argument("--output-dir", default=os.path.join(tempfile.gettempdir(), "train_grpo_tiny"))
     p.add_argument("--seed", type=int, default=0)

@@ -27,10 +27,11 @@ dapo, cispo, sapo (``sapo_temperature_pos/neg``), luspo; ``epsilon``, ``epsilon_
 ``temperature``, ``num_iterations``, ``steps_per_generation``, gradient accumulation, a static
 ``entropy_coef``, ``cast_lm_head_to_fp32`` (``fp32_lm_head``), tool masks, mixed precision (the
 lm_head GEMM runs in the autocast dtype, as TRL's; TRL also rounds its logits tiles to that dtype,
-so under bf16 the two agree to bf16 rounding, about 1e-3 on the first step, not to 1e-5). The model's logit scale and final-logit
-softcapping are read from its config as TRL does (``logit_scale``, ``output_multiplier``,
-``lm_head_multiplier``, ``logits_scaling``, ``final_logit_softcapping``); a model that needs them
-raises ``ValueError`` unless the installed compiled_grpo has those ``GRPOConfig`` fields.
+so under bf16 the two agree to bf16 rounding, about 1e-3 on the first step, not to 1e-5). The
+model's logit scale and final-logit softcapping are read from its config as TRL does
+(``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``, ``logits_scaling``,
+``final_logit_softcapping``) and passed to compiled_grpo's ``logit_scale`` /
+``final_logit_softcapping``; with a compiled_grpo that lacks them, such a model raises ``ValueError``.
 
 Not supported, ``ValueError`` at construction naming the option: ``loss_type="vespo"``,
 ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, ``use_adaptive_entropy``, MoE router
@@ -206,7 +207,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _check_model_supported(self) -> None:
         if self.aux_loss_enabled:
             raise _unsupported("router_aux_loss_coef", self.router_aux_loss_coef,
-                               "the MoE load-balancing loss is not implemented", "Set GRPOConfig.router_aux_loss_coef=0.0")
+                               "the MoE load-balancing loss is not implemented",
+                               "Set GRPOConfig.router_aux_loss_coef=0.0")
         if self.model.config.get_text_config() is not self.model.config:
             raise _unsupported("model", type(self.model).__name__, "vision-language models are not supported",
                                "Train a text-only causal LM")
@@ -259,7 +261,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             hidden, weight, bias = self._hidden_and_head(model, ids, am, logits_to_keep)
             with torch.autocast(hidden.device.type, enabled=False):
                 tok = cg.token_logprobs(hidden, weight, ids[:, -logits_to_keep:], bias, mask=am[:, -logits_to_keep:],
-                                        temperature=self.temperature, fp32_lm_head=self.compiled_grpo_config.fp32_lm_head,
+                                        temperature=self.temperature,
+                                        fp32_lm_head=self.compiled_grpo_config.fp32_lm_head,
                                         with_entropy=compute_entropy, **self._logprob_kwargs)
             logps.append(tok.logprobs)  # [b, T] fp32
             entropies.append(tok.entropy)
