@@ -20,6 +20,9 @@ class Shape:
     H: int
     V: int
     packed: bool = False  # the valid tokens of the padded shape of the same B, T: [N_valid] + cu_seqlens
+    # The model's final_logit_softcapping (Gemma 2: 30.0), GRPOConfig / token_logprobs' argument of that
+    # name. Recorded here; the providers do not apply it yet (each peer would need its own cap).
+    softcap: Optional[float] = None
 
     @property
     def N(self) -> int:
@@ -38,7 +41,7 @@ SHAPES: dict[str, Shape] = {
     for s in [
         Shape("qwen3-8b", B=8, T=2048, **_QWEN),
         Shape("llama3-8b", B=8, T=2048, H=4096, V=128256),
-        Shape("gemma2-2b", B=8, T=2048, H=2304, V=256000),
+        Shape("gemma2-2b", B=8, T=2048, H=2304, V=256000, softcap=30.0),
         Shape("long", B=32, T=2048, **_QWEN),  # N = 65536
         Shape("cpu-small", B=2, T=64, H=64, V=1000),  # default without a GPU; seconds on 2 cores
         Shape("cpu-tiny", B=2, T=16, H=32, V=128),  # for tests/test_bench.py

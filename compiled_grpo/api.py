@@ -153,7 +153,8 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
     valid = mask_to_bool(mask)  # [B, T]; a mask other than 0/1 is rejected (README: Edge cases)
     want_entropy = cfg.entropy_coef > 0 or cfg.metrics_level == "with_entropy"
     tok = logprob_fn(hidden, weight, token_ids, bias, mask=valid, temperature=cfg.temperature,
-                     fp32_lm_head=cfg.fp32_lm_head, with_entropy=want_entropy)
+                     fp32_lm_head=cfg.fp32_lm_head, with_entropy=want_entropy, logit_scale=cfg.logit_scale,
+                     final_logit_softcapping=cfg.final_logit_softcapping)
     logp = tok.logprobs  # [B, T] fp32 (fp64 for fp64 inputs)
     dtype = logp.dtype
     old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)  # [B, T]

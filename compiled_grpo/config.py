@@ -34,6 +34,11 @@ class GRPOConfig:
     ``metrics`` is ``"none" | "basic" | "with_entropy"``, the name of a metric registered with
     :func:`compiled_grpo.metric`, or a tuple mixing one level and registered names, e.g.
     ``("basic", "my_metric")``. It is stored normalized as a tuple of names.
+
+    ``logit_scale`` and ``final_logit_softcapping`` are the model's logit transform under the
+    HF config names (Cohere / Granite-style scaled heads; Gemma 2/3's cap): logits
+    z = (hidden @ weight.T + bias) * logit_scale, then cap * tanh(z / cap), then / temperature,
+    the order HF applies them and TRL divides by its temperature after.
     """
 
     loss_type: str = "dapo"
@@ -45,6 +50,8 @@ class GRPOConfig:
     kl_estimator: str = "k3"
     use_bias_correction_kl: bool = False
     temperature: float = 1.0
+    logit_scale: float = 1.0
+    final_logit_softcapping: Optional[float] = None
     log_ratio_clamp: Optional[float] = 20.0
     kl_input_clamp: Optional[float] = 20.0
     kl_output_clamp: Optional[float] = 10.0
@@ -69,10 +76,11 @@ class GRPOConfig:
                 bad(field, "must be a finite number >= 0")
         if self.epsilon_low >= 1:
             bad("epsilon_low", "must be < 1 (the lower clip bound 1 - epsilon_low must stay > 0)")
-        for field in ("temperature", "sapo_temperature_pos", "sapo_temperature_neg"):
+        for field in ("temperature", "logit_scale", "sapo_temperature_pos", "sapo_temperature_neg"):
             if not _is_real(getattr(self, field)) or getattr(self, field) <= 0:
                 bad(field, "must be a finite number > 0")
-        for field in ("delta", "log_ratio_clamp", "kl_input_clamp", "kl_output_clamp", "grad_divisor"):
+        for field in ("delta", "log_ratio_clamp", "kl_input_clamp", "kl_output_clamp", "grad_divisor",
+                      "final_logit_softcapping"):
             v = getattr(self, field)
             if v is not None and (not _is_real(v) or v <= 0):
                 bad(field, "must be None or a finite number > 0")

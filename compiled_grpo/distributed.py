@@ -162,9 +162,11 @@ def _check_owned(owners: Tensor, valid: Optional[Tensor]) -> None:
 
 def tp_linear_logprobs(hidden: Tensor, shard: VocabShard, ids: Tensor, *, temperature: float = 1.0,
                        fp32_lm_head: bool = False, with_entropy: bool = False,
-                       row_mask: Optional[Tensor] = None) -> LinearLogprobs:
+                       row_mask: Optional[Tensor] = None, logit_scale: float = 1.0,
+                       final_logit_softcapping: Optional[float] = None) -> LinearLogprobs:
     """hidden [..., H], ids [...] global in [0, V) -> LinearLogprobs [...] of the full vocab, equal on
-    every rank (module docstring: the math). row_mask [...] bool: rows where False report 0."""
+    every rank (module docstring: the math). row_mask [...] bool: rows where False report 0.
+    logit_scale / final_logit_softcapping act on each logit alone, so each shard applies them."""
     lead = ids.shape
     h = hidden.reshape(-1, hidden.shape[-1])                                 # [N, H]
     ids = ids.reshape(-1)                                                    # [N]
@@ -176,7 +178,8 @@ def tp_linear_logprobs(hidden: Tensor, shard: VocabShard, ids: Tensor, *, temper
     if shard.group is not None:
         h = _CopyToTPRegion.apply(h, shard.group)
     out = linear_logprobs(h, shard.weight, torch.where(own, local, 0), shard.bias, temperature=temperature,
-                          fp32_lm_head=fp32_lm_head, with_entropy=with_entropy, row_mask=rm)
+                          fp32_lm_head=fp32_lm_head, with_entropy=with_entropy, row_mask=rm,
+                          logit_scale=logit_scale, final_logit_softcapping=final_logit_softcapping)
     rows = [torch.where(own, out.logprobs, 0), out.lse, own.to(out.lse.dtype)]
     if with_entropy:
         rows.append(out.entropy)

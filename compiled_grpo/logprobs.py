@@ -7,6 +7,7 @@ an on-policy ratio exactly 1.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -52,11 +53,27 @@ def _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens=None
     return ids, valid
 
 
+def check_model_scaling(logit_scale, final_logit_softcapping) -> None:
+    """logit_scale a finite number > 0; final_logit_softcapping None or a finite number > 0."""
+    def real(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+    if not real(logit_scale):
+        raise ValueError(f"logit_scale must be a finite number > 0, got {logit_scale!r}")
+    if final_logit_softcapping is not None and not real(final_logit_softcapping):
+        raise ValueError(f"final_logit_softcapping must be None or a finite number > 0, "
+                         f"got {final_logit_softcapping!r}")
+
+
 def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Optional[Tensor] = None, *,
                    mask: Optional[Tensor] = None, temperature: float = 1.0, fp32_lm_head: bool = False,
                    with_entropy: bool = False, cu_seqlens: Optional[Tensor] = None, tp_group=None,
-                   vocab_start: Optional[int] = None) -> TokenLogprobs:
+                   vocab_start: Optional[int] = None, logit_scale: float = 1.0,
+                   final_logit_softcapping: Optional[float] = None) -> TokenLogprobs:
     """log_softmax((hidden @ weight.T + bias) / temperature)[token_ids], without the logits.
+
+    Model scalings under HF / TRL's names (Cohere / Granite-style ``logit_scale``, Gemma 2/3's
+    ``final_logit_softcapping`` c), applied in HF's order before the temperature:
+    ``z = (hidden @ weight.T + bias) * logit_scale``, then ``c * tanh(z / c)``, then ``/ temperature``.
 
     hidden [..., H], weight [V, H], token_ids [...]; returns ``TokenLogprobs(logprobs, entropy, lse)``,
     each [...] fp32 (fp64 for fp64 inputs), entropy None unless ``with_entropy``. With ``mask``,
@@ -80,14 +97,16 @@ def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Opti
         weight, bias = shard.weight, shard.bias
     ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens,
                           vocab_size=None if shard is None else shard.vocab_size or float("inf"))
+    check_model_scaling(logit_scale, final_logit_softcapping)
+    scaling = dict(logit_scale=float(logit_scale), final_logit_softcapping=final_logit_softcapping)
     # row_mask: masked rows cost no FLOPs on CUDA (padding or prompt tokens) and get no gradient.
     row_mask = None if mask is None else valid.reshape(-1)
     if shard is None:
         out = linear_logprobs(hidden, weight, ids, bias, temperature=float(temperature), fp32_lm_head=fp32_lm_head,
-                              with_entropy=with_entropy, row_mask=row_mask)
+                              with_entropy=with_entropy, row_mask=row_mask, **scaling)
     else:
         out = _tp.tp_linear_logprobs(hidden, shard, ids, temperature=float(temperature), fp32_lm_head=fp32_lm_head,
-                                     with_entropy=with_entropy, row_mask=row_mask)
+                                     with_entropy=with_entropy, row_mask=row_mask, **scaling)
     if mask is None:
         return out
     # The op already zeroes masked rows; this select is one cheap elementwise pass that keeps the

@@ -12,14 +12,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from compiled_grpo.logprobs import TokenLogprobs, _prepare
+from compiled_grpo.logprobs import TokenLogprobs, _prepare, check_model_scaling
 
 
 def reference_token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Optional[Tensor] = None, *,
                              mask: Optional[Tensor] = None, temperature: float = 1.0, fp32_lm_head: bool = False,
-                             with_entropy: bool = False, cu_seqlens: Optional[Tensor] = None) -> TokenLogprobs:
+                             with_entropy: bool = False, cu_seqlens: Optional[Tensor] = None,
+                             logit_scale: float = 1.0, final_logit_softcapping: Optional[float] = None
+                             ) -> TokenLogprobs:
     """Same contract as :func:`compiled_grpo.token_logprobs`; ``fp32_lm_head`` is implied (upcast)."""
     ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens)
+    check_model_scaling(logit_scale, final_logit_softcapping)
     dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
     w = weight.to(dtype)  # [V, H]
     # An inf weight entry makes its logits +-inf (a banned token when -inf) and their dlogits 0:
@@ -32,6 +35,9 @@ def reference_token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, 
         logits = hidden.to(dtype) @ w.T  # [..., V]
     if bias is not None:
         logits = logits + bias.to(dtype)
+    logits = logits * logit_scale  # HF's order: scale, softcap, then TRL's temperature
+    if final_logit_softcapping is not None:
+        logits = final_logit_softcapping * torch.tanh(logits / final_logit_softcapping)
     logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)  # [..., V]
     logprobs = logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [...]

@@ -44,6 +44,9 @@ def golden_loss(hidden, weight, token_ids, advantages, mask, old_logprobs, ref_l
     logits = hidden.double() @ weight.double().T
     if bias is not None:
         logits = logits + bias.double()
+    logits = logits * cfg.logit_scale  # HF: scale, then softcap; TRL: then / temperature
+    if cfg.final_logit_softcapping is not None:
+        logits = cfg.final_logit_softcapping * torch.tanh(logits / cfg.final_logit_softcapping)
     logits = logits / cfg.temperature
     per_token_logps = logits.log_softmax(-1).gather(-1, token_ids[..., None]).squeeze(-1)
     m = mask.double()

@@ -27,6 +27,10 @@ def _inp(**over):
     ("grad_divisor", 0.0, "grad_divisor"),
     ("max_completion_length", 0, "max_completion_length"),
     ("sapo_temperature_neg", 0.0, "sapo_temperature_neg"),
+    ("logit_scale", 0.0, "logit_scale"),
+    ("logit_scale", float("inf"), "logit_scale"),
+    ("final_logit_softcapping", -30.0, "final_logit_softcapping"),
+    ("final_logit_softcapping", True, "final_logit_softcapping"),
     ("metrics", "fancy", "metrics"),
     ("metrics", ("basic", "with_entropy"), "metrics"),
     ("fp32_lm_head", 1, "fp32_lm_head"),
@@ -127,6 +131,10 @@ def test_token_logprobs_errors():
     ids = torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="temperature"):
         cg.token_logprobs(h, w, ids, temperature=0.0)
+    with pytest.raises(ValueError, match="logit_scale"):
+        cg.token_logprobs(h, w, ids, logit_scale=-1.0)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        cg.token_logprobs(h, w, ids, final_logit_softcapping=0.0)
     with pytest.raises(ValueError, match="token_ids"):
         cg.token_logprobs(h, w, ids[:, :2])
     with pytest.raises(ValueError, match="weight"):

@@ -17,11 +17,14 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(torch_impl, "CHUNK_V", 16)   # V=37 -> chunks of 16, 16, 5
 
 
-def golden(h, w, ids, b=None, temperature=1.0):
+def golden(h, w, ids, b=None, temperature=1.0, scale=1.0, cap=None):
     """float64 reference that materializes z; returns (logprobs, entropy, lse)."""
     z = h.double() @ w.double().T                                          # [N, V]
     if b is not None:
         z = z + b.double()
+    z = z * scale                                     # HF's order: scale, softcap, temperature
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
     z = z / temperature
     lse = z.logsumexp(-1)
     lp = z.gather(-1, ids[:, None])[:, 0] - lse
@@ -81,6 +84,42 @@ def test_gradcheck(with_entropy, temperature):
         out = linear_logprobs(x, w, ids, b, temperature=temperature, with_entropy=with_entropy)
         return tuple(t for t in out if t is not None)
     assert torch.autograd.gradcheck(f, (x, w, b))
+
+
+# logit_scale / final_logit_softcapping: a scale alone, a cap alone (3, on logits of std ~3 at
+# scale=2: many saturate) and both; fp32 values and fp64 gradcheck of all three outputs.
+SCALINGS = [(0.5, None), (1.0, 3.0), (1.7, 2.0)]
+
+
+@pytest.mark.parametrize("scale,cap", SCALINGS)
+def test_scale_and_softcap(scale, cap):
+    x, w, ids, b = make(dtype=torch.float32, scale=2.0)
+    kw = dict(temperature=0.7, with_entropy=True, logit_scale=scale, final_logit_softcapping=cap)
+    out = linear_logprobs(x, w, ids, b, **kw)
+    for got, want in zip(out, golden(x, w, ids, b, 0.7, scale, cap)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    x, w, ids, b = make(n=4, h=5, scale=2.0)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    mask = torch.tensor([True, False, True, True])
+
+    def f(x, w, b):
+        return tuple(linear_logprobs(x, w, ids, b, row_mask=mask, **kw))
+    assert torch.autograd.gradcheck(f, (x, w, b))
+
+
+def test_scale_and_softcap_opcheck():
+    x, w, ids, b = make(dtype=torch.float32)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_static", "test_aot_dispatch_dynamic")
+    args = (x, w, ids, b, 0.7, False, True, None, 0.5, 30.0)
+    torch.library.opcheck(_linear_logprobs_op, args, test_utils=utils)
+    lp, ent, lse = (t.detach() for t in _linear_logprobs_op(*args))
+    g = torch.randn_like(lp)
+    torch.library.opcheck(_linear_logprobs_backward_op,
+                          (x.detach(), w.detach(), ids, b.detach(), lse, ent, g, g, g, 0.7, False,
+                           True, True, True, True, None, 0.5, 30.0),
+                          test_utils=utils[:1] + utils[2:])
 
 
 def test_grads_match_golden_autograd():
@@ -205,6 +244,12 @@ with mode:
         *a[:3], None, *a[3:], 0.7, False, True, True, True, False), grab)(
         x, w, ids, lse, ent, lse, lse, lse)
     assert not env.guards and not env.replacements, (env.guards, env.replacements)  # N symbolic
+    # the softcapped kernels (HAS_CAP) trace too
+    lpc, entc, lsec = aot_function(lambda x, w, ids: _linear_logprobs_op(
+        x, w, ids, None, 0.7, False, True, None, 0.5, 30.0), grab)(x, w, ids)
+    aot_function(lambda *a: _linear_logprobs_backward_op(
+        *a[:3], None, *a[3:], 0.7, False, True, True, True, False, None, 0.5, 30.0), grab)(
+        x, w, ids, lsec, entc, lsec, lsec, lsec)
     bw = graphs[1]
     # FakeTensorUpdater takes the GraphModule on torch 2.13 and its Graph on 2.11
     params = inspect.signature(FakeTensorUpdater.__init__).parameters
@@ -308,6 +353,11 @@ with mode:
         x, w, ids, None, lse, ent, g, g, g, 0.7, False, True, True, True, False, m), grab)(
         x, w, ids, lse, ent, lse, m)
     assert not env.guards and not env.replacements, (env.guards, env.replacements)  # N symbolic
+    lpc, entc, lsec = aot_function(lambda x, w, ids, m: _linear_logprobs_op(
+        x, w, ids, None, 0.7, False, True, m, 0.5, 30.0), grab)(x, w, ids, m)
+    aot_function(lambda x, w, ids, lse, ent, g, m: _linear_logprobs_backward_op(
+        x, w, ids, None, lse, ent, g, g, g, 0.7, False, True, True, True, False, m, 0.5, 30.0),
+        grab)(x, w, ids, lsec, entc, lsec, m)
     bw = graphs[1]
     params = inspect.signature(FakeTensorUpdater.__init__).parameters
     reinplace_inplaceable_ops(FakeTensorUpdater(bw if "gm" in params else bw.graph), bw.graph)

@@ -74,6 +74,21 @@ def test_extras(loss_type):
     torch.testing.assert_close(gb, rb, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("scale,cap", [(0.5, None), (1.0, 0.5), (3.0, 1.5)])
+def test_logit_scale_and_softcapping(scale, cap):
+    """Model scalings (HF order: scale, cap, temperature) with bias, entropy bonus and KL; caps
+    small enough that tanh saturates on these logits (|z| up to ~3)."""
+    inp = make_inputs(seed=10)
+    bias = torch.randn(inp["weight"].shape[0], generator=torch.Generator().manual_seed(11),
+                       dtype=torch.float64, requires_grad=True)
+    cfg = cg.GRPOConfig(temperature=0.7, logit_scale=scale, final_logit_softcapping=cap, beta=0.04,
+                        entropy_coef=0.01)
+    _compare(inp, cfg, bias=bias)
+    gb = torch.autograd.grad(cg.grpo_loss(**inp, config=cfg, bias=bias).loss, bias)[0]
+    rb = torch.autograd.grad(golden_loss(**inp, cfg=cfg, bias=bias)[0], bias)[0]
+    torch.testing.assert_close(gb, rb, rtol=1e-9, atol=1e-12)
+
+
 def test_sampling_ratio_per_sequence():
     inp = make_inputs(seed=6)
     sr = torch.tensor([[0.5], [1.0], [2.0]], dtype=torch.float64)

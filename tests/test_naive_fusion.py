@@ -223,6 +223,23 @@ def z_loss_only(h, w, b, ids):
     return (torch.logsumexp(h @ w.T, dim=-1) ** 2,)
 
 
+def gemma_softcap(h, w, b, ids):
+    """HF Gemma 2: logits / cap, tanh, * cap; then TRL's / temperature (cap 2: logits of std ~3
+    saturate)."""
+    logits = (h @ w.T) / 2.0
+    logits = torch.tanh(logits) * 2.0
+    return (logp_of(logits / 0.7, ids),)
+
+
+def scaled_softcap_entropy(h, w, b, ids):
+    """A scaled head (Cohere's logit_scale) with bias, `c * z.tanh()`, log-prob and entropy."""
+    logits = F.linear(h, w, b) * 0.5
+    logits = 1.5 * (logits / 1.5).tanh()
+    logp_all = (logits / 0.9).log_softmax(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1), ent
+
+
 SPELLINGS = [
     (matmul_T, (1, 0)), (functional_linear, (1, 0)), (torch_matmul_t, (1, 0)),
     (float_before, (1, 0)), (float_after, (1, 0)), (to_float32_after, (1, 0)),
@@ -231,7 +248,8 @@ SPELLINGS = [
     (entropy_softmax, (0, 1)), (entropy_exp, (0, 1)), (logprob_and_entropy, (1, 1)),
     (logprob_and_entropy_2d, (1, 1)), (trl_style_shifted, (1, 0)),
     (flat_view_then_log_softmax, (1, 0)), (gather_minus_logsumexp, (1, 0)),
-    (entropy_lse_minus_pz, (1, 1)), (z_loss_only, (1, 0)),
+    (entropy_lse_minus_pz, (1, 1)), (z_loss_only, (1, 0)), (gemma_softcap, (1, 0)),
+    (scaled_softcap_entropy, (1, 1)),
 ]
 
 
@@ -367,9 +385,13 @@ def broadcast_bias(h, w, b, ids):
     return (logp_of(h @ w.T + b[:1], ids),)
 
 
+def bias_after_tanh(h, w, b, ids):
+    return (logp_of(2.0 * torch.tanh(h @ w.T / 2.0) + b, ids),)
+
+
 @pytest.mark.parametrize("fn", [logits_returned, log_softmax_returned, mean_cross_entropy,
                                 label_smoothing, float64_code, two_targets, inplace_between,
-                                broadcast_bias])
+                                broadcast_bias, bias_after_tanh])
 def test_left_alone(fn):
     check(fn, (0, 0))
 

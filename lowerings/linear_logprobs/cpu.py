@@ -29,8 +29,11 @@ def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
 
 
 def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int,
-                  temperature: float, transposed: bool = False) -> Tensor:
-    """z = (x @ W[v0:v1].T + b[v0:v1]) / T in x's (upcast) dtype.         # [N, C]
+                  temperature: float, transposed: bool = False, logit_scale: float = 1.0,
+                  softcap: Optional[float] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """(z, y) in x's (upcast) dtype, [N, C] each: a = (x @ W[v0:v1].T + b[v0:v1]) * logit_scale,
+    y = tanh(a / softcap) and z = softcap * y / T (HF's order), or y = None and z = a / T
+    without a softcap. The backward's chain rule takes (1 - y^2) * logit_scale from y.
 
     The backward asks for `transposed` (W_c @ x.T, then .T): the same values from a different
     mm, so that under torch.compile, where both op bodies land in one joint graph, CSE cannot
@@ -40,12 +43,17 @@ def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1
     z = (w @ x.T).T if transposed else x @ w.T                             # [N, C]
     if bias is not None:
         z = z + bias[v0:v1].to(x.dtype)
-    return z / temperature
+    if logit_scale != 1.0:
+        z = z * logit_scale
+    y = None if softcap is None else torch.tanh(z / softcap)
+    return (z if y is None else softcap * y) / temperature, y
 
 
 def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
-            temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+            temperature: float, with_entropy: bool, logit_scale: float = 1.0,
+            softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(logprobs, entropy, lse), each [N] float32 (float64 for float64 inputs).
+    Logits as in _chunk_logits (logit_scale, then softcap, then temperature).
 
     entropy is zeros when with_entropy is False (the work is skipped)."""
     cd = _compute_dtype(hidden, weight)
@@ -57,7 +65,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     zt = x.new_zeros(n)                        # target logit                [N]
     for v0 in range(0, v, CHUNK_V):
         v1 = min(v0 + CHUNK_V, v)
-        z = _chunk_logits(x, weight, bias, v0, v1, temperature)           # [N, C]
+        z, _ = _chunk_logits(x, weight, bias, v0, v1, temperature, False, logit_scale,
+                             softcap)                                      # [N, C]
         m_new = torch.maximum(m, z.amax(-1))                               # [N]
         # -inf logits (a banned token): a row whose columns so far are all -inf has m_new = -inf;
         # shifting by finfo.min there keeps exp(-inf - -inf) = NaN out of alpha and e
@@ -78,12 +87,14 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
 
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
              entropy: Tensor, g_lp: Tensor, g_ent: Tensor, g_lse: Tensor, temperature: float,
-             with_entropy: bool, need_x: bool, need_w: bool, need_b: bool
+             with_entropy: bool, need_x: bool, need_w: bool, need_b: bool,
+             logit_scale: float = 1.0, softcap: Optional[float] = None
              ) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes; [0]-shaped when not needed.
 
     dlogits = (g_lp * (onehot - p) + g_lse * p - g_ent * p * (log p + H)) / T, i.e.
-    g_lp * onehot - p * (g_lp - g_lse + g_ent * (z - lse + H)), over T."""
+    g_lp * onehot - p * (g_lp - g_lse + g_ent * (z - lse + H)), over T; then times
+    (1 - tanh^2) with a softcap and times logit_scale (the chain rule back to x @ W.T + b)."""
     cd = _compute_dtype(hidden, weight)
     x = hidden.to(cd)                                                      # [N, H]
     v = weight.shape[0]
@@ -94,7 +105,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     dw, db = [], []
     for v0 in range(0, v, CHUNK_V):
         v1 = min(v0 + CHUNK_V, v)
-        z = _chunk_logits(x, weight, bias, v0, v1, temperature, True)     # [N, C]
+        z, y = _chunk_logits(x, weight, bias, v0, v1, temperature, True, logit_scale,
+                             softcap)                                      # [N, C]
         logp = z - lse_[:, None]                                           # [N, C]
         p = torch.exp(logp)
         coef = a[:, None]
@@ -102,6 +114,10 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
             coef = coef + g_ent_[:, None] * (torch.where(p > 0, logp, 0) + ent_[:, None])
         onehot = torch.arange(v0, v1, device=ids.device)[None, :] == ids[:, None]
         dz = (torch.where(onehot, g_lp_[:, None], 0.0) - p * coef) / temperature
+        if y is not None:
+            dz = dz * (1 - y * y)
+        if logit_scale != 1.0:
+            dz = dz * logit_scale
         if need_x:   # an inf weight entry makes its logit +-inf and dz 0 there: count 0 * inf as 0
             w = weight[v0:v1].to(cd)                                       # [C, H]
             dx = dx + dz @ torch.where(torch.isinf(w), 0, w)               # [N, H]

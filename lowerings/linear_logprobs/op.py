@@ -3,7 +3,8 @@ without ever materializing the [N, V] logits.
 
 Legend: N = B*T tokens (dynamic), H hidden size, V vocab size.
 
-    z        = (hidden @ weight.T + bias) / temperature          # [N, V], never stored
+    a        = (hidden @ weight.T + bias) * logit_scale          # [N, V], never stored
+    z        = cap * tanh(a / cap) / temperature                  # a / temperature without a cap
     lse      = z.logsumexp(-1)                                    # [N] fp32
     logprobs = z.gather(-1, ids[:, None])[:, 0] - lse             # [N] fp32
     entropy  = lse - (z.softmax(-1) * z).sum(-1)                  # [N] fp32
@@ -91,19 +92,22 @@ def _mask_rows(row_mask: Optional[Tensor], *vectors: Tensor) -> tuple[Tensor, ..
 @triton_op("compiled_grpo::linear_logprobs", mutates_args=())
 def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
                         temperature: float, fp32_lm_head: bool, with_entropy: bool,
-                        row_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                        row_mask: Optional[Tensor] = None, logit_scale: float = 1.0,
+                        final_logit_softcapping: Optional[float] = None
+                        ) -> tuple[Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [V, H], ids [N] int64, bias [V], row_mask [N] bool ->
     (logprobs, entropy, lse) [N], 0 at rows where row_mask is False."""
+    scaling = dict(logit_scale=logit_scale, softcap=final_logit_softcapping)
     if _rows_path(hidden, row_mask):
         from lowerings.linear_logprobs import cuda_rows
         return cuda_rows.forward(hidden, weight, ids, bias, row_mask, temperature, fp32_lm_head,
-                                 with_entropy, wrap=wrap_triton)
+                                 with_entropy, wrap=wrap_triton, **scaling)
     if _on_cuda(hidden):
         from lowerings.linear_logprobs import cuda as _triton_impl
         out = _triton_impl.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
-                                   with_entropy, wrap=wrap_triton)
+                                   with_entropy, wrap=wrap_triton, **scaling)
     else:
-        out = _torch_impl.forward(hidden, weight, ids, bias, temperature, with_entropy)
+        out = _torch_impl.forward(hidden, weight, ids, bias, temperature, with_entropy, **scaling)
     return _mask_rows(row_mask, *out)
 
 
@@ -112,16 +116,18 @@ def _linear_logprobs_backward_op(
         hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
         entropy: Tensor, grad_logprobs: Tensor, grad_entropy: Tensor, grad_lse: Tensor,
         temperature: float, fp32_lm_head: bool, with_entropy: bool, need_hidden: bool,
-        need_weight: bool, need_bias: bool, row_mask: Optional[Tensor] = None
+        need_weight: bool, need_bias: bool, row_mask: Optional[Tensor] = None,
+        logit_scale: float = 1.0, final_logit_softcapping: Optional[float] = None
         ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (d_hidden [N, H], d_weight [V, H], d_bias [V]); a [0]-shaped tensor where not needed.
     Rows where row_mask is False contribute nothing (their incoming grads are ignored)."""
+    scaling = dict(logit_scale=logit_scale, softcap=final_logit_softcapping)
     if _rows_path(hidden, row_mask):
         from lowerings.linear_logprobs import cuda_rows
         return cuda_rows.backward(hidden, weight, ids, bias, row_mask, lse, entropy,
                                   grad_logprobs, grad_entropy, grad_lse, temperature,
                                   fp32_lm_head, with_entropy, need_hidden, need_weight,
-                                  need_bias, wrap=wrap_triton)
+                                  need_bias, wrap=wrap_triton, **scaling)
     grad_logprobs, grad_entropy, grad_lse = _mask_rows(row_mask, grad_logprobs, grad_entropy,
                                                        grad_lse)
     if _on_cuda(hidden):
@@ -129,17 +135,26 @@ def _linear_logprobs_backward_op(
         return _triton_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
                                      grad_entropy, grad_lse, temperature, fp32_lm_head,
                                      with_entropy, need_hidden, need_weight, need_bias,
-                                     wrap=wrap_triton)
+                                     wrap=wrap_triton, **scaling)
     return _torch_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
                                 grad_entropy, grad_lse, temperature, with_entropy, need_hidden,
-                                need_weight, need_bias)
+                                need_weight, need_bias, **scaling)
+
+
+def _model_scaling(logit_scale: float, softcap: Optional[float]) -> tuple:
+    """The trailing (logit_scale, final_logit_softcapping) op arguments; none at their defaults
+    (1.0, None), so unscaled heads trace to the same op calls as before these arguments."""
+    if float(logit_scale) == 1.0 and softcap is None:
+        return ()
+    return float(logit_scale), None if softcap is None else float(softcap)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy, row_mask = inputs
+    hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy, row_mask, scale, cap = inputs
     _, entropy, lse = output
     ctx.save_for_backward(hidden, weight, ids, bias, lse, entropy, row_mask)
     ctx.temperature, ctx.fp32_lm_head, ctx.with_entropy = temperature, fp32_lm_head, with_entropy
+    ctx.logit_scale, ctx.softcap = scale, cap
 
 
 def _backward(ctx, g_lp, g_ent, g_lse):
@@ -152,9 +167,10 @@ def _backward(ctx, g_lp, g_ent, g_lse):
     g_lse = zeros if g_lse is None else g_lse
     dx, dw, db = _linear_logprobs_backward_op(
         hidden, weight, ids, bias, lse, entropy, g_lp, g_ent, g_lse, ctx.temperature,
-        ctx.fp32_lm_head, ctx.with_entropy, need_x, need_w, need_b, row_mask)
+        ctx.fp32_lm_head, ctx.with_entropy, need_x, need_w, need_b, row_mask,
+        *_model_scaling(ctx.logit_scale, ctx.softcap))
     return (dx if need_x else None, dw if need_w else None, None, db if need_b else None,
-            None, None, None, None)
+            None, None, None, None, None, None)
 
 
 _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
@@ -162,7 +178,9 @@ _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor] = None,
                     *, temperature: float = 1.0, fp32_lm_head: bool = False,
-                    with_entropy: bool = False, row_mask: Optional[Tensor] = None) -> LinearLogprobs:
+                    with_entropy: bool = False, row_mask: Optional[Tensor] = None,
+                    logit_scale: float = 1.0, final_logit_softcapping: Optional[float] = None
+                    ) -> LinearLogprobs:
     """hidden [..., H], weight [V, H], ids [...] int64 in [0, V), bias [V] -> LinearLogprobs [...].
 
     Callers guarantee ids in [0, V) (the loss maps masked positions to 0); no device check here.
@@ -172,11 +190,17 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[
     row_mask [...] bool: rows where it is False are padding. Their logprobs, entropy and lse
     are 0, their incoming grads are ignored and they get zero d_hidden; on CUDA they also cost
     no FLOPs (cuda_rows.py: valid rows ordered first on the device, kernels that stop at a
-    device count, no host sync). Elsewhere every row is computed and the padded ones zeroed."""
+    device count, no host sync). Elsewhere every row is computed and the padded ones zeroed.
+
+    logit_scale, final_logit_softcapping (HF / TRL names; Cohere-style scaled heads, Gemma 2/3's
+    cap): z = c * tanh((hidden @ weight.T + bias) * logit_scale / c) / temperature, c the cap;
+    without a cap z = (hidden @ weight.T + bias) * logit_scale / temperature. Callers validate
+    them (finite, > 0)."""
     lead = ids.shape
     h = hidden.reshape(-1, hidden.shape[-1])                               # [N, H]
     rm = None if row_mask is None else row_mask.reshape(-1).to(torch.bool)
     lp, ent, lse = _linear_logprobs_op(h, weight, ids.reshape(-1), bias, float(temperature),
-                                       bool(fp32_lm_head), bool(with_entropy), rm)
+                                       bool(fp32_lm_head), bool(with_entropy), rm,
+                                       *_model_scaling(logit_scale, final_logit_softcapping))
     return LinearLogprobs(lp.view(lead), ent.view(lead) if with_entropy else None,
                           lse.view(lead))

@@ -10,6 +10,8 @@ autograd and training, inference, frozen and trainable W are all one rewrite):
       .float() / .to(float32) on h and W   -> fp32_lm_head=True             (cast before the GEMM)
       .float() / .to(dtype) on the logits  -> bf16 GEMM, fp32 accumulation  (cast after)
       + b, / c, * c (c a Python number)    -> bias=, temperature= (b added after a scale: b*T)
+      c * tanh(z * s / c) (HF softcap), * s -> final_logit_softcapping=, logit_scale= (one tanh;
+                                              after it only scales, casts and views)
       [:, :-1], [:, -k:], .view(-1, V)     -> the same leading-dim view applied to h (TRL, verl)
     consumers of the logits z (all of them must be one of these):
       log_softmax(z, -1).gather(-1, ids.unsqueeze(-1) | ids[..., None])     -> logprobs
@@ -59,10 +61,12 @@ from lowerings.linear_logprobs.op import linear_logprobs
 log = logging.getLogger(__name__)
 
 
-def fused_linear_logprobs(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy):
+def fused_linear_logprobs(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy,
+                          logit_scale=1.0, final_logit_softcapping=None):
     """The call the pass inserts: a stable FX target returning (logprobs, entropy, lse) [...]."""
     out = linear_logprobs(hidden, weight, ids, bias, temperature=temperature,
-                          fp32_lm_head=fp32_lm_head, with_entropy=with_entropy)
+                          fp32_lm_head=fp32_lm_head, with_entropy=with_entropy,
+                          logit_scale=logit_scale, final_logit_softcapping=final_logit_softcapping)
     return out.logprobs, out.entropy, out.lse
 
 
@@ -101,8 +105,10 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
                 ids = graph.call_method("view_as", (ids, lead_ref))                 # [...]
         else:
             ids = graph.call_function(torch.zeros_like, (lead_ref,), {"dtype": torch.int64})
+        temperature, scale, cap = wk["scaling"]
+        extra = () if cap is None else (float(scale), float(cap))      # a softcap in the chain
         out = graph.call_function(fused_linear_logprobs, (
-            h, w, ids, bias, float(temp), bool(m["fp32_lm_head"]), bool(c["sums"])))
+            h, w, ids, bias, float(temperature), bool(m["fp32_lm_head"]), bool(c["sums"]), *extra))
         lp, ent, lse = (graph.call_function(operator.getitem, (out, i)) for i in range(3))
         for g, _, on_logits in c["gathers"]:        # logp[t]; z[t] = logp[t] + lse
             r = graph.call_function(operator.add, (lp, lse)) if on_logits else lp
@@ -143,7 +149,7 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
             continue
         if m is None:
             continue
-        if c is None or wk["temp"] <= 0:
+        if c is None or wk["scaling"] is None:
             log.debug("naive_logprob_fusion: %s has unmatched users; left alone", wk["L"])
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}

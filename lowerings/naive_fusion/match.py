@@ -56,6 +56,7 @@ _MUL = (operator.mul, torch.mul)
 _DIV = (operator.truediv, torch.div, torch.true_divide)
 _ADD = (operator.add, torch.add)
 _NEG = (operator.neg, torch.neg)
+_TANH = (torch.tanh, F.tanh)
 _VIEW = (torch.reshape, torch.flatten)
 _MUTATING_FNS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem)
 _REGION_FNS = tuple(f for f in (torch._C._set_grad_enabled,
@@ -177,10 +178,19 @@ def _lead_op(n: Node, cur: Node) -> Optional[tuple]:
 
 
 def _walk_logits(m: dict) -> dict:
-    """Follow single-user casts, `+ b`, `/ c`, `* c` and leading-dim views from the GEMM to the
-    logits node L, with L = lead_ops(GEMM) / temp + bias / bias_temp (a bias added before a
-    scale is scaled with the GEMM, so then bias_temp == temp)."""
+    """Follow single-user casts, `+ b`, `/ c`, `* c`, leading-dim views and at most one tanh
+    from the GEMM to the logits node L. Before a tanh, a = lead_ops(GEMM) / temp + bias /
+    bias_temp (a bias added before a scale is scaled with the GEMM, so then bias_temp == temp)
+    and L = a without one; with one (a softcap, HF: c * tanh(a * s / c), then / T),
+    L = tanh(a) / post, and only casts, scales and views may follow it.
+
+    "scaling" is the op's (temperature, logit_scale, final_logit_softcapping) for L in terms of
+    (GEMM + bias * temp / bias_temp): (temp, 1.0, None) without a tanh; with one, the cap c is
+    the first factor multiplied after the tanh (the `c *` of `c * tanh(z / c)`; temp when there
+    is none), logit_scale c / temp and temperature c * post, so that c * tanh(. * s / c) / T is
+    tanh(. / temp) / post. None when a factor is not > 0."""
     cur, chain, temp, bias, bias_temp, lead_ops = m["gemm"], [m["gemm"]], 1.0, m["bias"], 1.0, []
+    post, cap = None, None          # after a tanh: its divisor, and the first factor multiplied
     while len(cur.users) == 1:
         nxt = next(iter(cur.users))
         if nxt.op == "call_method" and nxt.args and nxt.args[0] is not cur:
@@ -193,11 +203,21 @@ def _walk_logits(m: dict) -> dict:
             lead_ops.append(lead)
         elif _is(nxt, _DIV, ("div", "true_divide")) and nxt.args[0] is cur and len(nxt.args) == 2 \
                 and not nxt.kwargs and _number(nxt.args[1]):
-            temp, bias_temp = temp * nxt.args[1], bias_temp * nxt.args[1]
+            if post is None:
+                temp, bias_temp = temp * nxt.args[1], bias_temp * nxt.args[1]
+            else:
+                post = post * nxt.args[1]
         elif _is(nxt, _MUL, ("mul",)) and len(nxt.args) == 2 and not nxt.kwargs \
                 and len(other) == 1 and _number(other[0]):
-            temp, bias_temp = temp / other[0], bias_temp / other[0]
+            if post is None:
+                temp, bias_temp = temp / other[0], bias_temp / other[0]
+            else:
+                cap = other[0] if cap is None and post == 1.0 else cap
+                post = post / other[0]
+        elif _is(nxt, _TANH, ("tanh",)) and post is None and len(nxt.args) == 1 and not nxt.kwargs:
+            post = 1.0
         elif _is(nxt, _ADD, ("add",)) and len(nxt.args) == 2 and not nxt.kwargs and bias is None \
+                and post is None \
                 and len(other) == 1 and _val(other[0]) is not None \
                 and tuple(_val(other[0]).shape) == tuple(_val(m["w"]).shape[:1]) \
                 and _val(other[0]).dtype in _FLOATS:
@@ -206,7 +226,13 @@ def _walk_logits(m: dict) -> dict:
             break
         chain.append(nxt)
         cur = nxt
-    return dict(L=cur, chain=chain, temp=temp, bias=bias, bias_temp=bias_temp, lead_ops=lead_ops)
+    if post is None:
+        scaling = (temp, 1.0, None) if temp > 0 else None
+    else:
+        cap = float(temp if cap is None else cap)
+        scaling = (cap * post, cap / temp, cap) if min(temp, post, cap) > 0 else None
+    return dict(L=cur, chain=chain, temp=temp, bias=bias, bias_temp=bias_temp, lead_ops=lead_ops,
+                scaling=scaling)
 
 
 def _ids_source(idx: Node) -> Any:
