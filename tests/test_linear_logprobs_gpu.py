@@ -24,11 +24,14 @@ def make(n, h=H, v=V, seed=0, bias=False):
     return x, w, ids, b
 
 
-def materialized(x, w, ids, b, temperature, upcast):
+def materialized(x, w, ids, b, temperature, upcast, scale=1.0, cap=None):
     """(logprobs, entropy) from [N, V] logits: fp32 operands if upcast, else bf16 GEMM."""
     z = x.float() @ w.float().T if upcast else (x @ w.T).float()          # [N, V]
     if b is not None:
         z = z + b.float()
+    z = z * scale                                   # HF's order: scale, softcap, temperature
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
     z = z / temperature
     logp = z.log_softmax(-1)
     return logp.gather(-1, ids[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
@@ -38,8 +41,10 @@ def err(a, ref):
     return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-@pytest.mark.parametrize("bias,temperature", [(False, 1.0), (True, 0.7)])
-def test_three_way_numerics(bias, temperature):
+@pytest.mark.parametrize("bias,temperature,scale,cap", [(False, 1.0, 1.0, None), (True, 0.7, 1.0, None),
+                                                        (True, 0.7, 1.5, 3.0), (False, 1.0, 0.5, None)])
+def test_three_way_numerics(bias, temperature, scale, cap):
+    """(scale 1.5, cap 3: most logits of std 2 * 1.5 reach the tanh's bend; the HAS_CAP kernels.)"""
     x, w, ids, b = make(1024, bias=bias)
     g_lp = torch.randn(1024, device="cuda")
     g_ent = torch.randn(1024, device="cuda")
@@ -48,10 +53,11 @@ def test_three_way_numerics(bias, temperature):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         bg = b.clone().requires_grad_() if bias else None
         if name == "ours":
-            out = linear_logprobs(xg, wg, ids, bg, temperature=temperature, with_entropy=True)
+            out = linear_logprobs(xg, wg, ids, bg, temperature=temperature, with_entropy=True,
+                                  logit_scale=scale, final_logit_softcapping=cap)
             lp, ent = out.logprobs, out.entropy
         else:
-            lp, ent = materialized(xg, wg, ids, bg, temperature, upcast=name == "ref")
+            lp, ent = materialized(xg, wg, ids, bg, temperature, name == "ref", scale, cap)
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
         results[name] = [lp, ent, xg.grad, wg.grad] + ([bg.grad] if bias else [])
     names = ["logprobs", "entropy", "d_hidden", "d_weight", "d_bias"]
