@@ -388,3 +388,14 @@ def test_cuda_rows_backward_trace_in_place_and_symbolic_n():
     r = subprocess.run([sys.executable, "-c", _CUDA_ROWS_TRACE], env=env, cwd=root,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+def test_backward_hidden_without_grad_and_no_bias():
+    """d_hidden and d_bias both unneeded: the backward op's two [0] outputs must be distinct
+    tensors (a custom op's outputs may not alias), on the CPU body as on CUDA."""
+    x, w, ids, _ = make()
+    w.requires_grad_()
+    linear_logprobs(x, w, ids, with_entropy=True).logprobs.sum().backward()
+    wr = w.detach().clone().requires_grad_()
+    golden(x, wr, ids, None)[0].sum().backward()
+    torch.testing.assert_close(w.grad, wr.grad, rtol=1e-10, atol=1e-12)

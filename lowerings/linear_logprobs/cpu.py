@@ -125,7 +125,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
             dw.append((dz.T @ x).to(weight.dtype))                         # [C, H]
         if need_b:
             db.append(dz.sum(0).to(bias.dtype))                            # [C]
-    empty = hidden.new_empty(0)
-    return (dx.to(hidden.dtype) if need_x else empty,
+    # a fresh [0] tensor for each grad not needed: a custom op's outputs must not alias
+    return (dx.to(hidden.dtype) if need_x else hidden.new_empty(0),
             torch.cat(dw) if need_w else weight.new_empty(0),
-            torch.cat(db) if need_b else empty)
+            torch.cat(db) if need_b else hidden.new_empty(0))
