@@ -31,3 +31,116 @@ def test_random_config_and_shape_matches_golden(cfg, B, T, V, seed):
     torch.testing.assert_close(ours.loss, gold, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(gh, rh, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(gw, rw, rtol=1e-9, atol=1e-12)
+
+
+
+# --- The op and grpo_loss against the float64 reference (issue 15) --------------------------
+# Shapes that are multiples of no tile (V, H, T drawn freely; CHUNK_V and the CPU body's row-group
+# budget WS_BYTES drawn too, so chunk and group boundaries fall anywhere), one-token and empty
+# sequences, all-masked rows, packed inputs. Examples are capped per test for a whole-file budget
+# under 60 s on 2 cores.
+from contextlib import ExitStack  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import lowerings.linear_logprobs.cpu as torch_impl  # noqa: E402
+from lowerings.linear_logprobs import linear_logprobs  # noqa: E402
+
+DTYPES = st.sampled_from((torch.float64, torch.float32, torch.bfloat16))
+# (rtol, atol) of values and of grads: the CPU body computes bf16 in fp32 (exact products), so
+# only its grads carry bf16's rounding (they come back in the inputs' dtype).
+TOL = {torch.float64: ((1e-9, 1e-11), (1e-9, 1e-10)), torch.float32: ((1e-4, 2e-5), (1e-4, 1e-4)),
+       torch.bfloat16: ((1e-4, 2e-5), (1e-2, 1e-2))}
+TILES = dict(chunk=st.sampled_from((7, 16, 4096)), group_rows=st.sampled_from((3, 5, None)))
+
+
+def _tiles(chunk, group_rows):
+    """CHUNK_V = chunk and WS_BYTES for row groups of about group_rows rows (fp32; None: one group)."""
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(torch_impl, "CHUNK_V", chunk))
+    if group_rows is not None:
+        stack.enter_context(mock.patch.object(torch_impl, "WS_BYTES", group_rows * chunk * 4))
+    return stack
+
+
+def _leaf(t):
+    return None if t is None else t.detach().double().requires_grad_()
+
+
+@settings(max_examples=40, deadline=None)
+@given(N=st.integers(0, 40), H=st.integers(1, 20), V=st.integers(2, 90), dtype=DTYPES, bias=st.booleans(),
+       temperature=st.floats(0.5, 2.0), with_entropy=st.booleans(), p_mask=st.sampled_from((0.0, 0.5, 1.0)),
+       seed=st.integers(0, 2**16), **TILES)
+def test_op_matches_float64_reference(N, H, V, dtype, bias, temperature, with_entropy, p_mask, seed, chunk,
+                                      group_rows):
+    g = torch.Generator().manual_seed(seed)
+    x, w = (torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).requires_grad_() for s in ((N, H), (V, H)))
+    b = torch.randn(V, generator=g, dtype=torch.float64).to(dtype).requires_grad_() if bias else None
+    ids = torch.randint(0, V, (N,), generator=g)
+    row_mask = torch.rand(N, generator=g) >= p_mask                     # p_mask 1: every row masked
+    upstream = torch.randn(3, N, generator=g, dtype=torch.float64)       # grads of lp, entropy, lse
+    params = [t for t in (x, w, b) if t is not None]
+    with _tiles(chunk, group_rows):
+        out = linear_logprobs(x, w, ids, b, temperature=temperature, with_entropy=with_entropy, row_mask=row_mask)
+        loss = sum((o.double() * u).sum() for o, u in zip(out, upstream) if o is not None)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    ref_params = [_leaf(t) for t in params]
+    xr, wr, br = ref_params + [None] * (3 - len(ref_params))
+    ref = cg.reference_token_logprobs(xr, wr, ids, br, mask=row_mask, temperature=temperature,
+                                      with_entropy=with_entropy)
+    rloss = sum((r * u).sum() for r, u in zip(ref, upstream) if r is not None)
+    (vtol, gtol) = TOL[dtype]
+    for o, r in zip(out, ref):
+        if r is not None:
+            torch.testing.assert_close(o.double(), r, rtol=vtol[0], atol=vtol[1])
+    for got, want in zip(grads, torch.autograd.grad(rloss, ref_params, allow_unused=True)):
+        got = torch.zeros_like(want) if got is None else got.double()
+        want = torch.zeros_like(got) if want is None else want
+        torch.testing.assert_close(got, want, rtol=gtol[0], atol=gtol[1])
+
+
+LOSS_CONFIGS = st.fixed_dictionaries({
+    "loss_type": st.sampled_from(("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")),
+    "beta": st.sampled_from((0.0, 0.04)),
+    "entropy_coef": st.sampled_from((0.0, 0.01)),
+    "metrics": st.sampled_from(("none", "with_entropy")),
+})
+
+
+@settings(max_examples=30, deadline=None)
+@given(cfg=LOSS_CONFIGS, lengths=st.lists(st.integers(0, 6), min_size=1, max_size=5), packed=st.booleans(),
+       H=st.integers(1, 12), V=st.integers(2, 70), dtype=DTYPES, p_mask=st.sampled_from((0.0, 0.4, 1.0)),
+       seed=st.integers(0, 2**16), **TILES)
+def test_grpo_loss_matches_float64_reference(cfg, lengths, packed, H, V, dtype, p_mask, seed, chunk, group_rows):
+    """Packed (cu_seqlens over `lengths`, empty and one-token sequences included) or padded to
+    [S, max(lengths)] (pad positions masked); p_mask 1 masks every token."""
+    config = cg.GRPOConfig(max_completion_length=8, **cfg)
+    g = torch.Generator().manual_seed(seed)
+    S, N, T = len(lengths), sum(lengths), max(lengths)
+    valid = torch.rand(N, generator=g) >= p_mask                                   # [N]
+    if packed:
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        tok_shape, mask = (N,), valid
+    else:
+        cu, tok_shape = None, (S, T)
+        mask = torch.zeros(S, T, dtype=torch.bool)
+        mask[torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]] = valid
+    hidden = torch.randn(*tok_shape, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) / H ** 0.5
+    ids = torch.randint(0, V, tok_shape, generator=g)
+    adv = torch.randn(S, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        p = cg.reference_token_logprobs(hidden, weight, ids).logprobs
+    old = p + 0.3 * torch.randn(tok_shape, generator=g, dtype=torch.float64)
+    ref = p + 0.3 * torch.randn(tok_shape, generator=g, dtype=torch.float64)
+    h, w = (t.to(dtype).requires_grad_() for t in (hidden, weight))
+    kw = dict(cu_seqlens=cu, config=config)
+    with _tiles(chunk, group_rows):
+        ours = cg.grpo_loss(h, w, ids, adv, mask, old, ref, **kw)
+        grads = torch.autograd.grad(ours.loss, (h, w))
+    hr, wr = _leaf(h), _leaf(w)
+    gold = cg.reference_grpo_loss(hr, wr, ids, adv, mask, old, ref, **kw)
+    (vtol, gtol) = TOL[dtype]
+    torch.testing.assert_close(ours.loss.double(), gold.loss, rtol=vtol[0], atol=vtol[1])
+    torch.testing.assert_close(ours.per_token_loss.double(), gold.per_token_loss, rtol=vtol[0], atol=vtol[1])
+    for got, want in zip(grads, torch.autograd.grad(gold.loss, (hr, wr))):
+        torch.testing.assert_close(got.double(), want, rtol=gtol[0], atol=gtol[1])

@@ -1,25 +1,41 @@
 """Pure-PyTorch body of `compiled_grpo::linear_logprobs` for every non-CUDA device.
 
 Legend: N tokens (dynamic under torch.compile), H hidden size, V vocab size (static), C vocab
-chunk (CHUNK_V).
+chunk (CHUNK_V), G row groups of R = cdiv(N, G) rows.
 
-The same math as the Triton kernels, written as a Python loop over vocab chunks so that no
-[N, V] tensor ever exists: the forward keeps an online (max, sum-exp, sum exp*z) per row, the
-backward recomputes each chunk's logits. The loop runs over V, never over N: a Python `range`
-over a SymInt would specialize N under dynamic shapes, while V is a parameter's size and static.
+The same math as the Triton kernels, written as Python loops over row groups and vocab chunks
+so that no [N, V] tensor ever exists: the forward keeps an online (max, sum-exp, sum exp*z) per
+row, the backward recomputes each [R, C] tile of logits. The workspace is a few [R, C] tiles,
+bounded by WS_BYTES each whatever N. N=4096, H=256, V=65536 fp32 (4 groups of 1024 rows),
+grpo_loss (beta 0.04, entropy metrics) forward+backward, peak RSS beyond inputs and grads
+(VmHWM): eager 136 MiB, was 524 MiB with [N, C] tiles; compiled 92 MiB, or 236 MiB with that
+config, whose compiled forward has a 256 MiB transient the [N, C] body shows too (not the
+op's tiles: the op alone compiled peaks at 64 MiB forward). No loop runs over N itself: a Python `range` over a SymInt would specialize it under
+dynamic shapes. G is a Python int from N's size hint (as cuda.py's `_row_groups`), each group's
+bounds are `torch.sym_min` expressions and its rows a `narrow`, so a graph compiled for dynamic N
+serves every N (its workspace then scales as N / G).
 
-Precision: operands are upcast before the GEMM (float64 stays float64 for gradcheck, everything
-else computes in float32). bf16/fp16 products are exact in float32, so this equals an fp32
-GEMM over the upcast inputs, i.e. `fp32_lm_head=True`, whatever the flag says.
+Edge cases (README "Edge cases"): N = 0 gives [0] outputs and zero grads; a -inf logit (a bias
+of -inf banning a token, or a weight row whose logit is or overflows to -inf) has p = 0 and
+contributes 0 * log 0 = 0 to the entropy and nothing to any gradient.
+
+Precision: operands are upcast before the GEMM (float64 if either operand is float64, for
+gradcheck; everything else computes in float32). bf16/fp16 products are exact in float32, so
+this equals an fp32 GEMM over the upcast inputs, i.e. `fp32_lm_head=True`, whatever the flag
+says. dW and db accumulate over row groups in that dtype and are rounded once.
 """
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-# Vocab columns per chunk: N * CHUNK_V * 4 bytes of logits live at once (64 MiB at N=4096).
-# Tests lower it to exercise the multi-chunk path on tiny shapes.
+# Vocab columns per chunk. Tests lower it to exercise the multi-chunk path on tiny shapes.
 CHUNK_V = 4096
+# Bytes of one [R, C] tile (logits, probabilities, dlogits): R = WS_BYTES / (C * 4) rows a group
+# (1024 at C=4096, fp32). About five tiles live at once in the backward, so ~80 MiB in all.
+WS_BYTES = 16 << 20
+# Bound on the groups, i.e. on the unrolled loop bodies of a compiled graph (G * cdiv(V, C)).
+MAX_ROW_GROUPS = 64
 
 
 def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -28,25 +44,75 @@ def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
 
 
+def _hint(n) -> int:
+    """n, or the size hint of a symbolic n (1 when unbacked)."""
+    return n if isinstance(n, int) else (n.node.hint or 1)
+
+
+def _row_groups(n, v: int, dtype: torch.dtype) -> list:
+    """[(r0, rows)] of G groups covering rows [0, N): G from N's size hint so that one [R, C]
+    tile fits WS_BYTES; r0 and rows are `sym_min` expressions of a symbolic N (some groups may
+    be empty when N is smaller than the hint), plain ints otherwise."""
+    c = min(CHUNK_V, v)
+    elem = torch.finfo(dtype).bits // 8
+    groups = min(MAX_ROW_GROUPS, max(1, -(-_hint(n) * c * elem // WS_BYTES)))
+    if groups == 1:
+        return [(0, n)]
+    r = (n + groups - 1) // groups
+    lo = min if isinstance(n, int) else torch.sym_min
+    bounds = [lo(g * r, n) for g in range(groups + 1)]
+    return [(bounds[g], bounds[g + 1] - bounds[g]) for g in range(groups)]
+
+
 def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int,
                   temperature: float, transposed: bool = False, logit_scale: float = 1.0,
                   softcap: Optional[float] = None) -> tuple[Tensor, Optional[Tensor]]:
-    """(z, y) in x's (upcast) dtype, [N, C] each: a = (x @ W[v0:v1].T + b[v0:v1]) * logit_scale,
+    """(z, y) in x's (upcast) dtype, [R, C] each: a = (x @ W[v0:v1].T + b[v0:v1]) * logit_scale,
     y = tanh(a / softcap) and z = softcap * y / T (HF's order), or y = None and z = a / T
     without a softcap. The backward's chain rule takes (1 - y^2) * logit_scale from y.
 
     The backward asks for `transposed` (W_c @ x.T, then .T): the same values from a different
     mm, so that under torch.compile, where both op bodies land in one joint graph, CSE cannot
     merge the backward's recompute with the forward's GEMM and make the forward save every
-    [N, C] chunk (N*V floats in all)."""
+    [R, C] tile (N*V floats in all)."""
     w = weight[v0:v1].to(x.dtype)                                          # [C, H]
-    z = (w @ x.T).T if transposed else x @ w.T                             # [N, C]
+    z = (w @ x.T).T if transposed else x @ w.T                             # [R, C]
     if bias is not None:
         z = z + bias[v0:v1].to(x.dtype)
     if logit_scale != 1.0:
         z = z * logit_scale
     y = None if softcap is None else torch.tanh(z / softcap)
     return (z if y is None else softcap * y) / temperature, y
+
+
+def _forward_rows(x: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
+                  temperature: float, with_entropy: bool, **scaling) -> tuple[Tensor, Tensor, Tensor]:
+    """(target logit, entropy or zeros, lse) of one row group: x [R, H] upcast, ids [R]."""
+    r, v = x.shape[0], weight.shape[0]
+    tiny = torch.finfo(x.dtype).min
+    m = x.new_full((r,), float("-inf"))        # running max                 [R]
+    s = x.new_zeros(r)                         # sum exp(z - m)              [R]
+    t = x.new_zeros(r)                         # sum exp(z - m) * z          [R]
+    zt = x.new_zeros(r)                        # target logit                [R]
+    for v0 in range(0, v, CHUNK_V):
+        v1 = min(v0 + CHUNK_V, v)
+        z, _ = _chunk_logits(x, weight, bias, v0, v1, temperature, **scaling)  # [R, C]
+        m_new = torch.maximum(m, z.amax(-1))                               # [R]
+        # -inf logits (a banned token): a row whose columns so far are all -inf has m_new = -inf;
+        # shifting by finfo.min there keeps exp(-inf - -inf) = NaN out of alpha and e
+        m_sh = m_new.clamp(min=tiny)                                       # [R]
+        alpha = torch.exp(m - m_sh)            # exp(-inf) = 0 on the first chunk
+        e = torch.exp(z - m_sh[:, None])                                   # [R, C]
+        s = s * alpha + e.sum(-1)
+        if with_entropy:                       # 0 * log 0 = 0: e = 0 where z = -inf
+            t = t * alpha + torch.where(e > 0, e * z, 0).sum(-1)
+        hit = (ids >= v0) & (ids < v1)                                     # [R]
+        col = (ids - v0).clamp(0, v1 - v0 - 1)                             # [R]
+        zt = zt + torch.where(hit, z.gather(1, col[:, None])[:, 0], 0.0)
+        m = m_new
+    lse = m + torch.log(s)                                                 # [R]
+    ent = lse - t / s if with_entropy else torch.zeros_like(lse)           # [R]
+    return zt, ent, lse
 
 
 def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
@@ -57,32 +123,22 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
 
     entropy is zeros when with_entropy is False (the work is skipped)."""
     cd = _compute_dtype(hidden, weight)
-    x = hidden.to(cd)                                                      # [N, H]
-    n, v = hidden.shape[0], weight.shape[0]
-    m = x.new_full((n,), float("-inf"))        # running max                 [N]
-    s = x.new_zeros(n)                         # sum exp(z - m)              [N]
-    t = x.new_zeros(n)                         # sum exp(z - m) * z          [N]
-    zt = x.new_zeros(n)                        # target logit                [N]
-    for v0 in range(0, v, CHUNK_V):
-        v1 = min(v0 + CHUNK_V, v)
-        z, _ = _chunk_logits(x, weight, bias, v0, v1, temperature, False, logit_scale,
-                             softcap)                                      # [N, C]
-        m_new = torch.maximum(m, z.amax(-1))                               # [N]
-        # -inf logits (a banned token): a row whose columns so far are all -inf has m_new = -inf;
-        # shifting by finfo.min there keeps exp(-inf - -inf) = NaN out of alpha and e
-        m_sh = m_new.clamp(min=torch.finfo(cd).min)                        # [N]
-        alpha = torch.exp(m - m_sh)            # exp(-inf) = 0 on the first chunk
-        e = torch.exp(z - m_sh[:, None])                                   # [N, C]
-        s = s * alpha + e.sum(-1)
-        if with_entropy:                       # 0 * log 0 = 0: e = 0 where z = -inf
-            t = t * alpha + torch.where(e > 0, e * z, 0).sum(-1)
-        hit = (ids >= v0) & (ids < v1)                                     # [N]
-        col = (ids - v0).clamp(0, v1 - v0 - 1)                             # [N]
-        zt = zt + torch.where(hit, z.gather(1, col[:, None])[:, 0], 0.0)
-        m = m_new
-    lse = m + torch.log(s)                                                 # [N]
-    ent = lse - t / s if with_entropy else torch.zeros_like(lse)           # [N]
-    return zt - lse, ent, lse
+    n = hidden.shape[0]
+    groups = _row_groups(n, weight.shape[0], cd)
+    scaling = dict(logit_scale=logit_scale, softcap=softcap)
+    if len(groups) == 1:
+        zt, ent, lse = _forward_rows(hidden.to(cd), weight, ids, bias, temperature, with_entropy,
+                                     **scaling)
+        return zt - lse, ent, lse
+    lp, ent, lse = (hidden.new_empty(n, dtype=cd) for _ in range(3))      # [N]
+    for r0, rows in groups:
+        zt_g, ent_g, lse_g = _forward_rows(hidden.narrow(0, r0, rows).to(cd), weight,
+                                           ids.narrow(0, r0, rows), bias, temperature,
+                                           with_entropy, **scaling)
+        lp.narrow(0, r0, rows).copy_(zt_g - lse_g)
+        ent.narrow(0, r0, rows).copy_(ent_g)
+        lse.narrow(0, r0, rows).copy_(lse_g)
+    return lp, ent, lse
 
 
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
@@ -94,38 +150,54 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
 
     dlogits = (g_lp * (onehot - p) + g_lse * p - g_ent * p * (log p + H)) / T, i.e.
     g_lp * onehot - p * (g_lp - g_lse + g_ent * (z - lse + H)), over T; then times
-    (1 - tanh^2) with a softcap and times logit_scale (the chain rule back to x @ W.T + b)."""
+    (1 - tanh^2) with a softcap and times logit_scale (the chain rule back to x @ W.T + b).
+    Vocab chunks outside, row groups inside: a chunk's dW / db rows are summed over the groups
+    in place (in dW itself when it has the compute dtype, else in a [C, H] buffer rounded once)
+    and the dX accumulator [N, H] takes each group's rows in place."""
     cd = _compute_dtype(hidden, weight)
-    x = hidden.to(cd)                                                      # [N, H]
-    v = weight.shape[0]
-    lse_, a = lse.to(cd), (g_lp - g_lse).to(cd)                            # [N]
-    g_lp_, g_ent_ = g_lp.to(cd), g_ent.to(cd)
-    ent_ = entropy.to(cd)
-    dx = x.new_zeros(x.shape) if need_x else None                          # [N, H] fp32 acc
-    dw, db = [], []
+    n, v = hidden.shape[0], weight.shape[0]
+    groups = _row_groups(n, v, cd)
+    a, g_lp_, g_ent_ = (g_lp - g_lse).to(cd), g_lp.to(cd), g_ent.to(cd)   # [N]
+    lse_, ent_ = lse.to(cd), entropy.to(cd)                                # [N]
+    dx = hidden.new_zeros(hidden.shape, dtype=cd) if need_x else None      # [N, H] acc
+    dw = weight.new_empty(weight.shape) if need_w else None                # [V, H]
+    db = weight.new_zeros(v, dtype=cd) if need_b else None                 # [V]
     for v0 in range(0, v, CHUNK_V):
         v1 = min(v0 + CHUNK_V, v)
-        z, y = _chunk_logits(x, weight, bias, v0, v1, temperature, True, logit_scale,
-                             softcap)                                      # [N, C]
-        logp = z - lse_[:, None]                                           # [N, C]
-        p = torch.exp(logp)
-        coef = a[:, None]
-        if with_entropy:                       # p log p -> 0 as p -> 0: no -inf * 0 at banned tokens
-            coef = coef + g_ent_[:, None] * (torch.where(p > 0, logp, 0) + ent_[:, None])
-        onehot = torch.arange(v0, v1, device=ids.device)[None, :] == ids[:, None]
-        dz = (torch.where(onehot, g_lp_[:, None], 0.0) - p * coef) / temperature
-        if y is not None:
-            dz = dz * (1 - y * y)
-        if logit_scale != 1.0:
-            dz = dz * logit_scale
-        if need_x:   # an inf weight entry makes its logit +-inf and dz 0 there: count 0 * inf as 0
-            w = weight[v0:v1].to(cd)                                       # [C, H]
-            dx = dx + dz @ torch.where(torch.isinf(w), 0, w)               # [N, H]
-        if need_w:
-            dw.append((dz.T @ x).to(weight.dtype))                         # [C, H]
-        if need_b:
-            db.append(dz.sum(0).to(bias.dtype))                            # [C]
+        w = weight[v0:v1].to(cd)                                           # [C, H]
+        # an inf weight entry makes its logit +-inf and dz 0 there: count 0 * inf as 0 in dX
+        w_fin = torch.where(torch.isinf(w), 0, w) if need_x else None
+        dw_c = None
+        if need_w:                                                         # [C, H]
+            dw_c = dw[v0:v1].zero_() if dw.dtype == cd else w.new_zeros(w.shape)
+        cols = torch.arange(v0, v1, device=ids.device)                     # [C]
+        for r0, rows in groups:
+            one = len(groups) == 1
+            rs = (lambda t: t) if one else (lambda t: t.narrow(0, r0, rows))  # noqa: E731
+            lse_g = rs(lse_)                                               # [R]
+            x = rs(hidden).to(cd)                                          # [R, H]
+            z, y = _chunk_logits(x, weight, bias, v0, v1, temperature, True, logit_scale,
+                                 softcap)                                  # [R, C]
+            logp = z - lse_g[:, None]                                      # [R, C]
+            p = torch.exp(logp)
+            coef = rs(a)[:, None]
+            if with_entropy:                   # p log p -> 0 as p -> 0: no -inf * 0 at banned tokens
+                coef = coef + rs(g_ent_)[:, None] * (torch.where(p > 0, logp, 0) + rs(ent_)[:, None])
+            onehot = cols[None, :] == rs(ids)[:, None]                     # [R, C]
+            dz = (torch.where(onehot, rs(g_lp_)[:, None], 0.0) - p * coef) / temperature
+            if y is not None:
+                dz = dz * (1 - y * y)
+            if logit_scale != 1.0:
+                dz = dz * logit_scale
+            if need_x:
+                rs(dx).addmm_(dz, w_fin)                                   # [R, H]
+            if need_w:
+                dw_c.addmm_(dz.T, x)                                       # [C, H]
+            if need_b:
+                db[v0:v1].add_(dz.sum(0))                                  # [C]
+        if need_w and dw.dtype != cd:
+            dw[v0:v1].copy_(dw_c)
     # a fresh [0] tensor for each grad not needed: a custom op's outputs must not alias
     return (dx.to(hidden.dtype) if need_x else hidden.new_empty(0),
-            torch.cat(dw) if need_w else weight.new_empty(0),
-            torch.cat(db) if need_b else hidden.new_empty(0))
+            dw if need_w else weight.new_empty(0),
+            db.to(bias.dtype) if need_b else hidden.new_empty(0))

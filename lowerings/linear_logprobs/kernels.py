@@ -136,13 +136,15 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
         # registers), so the tile is held once rather than as z and exp(z) side by side
         zt += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
         m_new = tl.maximum(m, tl.max(z, 1))
-        alpha = tl.exp(m - m_new)
-        d = z - m_new[:, None]                             # <= 0, -inf on masked columns
+        m_sh = tl.maximum(m_new, -3.0e38)  # finite when every column so far is -inf (banned)
+        alpha = tl.exp(m - m_sh)
+        d = z - m_sh[:, None]                              # <= 0, -inf on masked columns
         e = tl.exp(d)                                      # 0 on masked columns
         if WITH_ENTROPY:
             # t = sum e * (z - m), rescaled to the new max: alpha * (t + (m - m_new) * s)
             shift = tl.where(s > 0, (m - m_new) * s, 0.0)  # s = 0 before the first tile
-            t = alpha * (t + shift) + tl.sum(tl.where(col_mask[None, :], e * d, 0.0), 1)
+            # 0 log 0 = 0: e = 0 on masked columns and at -inf logits (banned tokens)
+            t = alpha * (t + shift) + tl.sum(tl.where(e > 0, e * d, 0.0), 1)
         s = s * alpha + tl.sum(e, 1)
         m = m_new
     out = split.to(tl.int64) * out_n + out_row0 + rows
@@ -193,7 +195,7 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
     if WITH_ENTROPY:
         g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
         ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-        dz = -p * (coef[:, None] + g_ent[:, None] * (logp + ent[:, None]))
+        dz = -p * (coef[:, None] + g_ent[:, None] * (tl.where(p > 0, logp, 0.0) + ent[:, None]))
     else:
         dz = -p * coef[:, None]
     # d/da of z = c tanh(a s / c) / T is (s / T) (1 - y^2); of z = a s / T, s / T (= inv_temp)
