@@ -40,6 +40,9 @@ def check_lm_head(hidden, weight, bias) -> None:
     check (a NaN there gives NaN log-probs, loss and grads)."""
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndims=(2,), dtypes=FLOAT_DTYPES, device=hidden.device)
+    if hidden.dim() == 0 or hidden.shape[-1] == 0 or weight.shape[0] == 0:
+        raise ValueError(f"hidden [..., H] and weight [V, H] need H >= 1 and V >= 1, got hidden "
+                         f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}")
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must have shape [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
                          f"got {tuple(weight.shape)}")

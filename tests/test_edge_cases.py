@@ -182,3 +182,18 @@ def test_mixed_dtypes_compute_in_the_promoted_type(h_dtype, w_dtype):
     torch.testing.assert_close(out.loss, gold.loss.to(out.loss.dtype))
     for g, r in zip((gh, gw), torch.autograd.grad(gold.loss, (h_up, w_up))):
         torch.testing.assert_close(g, r.to(g.dtype))
+
+
+@pytest.mark.parametrize("h,v", [(0, 11), (8, 0)])
+def test_empty_hidden_or_vocab_size_is_an_error(h, v):
+    with pytest.raises(ValueError, match="H >= 1 and V >= 1"):
+        cg.token_logprobs(torch.randn(3, h), torch.randn(v, h), torch.zeros(3, dtype=torch.long))
+
+
+def test_one_token_vocab():
+    inp = _loss_inputs()
+    inp["weight"] = inp["weight"][:1].detach().requires_grad_()
+    inp["token_ids"] = torch.zeros_like(inp["token_ids"])
+    out = cg.grpo_loss(**inp, config=cg.GRPOConfig(metrics="with_entropy", entropy_coef=0.1))
+    assert not out.logprobs.any() and not out.entropy.any()
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.loss, (inp["hidden"], inp["weight"])))
