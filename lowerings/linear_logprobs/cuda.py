@@ -178,7 +178,9 @@ def _combine(m: Tensor, s: Tensor, t: Tensor, zt: Tensor, with_entropy: bool
     log_s = torch.log(s_all)
     lse = m_all + log_s                                                    # [N]
     if with_entropy:   # H = lse - E_p[z] = log S - E_p[z - m_all], no cancellation against m
-        ent = log_s - (scale * (t + (m - m_all) * s)).sum(0) / s_all
+        # a split whose columns are all -inf (banned) has s = 0 and m = -inf: -inf * 0 -> 0
+        shift = torch.where(s > 0, (m - m_all) * s, 0)                    # [S, N]
+        ent = log_s - (scale * (t + shift)).sum(0) / s_all
     else:
         ent = torch.zeros_like(lse)
     return zt.sum(0) - lse, ent, lse          # one split holds the target logit, others 0
