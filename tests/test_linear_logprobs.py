@@ -204,7 +204,7 @@ def test_compile_fullgraph_one_frame_and_dynamic_n():
 # The CUDA branch traced on this CPU machine: fake CUDA tensors with a symbolic N, Triton's
 # active driver replaced by one that only names an sm_90 target (enough for wrap_triton's TTIR
 # analysis). Run in a subprocess: the interpreter tests set TRITON_INTERPRET=1 for this process.
-_CUDA_TRACE = r'''
+_TRACE_PRELUDE = r'''
 import inspect, torch, triton
 from triton.backends.compiler import GPUTarget
 
@@ -224,6 +224,8 @@ from lowerings.linear_logprobs import _linear_logprobs_backward_op, _linear_logp
 env = ShapeEnv()
 mode = FakeTensorMode(shape_env=env)
 graphs = []
+'''
+_CUDA_TRACE = _TRACE_PRELUDE + r'''
 with mode:
     n = env.create_symintnode(env.create_symbol(300, source=ConstantSource("N")), hint=300)
     x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
@@ -269,9 +271,8 @@ print("OK")
 '''
 
 
-def test_cuda_backward_trace_in_place_and_symbolic_n():
-    """Traced CUDA backward: no guard on N, and Inductor's reinplace pass leaves no copy of the
-    dW / fp32 dX / workspace buffers (each chunk writes them in place, as eager does)."""
+def _run_trace(script: str) -> None:
+    """Run a fake-CUDA trace script in a fresh interpreter (no TRITON_INTERPRET); it prints OK."""
     import os
     import subprocess
     import sys
@@ -280,9 +281,15 @@ def test_cuda_backward_trace_in_place_and_symbolic_n():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     env["LINEAR_LOGPROBS_TMA"] = "1"
-    r = subprocess.run([sys.executable, "-c", _CUDA_TRACE], env=env, cwd=root,
+    r = subprocess.run([sys.executable, "-c", script], env=env, cwd=root,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+def test_cuda_backward_trace_in_place_and_symbolic_n():
+    """Traced CUDA backward: no guard on N, and Inductor's reinplace pass leaves no copy of the
+    dW / fp32 dX / workspace buffers (each chunk writes them in place, as eager does)."""
+    _run_trace(_CUDA_TRACE)
 
 
 def test_row_mask_opcheck_and_gradcheck():
@@ -315,26 +322,7 @@ def test_row_mask_opcheck_and_gradcheck():
 
 # The row-masked CUDA path (cuda_rows.py) traced the same way: valid-first sort, per-group gather,
 # Triton dlogits / dW / dX steps.
-_CUDA_ROWS_TRACE = r'''
-import inspect, torch, triton
-from triton.backends.compiler import GPUTarget
-
-class FakeDriver:
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-triton.runtime.driver.set_active(FakeDriver())
-from torch._dynamo.source import ConstantSource
-from torch._functorch.aot_autograd import aot_function
-from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
-from torch._inductor.fx_utils import FakeTensorUpdater
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from lowerings.linear_logprobs import _linear_logprobs_backward_op, _linear_logprobs_op
-
-env = ShapeEnv()
-mode = FakeTensorMode(shape_env=env)
-graphs = []
+_CUDA_ROWS_TRACE = _TRACE_PRELUDE + r'''
 with mode:
     n = env.create_symintnode(env.create_symbol(300, source=ConstantSource("N")), hint=300)
     x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
@@ -377,17 +365,7 @@ print("OK")
 def test_cuda_rows_backward_trace_in_place_and_symbolic_n():
     """Traced row-masked CUDA forward and backward: no guard on N, and every Triton step writes
     its buffers (xg, ws, dW, the fp32 dX accumulator, dX) in place after Inductor's reinplace."""
-    import os
-    import subprocess
-    import sys
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env["LINEAR_LOGPROBS_TMA"] = "1"
-    r = subprocess.run([sys.executable, "-c", _CUDA_ROWS_TRACE], env=env, cwd=root,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+    _run_trace(_CUDA_ROWS_TRACE)
 
 
 def test_backward_hidden_without_grad_and_no_bias():
