@@ -80,6 +80,15 @@ def _unpermute(perm: Tensor, row_mask: Tensor, v: Tensor) -> Tensor:
     return torch.where(row_mask, torch.empty_like(v).scatter_(0, perm, v), 0)
 
 
+def _operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_mask: Tensor,
+              fp32_lm_head: bool):
+    """What forward and backward share: the operands in their common dtype and dot precision,
+    TMA or not, a dense bias, and the valid-first order (perm, count)."""
+    x, w, prec = _dense._prepare(hidden, weight, fp32_lm_head)
+    bias = bias.contiguous() if bias is not None else None
+    return (x, w, prec, _dense._use_tma(x, w), bias) + order_rows(row_mask)
+
+
 def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], row_mask: Tensor,
             temperature: float, fp32_lm_head: bool, with_entropy: bool,
             wrap: Callable = lambda k: k, logit_scale: float = 1.0,
@@ -87,12 +96,9 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     """(logprobs, entropy, lse), each [N] fp32, 0 at padded rows; entropy 0 unless with_entropy.
     logit_scale / softcap as in cuda.forward."""
     bn, bv, bk, warps, stages = _dense.TILES
-    x, w, prec = _dense._prepare(hidden, weight, fp32_lm_head)
-    tma = _dense._use_tma(x, w)
-    bias = bias.contiguous() if bias is not None else None
+    x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, fp32_lm_head)
     n, h = x.shape
     v = w.shape[0]
-    perm, count = order_rows(row_mask)
     ids_p = ids.index_select(0, perm)                                      # [N] permuted
     groups, r = _groups(n, h, bn)
     splits, cols = _dense._fwd_splits(r, v, bn, bv, x.device)
@@ -126,12 +132,9 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     size = min(8, max(2, hidden.element_size()))
     gm, gh, gk, gwarps, gstages = GEMM_TILES[size]
     wc, wh, wk, wwarps, wstages = DW_TILES[size]
-    x, w, prec = _dense._prepare(hidden, weight, fp32_lm_head)
-    tma = _dense._use_tma(x, w)
-    bias = bias.contiguous() if bias is not None else None
+    x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, fp32_lm_head)
     n, h = x.shape
     v = w.shape[0]
-    perm, count = order_rows(row_mask)
     # the [N] vectors in permuted order, dense (autograd may hand in stride-0 grads)
     ids, lse, entropy, g_lp, g_ent, g_lse = (
         t.index_select(0, perm) for t in (ids, lse, entropy, g_lp, g_ent, g_lse))
