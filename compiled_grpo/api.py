@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from compiled_grpo._checks import FLOAT_DTYPES, check_cu_seqlens, check_shape, check_tensor, mask_to_bool
+from compiled_grpo import fused as _fused
 from compiled_grpo.config import GRPOConfig
 from compiled_grpo.logprobs import check_packed_hidden, token_logprobs
 from compiled_grpo.loss import (advantage_stats, aggregate, importance_ratio, kl_penalty, masked_mean,
@@ -135,6 +136,43 @@ def _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprob
             raise ValueError(f"num_items_in_batch must be an int >= 0 or a 0-dim tensor, got {num_items_in_batch!r}")
 
 
+def _logprob_dtype(hidden, weight) -> torch.dtype:
+    """The dtype of the op's log-probs: float64 for float64 operands, float32 otherwise."""
+    return torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+
+
+class PerTokenLoss(NamedTuple):
+    per_token: Tensor   # [B, T], 0 at masked positions: policy term * sampling_ratio + beta * KL
+    old: Tensor         # [B, T] old log-probs (sg(p) on-policy)
+    rho: object         # ImportanceRatio
+    pol: object         # PolicyObjective
+    kl: Optional[Tensor]
+
+
+def per_token_loss(logp, old_logprobs, valid, advantages, sampling_ratio, ref_logprobs, cfg,
+                   segments=None) -> PerTokenLoss:
+    """The per-token loss of ``cfg`` from the log-probs (the one composition of loss.py's
+    functions; the fused path differentiates it per row block, compiled_grpo/fused.py).
+    ``advantages``: advantage_stats(...).advantages (broadcast, 0 at masked positions)."""
+    dtype = logp.dtype
+    old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)  # [B, T]
+    rho = importance_ratio(logp, old, valid, level=cfg.importance_sampling_level,
+                           log_ratio_clamp=cfg.log_ratio_clamp, segments=segments)
+    pol = policy_objective(rho.ratio, advantages, logp, cfg)
+    per_token = pol.per_token_loss  # [B, T] or [B, 1]
+    if sampling_ratio is not None:
+        per_token = per_token * torch.where(valid, sampling_ratio.to(dtype), 0)  # [B, T]
+    kl = None
+    if cfg.beta != 0.0:
+        kl = kl_penalty(logp, ref_logprobs.to(dtype), valid, estimator=cfg.kl_estimator,
+                        input_clamp=cfg.kl_input_clamp, output_clamp=cfg.kl_output_clamp).kl  # [B, T]
+        if cfg.use_bias_correction_kl:  # DeepSeek-V3.2: KL * rho (un-delta'd ratio, as TRL/Liger)
+            kl = kl * rho.ratio
+        per_token = per_token + cfg.beta * kl
+    per_token = torch.where(valid, per_token, 0)  # [B, T]
+    return PerTokenLoss(per_token, old, rho, pol, kl)
+
+
 def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logprobs=None, ref_logprobs=None, *,
                bias=None, sampling_ratio=None, num_items_in_batch=None, cu_seqlens=None,
                config: GRPOConfig = _DEFAULT) -> GRPOOutput:
@@ -152,31 +190,26 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
         segments = segments_from_cu_seqlens(cu_seqlens, hidden.shape[0])
     valid = mask_to_bool(mask)  # [B, T]; a mask other than 0/1 is rejected (README: Edge cases)
     want_entropy = cfg.entropy_coef > 0 or cfg.metrics_level == "with_entropy"
-    tok = logprob_fn(hidden, weight, token_ids, bias, mask=valid, temperature=cfg.temperature,
-                     fp32_lm_head=cfg.fp32_lm_head, with_entropy=want_entropy, logit_scale=cfg.logit_scale,
-                     final_logit_softcapping=cfg.final_logit_softcapping)
+    adv = advantage_stats(advantages.to(_logprob_dtype(hidden, weight)), valid, segments=segments)
+    fused = None
+    if _fused.use_fused(hidden, weight, bias, cfg, segments, tp=logprob_fn is not token_logprobs):
+        fused = _fused.fused_logprobs(hidden, weight, token_ids, bias, valid, adv.advantages, old_logprobs,
+                                      ref_logprobs, sampling_ratio, num_items_in_batch, segments, cfg,
+                                      want_entropy, per_token_loss)
+        tok = fused.tok
+    else:
+        tok = logprob_fn(hidden, weight, token_ids, bias, mask=valid, temperature=cfg.temperature,
+                         fp32_lm_head=cfg.fp32_lm_head, with_entropy=want_entropy, logit_scale=cfg.logit_scale,
+                         final_logit_softcapping=cfg.final_logit_softcapping)
     logp = tok.logprobs  # [B, T] fp32 (fp64 for fp64 inputs)
-    dtype = logp.dtype
-    old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)  # [B, T]
-    rho = importance_ratio(logp, old, valid, level=cfg.importance_sampling_level,
-                           log_ratio_clamp=cfg.log_ratio_clamp, segments=segments)
-    adv = advantage_stats(advantages.to(dtype), valid, segments=segments)
-    pol = policy_objective(rho.ratio, adv.advantages, logp, cfg)
-    per_token = pol.per_token_loss  # [B, T] or [B, 1]
-    if sampling_ratio is not None:
-        per_token = per_token * torch.where(valid, sampling_ratio.to(dtype), 0)  # [B, T]
-    kl = None
-    if cfg.beta != 0.0:
-        kl = kl_penalty(logp, ref_logprobs.to(dtype), valid, estimator=cfg.kl_estimator,
-                        input_clamp=cfg.kl_input_clamp, output_clamp=cfg.kl_output_clamp).kl  # [B, T]
-        if cfg.use_bias_correction_kl:  # DeepSeek-V3.2: KL * rho (un-delta'd ratio, as TRL/Liger)
-            kl = kl * rho.ratio
-        per_token = per_token + cfg.beta * kl
-    per_token = torch.where(valid, per_token, 0)  # [B, T]
+    terms = per_token_loss(logp, old_logprobs, valid, adv.advantages, sampling_ratio, ref_logprobs, cfg, segments)
+    per_token, old, rho, pol, kl = terms
     loss = aggregate(per_token, valid, cfg, num_items_in_batch, segments=segments).loss
     entropy = tok.entropy  # [B, T] or None, 0 at masked positions
     if cfg.entropy_coef > 0:
         loss = loss - cfg.entropy_coef * masked_mean(entropy, valid)
+    if fused is not None:  # the value above; the gradient computed with the logits (fused.py)
+        loss = fused.attach(loss)
     metrics = None
     if cfg.metrics:
         d = lambda x: None if x is None else x.detach()  # noqa: E731

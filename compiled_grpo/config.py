@@ -18,6 +18,7 @@ from typing import Optional, Union
 
 from compiled_grpo._registry import METRIC_LEVELS, registered_metrics
 
+GRADIENT_MODES = ("auto", "fused", "recompute")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 IS_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -39,6 +40,15 @@ class GRPOConfig:
     HF config names (Cohere / Granite-style scaled heads; Gemma 2/3's cap): logits
     z = (hidden @ weight.T + bias) * logit_scale, then cap * tanh(z / cap), then / temperature,
     the order HF applies them and TRL divides by its temperature after.
+
+    ``gradient_mode`` picks how grpo_loss gets its gradient (compiled_grpo/fused.py):
+    ``"fused"`` forms the loss's gradient while each row block's logits exist (logits computed
+    once, 6NHV FLOPs; a workspace of one block's [R, V] logits, ``fused_workspace_mib``, default
+    640 MiB, R = 2048 rows at V = 151936 bf16); ``"recompute"`` is the composable op of
+    token_logprobs (8NHV, logits recomputed in the backward, ~64 MiB); ``"auto"`` (default) is
+    "fused" whenever a gradient is wanted and fused is exact (not under tensor parallelism, and
+    GSPO only on padded inputs with a whole sequence per block), else "recompute". In fused mode
+    only ``loss`` carries a gradient: per_token_loss, logprobs and entropy come back detached.
     """
 
     loss_type: str = "dapo"
@@ -62,13 +72,15 @@ class GRPOConfig:
     fp32_lm_head: bool = False
     grad_divisor: Optional[float] = None
     metrics: Union[str, tuple] = "none"
+    gradient_mode: str = "auto"
+    fused_workspace_mib: float = 640.0
 
     def __post_init__(self):
         def bad(field, why):
             raise ValueError(f"GRPOConfig.{field}={getattr(self, field)!r}: {why}")
 
         for field, choices in (("loss_type", LOSS_TYPES), ("importance_sampling_level", IS_LEVELS),
-                               ("kl_estimator", KL_ESTIMATORS)):
+                               ("kl_estimator", KL_ESTIMATORS), ("gradient_mode", GRADIENT_MODES)):
             if getattr(self, field) not in choices:
                 bad(field, f"must be one of {choices}")
         for field in ("epsilon_low", "epsilon_high", "beta", "entropy_coef"):
@@ -76,7 +88,8 @@ class GRPOConfig:
                 bad(field, "must be a finite number >= 0")
         if self.epsilon_low >= 1:
             bad("epsilon_low", "must be < 1 (the lower clip bound 1 - epsilon_low must stay > 0)")
-        for field in ("temperature", "logit_scale", "sapo_temperature_pos", "sapo_temperature_neg"):
+        for field in ("temperature", "logit_scale", "sapo_temperature_pos", "sapo_temperature_neg",
+                      "fused_workspace_mib"):
             if not _is_real(getattr(self, field)) or getattr(self, field) <= 0:
                 bad(field, "must be a finite number > 0")
         for field in ("delta", "log_ratio_clamp", "kl_input_clamp", "kl_output_clamp", "grad_divisor",

@@ -141,6 +141,27 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     return lp, ent, lse
 
 
+def dlogits(z: Tensor, y: Optional[Tensor], lse: Tensor, ent: Tensor, g_lp: Tensor, g_ent: Tensor,
+            g_lse: Tensor, ids: Tensor, cols: Tensor, temperature: float, with_entropy: bool,
+            logit_scale: float) -> Tensor:
+    """dL/da [R, C] for logits z [R, C] of columns ``cols`` (y = tanh(a s / c) with a softcap,
+    else None) and per-row lse, entropy, incoming grads and target ids [R]:
+    (g_lp * onehot - p * (g_lp - g_lse + g_ent * (log p + H))) / T, times (1 - y^2) with a
+    softcap and times logit_scale. Shared by the recompute backward and the fused path."""
+    logp = z - lse[:, None]                                                # [R, C]
+    p = torch.exp(logp)
+    coef = (g_lp - g_lse)[:, None]
+    if with_entropy:                   # p log p -> 0 as p -> 0: no -inf * 0 at banned tokens
+        coef = coef + g_ent[:, None] * (torch.where(p > 0, logp, 0) + ent[:, None])
+    onehot = cols[None, :] == ids[:, None]                                 # [R, C]
+    dz = (torch.where(onehot, g_lp[:, None], 0.0) - p * coef) / temperature
+    if y is not None:
+        dz = dz * (1 - y * y)
+    if logit_scale != 1.0:
+        dz = dz * logit_scale
+    return dz
+
+
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
              entropy: Tensor, g_lp: Tensor, g_ent: Tensor, g_lse: Tensor, temperature: float,
              with_entropy: bool, need_x: bool, need_w: bool, need_b: bool,
@@ -157,7 +178,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     cd = _compute_dtype(hidden, weight)
     n, v = hidden.shape[0], weight.shape[0]
     groups = _row_groups(n, v, cd)
-    a, g_lp_, g_ent_ = (g_lp - g_lse).to(cd), g_lp.to(cd), g_ent.to(cd)   # [N]
+    g_lse_, g_lp_, g_ent_ = g_lse.to(cd), g_lp.to(cd), g_ent.to(cd)        # [N]
     lse_, ent_ = lse.to(cd), entropy.to(cd)                                # [N]
     dx = hidden.new_zeros(hidden.shape, dtype=cd) if need_x else None      # [N, H] acc
     dw = weight.new_empty(weight.shape) if need_w else None                # [V, H]
@@ -178,17 +199,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
             x = rs(hidden).to(cd)                                          # [R, H]
             z, y = _chunk_logits(x, weight, bias, v0, v1, temperature, True, logit_scale,
                                  softcap)                                  # [R, C]
-            logp = z - lse_g[:, None]                                      # [R, C]
-            p = torch.exp(logp)
-            coef = rs(a)[:, None]
-            if with_entropy:                   # p log p -> 0 as p -> 0: no -inf * 0 at banned tokens
-                coef = coef + rs(g_ent_)[:, None] * (torch.where(p > 0, logp, 0) + rs(ent_)[:, None])
-            onehot = cols[None, :] == rs(ids)[:, None]                     # [R, C]
-            dz = (torch.where(onehot, rs(g_lp_)[:, None], 0.0) - p * coef) / temperature
-            if y is not None:
-                dz = dz * (1 - y * y)
-            if logit_scale != 1.0:
-                dz = dz * logit_scale
+            dz = dlogits(z, y, lse_g, rs(ent_), rs(g_lp_), rs(g_ent_), rs(g_lse_), rs(ids),
+                         cols, temperature, with_entropy, logit_scale)     # [R, C]
             if need_x:
                 rs(dx).addmm_(dz, w_fin)                                   # [R, H]
             if need_w:

@@ -112,8 +112,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
         wrap(_fwd_kernel)[(n_blocks * splits,)](
             xg, w, bias if bias is not None else x, ids_p, m, s, t, zt, count, rows, v, h,
             xg.stride(0), w.stride(0), *_dense._scalars(temperature, logit_scale, softcap), cols,
-            n_blocks, splits, r0, n, HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
-            WITH_ENTROPY=with_entropy, HAS_COUNT=True, DOT_PREC=prec,
+            n_blocks, splits, r0, n, m, m, 0, 0, HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
+            WITH_ENTROPY=with_entropy, HAS_COUNT=True, STORE_Z=False, DOT_PREC=prec,
             USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
             num_warps=warps, num_stages=stages)
     lp, ent, lse = _dense._combine(m, s, t, zt, with_entropy)              # [N] permuted

@@ -102,13 +102,19 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
 @triton.jit
 def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, N, V, H,
                 stride_x, stride_w, inv_temp, cap_pre, cap_post, cols_per_split, n_blocks,
-                n_splits, out_row0, out_n, HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr,
+                n_splits, out_row0, out_n, z_ptr, zoff_ptr, stride_z, n_ztiles,
+                HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr,
                 WITH_ENTROPY: tl.constexpr, HAS_COUNT: tl.constexpr,
                 DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+                BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+                STORE_Z: tl.constexpr):
     """Statistics of rows [0, N) of x (ids alike) into column out_row0 + row of the [S, out_n]
     buffers. HAS_COUNT: only the first clamp(count - out_row0, 0, N) rows are valid (rows
-    compacted valid-first, count on the device); programs past them exit at once."""
+    compacted valid-first, count on the device); programs past them exit at once.
+    STORE_Z (the fused-gradient path, fused.py): each logits tile also goes to z [N, stride_z]
+    relative to the running row max after it, d = z - m_sh <= 0, in z's dtype (fp16 for 16-bit
+    operands), and m_sh to zoff[row, tile] fp32 [N, n_ztiles]: z = d + zoff exactly where p
+    is large (d near 0), and an error |d| * 2^-11 where p <= e^d is small."""
     pid_n, split = _swizzle(n_blocks, n_splits, GROUP_N)
     n_valid = _valid_rows(count_ptr, out_row0, N, HAS_COUNT)
     if pid_n * BLOCK_N >= n_valid:
@@ -147,6 +153,11 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
             t = alpha * (t + shift) + tl.sum(tl.where(e > 0, e * d, 0.0), 1)
         s = s * alpha + tl.sum(e, 1)
         m = m_new
+        if STORE_Z:
+            zmask = row_mask[:, None] & col_mask[None, :]
+            tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
+                     d.to(z_ptr.dtype.element_ty), mask=zmask)
+            tl.store(zoff_ptr + rows.to(tl.int64) * n_ztiles + col0 // BLOCK_V, m_sh, mask=row_mask)
     out = split.to(tl.int64) * out_n + out_row0 + rows
     tl.store(m_ptr + out, m, mask=row_mask)
     tl.store(s_ptr + out, s, mask=row_mask)
@@ -209,6 +220,56 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
     if NEED_DB:
         tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_ws + local, tl.sum(dz, 0),
                  mask=col_mask)
+
+
+@triton.jit
+def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
+                          dbp_ptr, count_ptr, n_rows, V, stride_ws, n_ztiles, inv_temp, cap_post,
+                          HAS_CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr,
+                          TILE_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The fused-gradient path's dlogits, in place: for the n = clamp(count, 0, n_rows) valid
+    rows of a block, z = d + zoff[row, col // TILE_V] from the stored logits tile (z, written by
+    _fwd_kernel with STORE_Z), then ws[r, c] = dz as _dlogits_kernel forms it (no lse grad),
+    in ws's dtype at the same address (z and ws are two dtype views of one buffer: each element
+    is read before it is overwritten, by the same program). dbp[pid_n, c]: column sums for
+    d_bias. Rows past n are neither read nor written (the GEMM steps stop at n)."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < V
+    n_valid = _valid_rows(count_ptr, 0, n_rows, True)
+    if pid_n * BLOCK_N >= n_valid:
+        if NEED_DB:
+            tl.store(dbp_ptr + pid_n.to(tl.int64) * V + cols, tl.zeros((BLOCK_V,), tl.float32),
+                     mask=col_mask)
+        return
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_valid
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * stride_ws + cols[None, :]
+    d = tl.load(z_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    off = tl.load(zoff_ptr + rows.to(tl.int64)[:, None] * n_ztiles + (cols // TILE_V)[None, :],
+                  mask=mask, other=0.0)
+    z = d + off
+    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
+    logp = z - lse[:, None]
+    p = tl.exp(logp)
+    if WITH_ENTROPY:
+        g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
+        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
+        dz = -p * (g_lp[:, None] + g_ent[:, None] * (tl.where(p > 0, logp, 0.0) + ent[:, None]))
+    else:
+        dz = -p * g_lp[:, None]
+    dz = tl.where(cols[None, :] == ids[:, None], dz + g_lp[:, None], dz) * tl.cast(inv_temp, tl.float32)
+    if HAS_CAP:   # y = tanh(a s / c) = z / cap_post (z = c y / T)
+        y = z / tl.cast(cap_post, tl.float32)
+        dz = dz * (1.0 - y * y)
+    dz = tl.where(mask, dz, 0.0)
+    tl.store(ws_ptr + offs, dz.to(ws_ptr.dtype.element_ty), mask=mask)
+    if NEED_DB:
+        tl.store(dbp_ptr + pid_n.to(tl.int64) * V + cols, tl.sum(dz, 0), mask=col_mask)
 
 
 @triton.jit

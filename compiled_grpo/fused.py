@@ -1,0 +1,196 @@
+"""grpo_loss's fused-gradient mode: the loss's gradient formed while each row block's logits
+exist, so the logits are computed once (6NHV FLOPs) instead of again in the backward (8NHV).
+
+Shape legend: B sequences, T positions, N tokens (B*T padded, or packed), H hidden, V vocab,
+G row blocks of R rows.
+
+The gradient of the loss w.r.t. a token's log-prob p_t and entropy H_t is
+
+    dL/dp_t = sum_u w_u * d l_u / d p_t,     dL/dH_t = e_t
+
+where l = per_token_loss(p) (api.py: the one composition of loss.py's functions), w =
+d aggregate(l) / d l (the loss type's normalizer: it depends on the mask and
+num_items_in_batch, never on p, so it is formed once from aggregate itself) and e = d(-coef *
+masked_mean(H)) / d H. Token-level importance sampling makes d l_u / d p_t zero for u != t, so
+any block of rows can be differentiated alone: per block, ``torch.func.grad`` of
+sum(w * per_token_loss(p_block)) + sum(e * H_block) at the block's log-probs. No second,
+hand-written derivative exists: these are autograd's gradients of the loss functions.
+
+Sequence-level importance sampling (GSPO) couples a sequence's tokens through its mean
+log-ratio, so a block must hold whole sequences: padded inputs are cut into blocks of
+k = R // T whole rows of [B, T] (valid rows first inside each block, by_block). Packed inputs
+(sequences of any length at any offset) or T > R cannot be cut so; for them "auto" uses the
+recompute path (a statistics pre-pass over all tokens would cost the same 2NHV the recompute
+does) and "fused" raises.
+
+The loss VALUE is computed by the same code as the recompute path, from the block log-probs
+(detached); ``attach`` gives it the stored gradients: backward multiplies d_hidden, d_weight,
+d_bias by the incoming scalar gradient. So in this mode per_token_loss, logprobs and entropy
+come back detached (only ``loss`` carries a gradient).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from compiled_grpo import distributed as _tp
+from compiled_grpo.logprobs import _prepare, check_model_scaling
+from compiled_grpo.loss import aggregate, masked_mean
+from lowerings.linear_logprobs import LinearLogprobs
+from lowerings.linear_logprobs import fused as _op
+
+ROW_ALIGN = 128          # block rows: a whole number of the kernels' 128-row tiles ...
+MIN_ROWS = 16            # ... or of 16 when the workspace budget is smaller (tests, tiny heads)
+MAX_BLOCKS = 64          # bound on the unrolled loop (compiled graph size); past it R grows
+
+
+def _hint(n) -> int:
+    return n if isinstance(n, int) else (n.node.hint or 1)
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _budget_rows(hidden: Tensor, weight: Tensor, cfg) -> int:
+    """R of the workspace budget: fused_workspace_mib / (V * element size), whole tiles."""
+    v = weight.shape[0]
+    elem = _op.ws_dtype(hidden, weight).itemsize
+    vp = _cdiv(v, 64) * 64 if hidden.device.type == "cuda" else v
+    rows = int(cfg.fused_workspace_mib * 2**20) // (vp * elem)
+    align = ROW_ALIGN if rows >= ROW_ALIGN else MIN_ROWS
+    return max(MIN_ROWS, rows // align * align)
+
+
+def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, tp: bool) -> Optional[str]:
+    """None when the fused path computes this loss exactly, else the reason it cannot."""
+    if tp or _tp.is_dtensor(weight):
+        return "vocab-parallel (tp_group / DTensor) heads use the recompute path"
+    if hidden.device.type == "cuda" and torch.float64 in (hidden.dtype, weight.dtype):
+        return "float64 on CUDA has no fused kernels"
+    if cfg.importance_sampling_level == "sequence":
+        if segments is not None:
+            return ("sequence-level importance sampling on packed inputs needs whole sequences in a "
+                    "row block")
+        if _hint(hidden.shape[1]) > _budget_rows(hidden, weight, cfg):
+            return ("sequence-level importance sampling needs a whole sequence (T rows) in the "
+                    "workspace: raise fused_workspace_mib")
+    return None
+
+
+def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, tp: bool) -> bool:
+    """gradient_mode 'recompute' never, 'auto' when exact and a gradient is wanted, 'fused'
+    likewise but raising when it cannot be exact."""
+    if cfg.gradient_mode == "recompute":
+        return False
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if not wants_grad:   # nothing to fuse: the forward alone
+        return False
+    why = why_not_fused(hidden, weight, cfg, segments, tp)
+    if why is not None and cfg.gradient_mode == "fused":
+        raise ValueError(f"GRPOConfig.gradient_mode='fused' cannot be exact here: {why}; use 'auto' or "
+                         f"'recompute'")
+    return why is None
+
+
+class Fused(NamedTuple):
+    tok: LinearLogprobs                   # detached log-probs / entropy, token_ids' layout
+    attach: Callable[[Tensor], Tensor]    # loss value -> the same value carrying the gradients
+
+
+class _AttachGrads(torch.autograd.Function):
+    """loss -> loss, whose backward returns g * (d_hidden, d_weight, d_bias) precomputed."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, dx, dw, db):
+        ctx.save_for_backward(dx, dw, db)
+        ctx.has = (dx is not None, dw is not None, db is not None)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        dx, dw, db = ctx.saved_tensors
+        scale = lambda t, ok: (g * t).to(t.dtype) if ok else None  # noqa: E731
+        return (None, scale(dx, ctx.has[0]), scale(dw, ctx.has[1]), scale(db, ctx.has[2]),
+                None, None, None)
+
+
+def _linear_weights(fn, like: Tensor) -> Tensor:
+    """d fn(x) / dx of a function linear in x (the normalizers), at zeros shaped like `like`."""
+    return torch.func.grad(fn)(torch.zeros_like(like))
+
+
+def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logprobs, ref_logprobs,
+                   sampling_ratio, num_items_in_batch, segments, cfg, want_entropy,
+                   per_token_loss) -> Fused:
+    """Run the fused schedule for grpo_loss (api.py). Inputs as grpo_loss after flattening
+    packed ones; ``advantages`` broadcast (advantage_stats), ``per_token_loss`` api.py's."""
+    check_model_scaling(cfg.logit_scale, cfg.final_logit_softcapping)
+    ids, _ = _prepare(hidden, weight, token_ids, bias, valid, cfg.temperature)   # checks + ids
+    lead = valid.shape                                                     # [B, T] or [N]
+    dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+    seq = cfg.importance_sampling_level == "sequence"
+    # normalizer weights: aggregate and the entropy bonus are linear in their per-token input
+    agg_w = _linear_weights(lambda l: aggregate(l, valid, cfg, num_items_in_batch,
+                                                segments=segments).loss,
+                            valid.to(dtype))                               # [B, T]
+    ent_w = None
+    if cfg.entropy_coef > 0:
+        ent_w = _linear_weights(lambda e: -cfg.entropy_coef * masked_mean(e, valid), valid.to(dtype))
+    if sampling_ratio is not None:
+        sampling_ratio = sampling_ratio.expand(lead)
+    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    per_tok = dict(old=flat(old_logprobs), valid=flat(valid), adv=flat(advantages),
+                   sr=flat(sampling_ratio), ref=flat(ref_logprobs), agg_w=flat(agg_w),
+                   ent_w=flat(ent_w))                                      # [N] each
+    n = valid.numel()
+    budget = _budget_rows(hidden, weight, cfg)
+    if seq:   # blocks of k whole sequences of the padded [B, T]
+        b_sz, t_sz = lead
+        k = max(1, budget // _hint(t_sz))
+        blocks = max(1, _cdiv(_hint(b_sz), k))
+        block_rows = _cdiv(b_sz, blocks) * t_sz
+    else:
+        blocks = min(MAX_BLOCKS, max(1, _cdiv(_hint(n), budget)))
+        align = ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS
+        block_rows = _cdiv(_cdiv(n, blocks), align) * align
+
+    def block_loss(lp, ent, idx, r0):
+        """The loss terms of one block's rows: sum w * l + sum e * H (a scalar)."""
+        if seq:   # back to the block's [k, T] rows, the layout importance_ratio reduces over
+            rows = lp.shape[0]
+            local = idx - r0
+            lp = lp.new_zeros(rows).index_copy(0, local, lp).view(-1, lead[1])
+            take = lambda t: None if t is None else t.narrow(0, r0, rows).view(-1, lead[1])  # noqa: E731
+            ent_term = 0.0 if per_tok["ent_w"] is None else (per_tok["ent_w"].index_select(0, idx) * ent).sum()
+        else:
+            take = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+            ent_term = 0.0 if per_tok["ent_w"] is None else (take(per_tok["ent_w"]) * ent).sum()
+        terms = per_token_loss(lp, take(per_tok["old"]), take(per_tok["valid"]), take(per_tok["adv"]),
+                               take(per_tok["sr"]), take(per_tok["ref"]), cfg)
+        return (take(per_tok["agg_w"]) * terms.per_token).sum() + ent_term
+
+    def grad_fn(r0, idx, lp, ent):
+        # (by_block order: the block's original rows are [r0, r0 + rows), in some order)
+        return torch.func.grad(block_loss, argnums=(0, 1))(lp.to(dtype), ent.to(dtype), idx, r0)
+
+    need = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    h2 = hidden.reshape(-1, hidden.shape[-1])                              # [N, H]
+    res = _op.fused_linear_logprobs(
+        h2, weight, ids.reshape(-1), bias, valid.reshape(-1), grad_fn, blocks=blocks,
+        block_rows=block_rows, by_block=seq, temperature=cfg.temperature, with_entropy=want_entropy,
+        logit_scale=cfg.logit_scale, softcap=cfg.final_logit_softcapping, need_x=need[0],
+        need_w=need[1], need_b=need[2])
+    lp, ent, lse = (t.view(lead) for t in (res.logprobs, res.entropy, res.lse))
+    tok = LinearLogprobs(lp, ent if want_entropy else None, lse)
+    dx = None if res.d_hidden is None else res.d_hidden.view(hidden.shape)
+
+    def attach(loss: Tensor) -> Tensor:
+        return _AttachGrads.apply(loss, hidden, weight, bias, dx, res.d_weight, res.d_bias)
+
+    return Fused(tok, attach)
+

@@ -1,0 +1,235 @@
+"""Fused-gradient schedule of a linear head: log-probs, entropy AND the parameter gradients of a
+loss in one pass over the logits, 6NHV FLOPs instead of the recompute design's 8NHV.
+
+Legend: N tokens (dynamic), H hidden, V vocab (static), G row blocks of R rows, n_b the valid
+rows of block b (a device scalar, never read on the host).
+
+The recompute op (op.py) must compute the logits twice: its forward cannot know the loss's
+gradient. A caller that can form the per-token gradient (dL/dlogp, dL/dentropy) as soon as a
+row block's statistics exist (grpo_loss: compiled_grpo/fused.py) hands in ``grad_fn`` and gets
+the gradients back with the outputs:
+
+    order rows: valid rows first, globally or inside each block (by_block)   perm [N], counts [G]
+    per block b (rows [b R, (b + 1) R) of that order):
+      fwd   logits tile z [n_b, V] once: online statistics -> (logp, entropy, lse) [R] and z kept
+            in the workspace ws [R, V]                                          2 n_b H V
+      grad  (g_lp, g_ent) = grad_fn(idx, logp, entropy)   (idx: original row of each row)
+      bwd   ws <- dlogits in place; dW (+)= ws[:n_b].T @ X_b; dX_b = ws[:n_b] @ W    4 n_b H V
+
+Workspace: ws [R, V] in the operands' 16-bit dtype (fp32 for fp32, fp64 on CPU for fp64),
+sized by the caller's ``block_rows`` (compiled_grpo: GRPOConfig.fused_workspace_mib), plus xg
+[R, H] (the block's hidden rows, gathered) and small per-row vectors. On CUDA z is stored as
+d = z - (running row max) in fp16 with the max per (row, 256-column tile) in fp32, which keeps
+z exact where p is large (fp16's 11 bits where bf16 would have 8); the dlogits are then
+formed in place in the input dtype (kernels._fused_dlogits_kernel). dW is rounded to its dtype
+once per block (G roundings, as the recompute path's row groups); dX rows once. No atomics:
+bitwise deterministic.
+
+The blocks are a Python loop of G (static, from N's size hint) steps, each two mutable custom
+ops (``fused_block_forward`` / ``fused_block_backward``, opaque to Inductor: they launch the
+Triton kernels themselves on CUDA and run PyTorch on CPU); ``grad_fn`` between them is plain
+torch code that Dynamo traces (compiled_grpo uses torch.func.grad of the loss functions). The
+ops mutate the workspace and the gradient buffers in place, so under torch.compile they become
+auto_functionalized nodes that Inductor reinplaces (as gemms.py).
+"""
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from lowerings.linear_logprobs import cpu as _cpu
+
+
+class FusedResult(NamedTuple):
+    logprobs: Tensor   # [N] fp32 (fp64 on CPU for fp64 inputs), 0 at padded rows, detached
+    entropy: Tensor    # [N], zeros unless with_entropy
+    lse: Tensor        # [N]
+    d_hidden: Optional[Tensor]  # [N, H] in hidden's dtype, 0 at padded rows
+    d_weight: Optional[Tensor]  # [V, H] in weight's dtype
+    d_bias: Optional[Tensor]    # [V] in bias's dtype
+
+
+def _hint(n) -> int:
+    return n if isinstance(n, int) else (n.node.hint or 1)
+
+
+def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    dt = torch.promote_types(hidden.dtype, weight.dtype)
+    return _cpu._compute_dtype(hidden, weight) if hidden.device.type != "cuda" else dt
+
+
+def ws_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The workspace dtype: the operands' common dtype on CUDA (16-bit or fp32), the CPU body's
+    compute dtype (fp32, or fp64) elsewhere."""
+    return _compute_dtype(hidden, weight)
+
+
+def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tuple[Tensor, Tensor]:
+    """perm [N] int64 and counts [G] int32 (valid rows of each block), no host sync.
+    Global order (by_block False): all valid rows first (a stable sort), so blocks are full
+    until the last valid row and later blocks are empty. by_block: each block of R original
+    rows keeps its rows, valid ones first (for losses whose gradient needs whole sequences:
+    a block then holds whole sequences)."""
+    n = row_mask.shape[0]
+    invalid = (~row_mask).to(torch.int64)                                   # [N]
+    if by_block:
+        block = torch.arange(n, device=row_mask.device) // block_rows      # [N]
+        perm = torch.argsort(block * 2 + invalid, stable=True)
+        counts = torch.zeros(blocks, dtype=torch.int32, device=row_mask.device).index_add(
+            0, block, row_mask.to(torch.int32))
+    else:
+        perm = torch.argsort(invalid, stable=True)
+        total = row_mask.sum(dtype=torch.int32)
+        start = torch.arange(blocks, device=row_mask.device, dtype=torch.int32) * block_rows
+        counts = (total - start).clamp(min=0) .clamp(max=block_rows).to(torch.int32)
+    return perm, counts
+
+
+def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
+                          row_mask: Optional[Tensor], grad_fn: Callable, *, blocks: int,
+                          block_rows, by_block: bool = False, temperature: float = 1.0,
+                          with_entropy: bool = False, logit_scale: float = 1.0,
+                          softcap: Optional[float] = None, need_x: bool = True,
+                          need_w: bool = True, need_b: bool = False) -> FusedResult:
+    """hidden [N, H], weight [V, H], ids [N] in [0, V) (any value at padded rows), bias [V],
+    row_mask [N] bool (None: every row valid), ``blocks`` G (a Python int) of ``block_rows`` R
+    rows (G * R >= N; R may be symbolic). ``grad_fn(r0, idx, logprobs, entropy) -> (g_lp,
+    g_ent)``, each [R'] for the R' rows of the block starting at r0, in their computed order
+    (idx [R'] int64: each row's original index; rows past the block's valid count have idx of
+    padded rows; by_block: idx is a permutation of [r0, r0 + R')): the gradient
+    of the caller's loss w.r.t. those rows' log-probs and entropies (g_ent ignored unless
+    with_entropy). Returns the outputs in the original row order and the gradients of
+    sum(g_lp * logprobs + g_ent * entropy) w.r.t. hidden, weight and bias (None where not
+    needed). Operands and outputs are detached: the caller attaches the gradients."""
+    hidden, weight = hidden.detach(), weight.detach()
+    bias = None if bias is None else bias.detach().contiguous()
+    n, h = hidden.shape
+    v = weight.shape[0]
+    if row_mask is None:
+        row_mask = torch.ones(n, dtype=torch.bool, device=hidden.device)
+    w_dtype = weight.dtype
+    if hidden.device.type == "cuda":   # one common dtype for the kernels, cast once (mixed heads)
+        from lowerings.linear_logprobs import cuda as _dense
+        hidden, weight = _dense._prepare(hidden, weight, False)[:2]
+    perm, counts = order_rows(row_mask, block_rows, blocks, by_block)
+    ids_p = ids.index_select(0, perm).contiguous()                          # [N] permuted
+    cd = ws_dtype(hidden, weight)
+    cuda = hidden.device.type == "cuda"
+    r = block_rows
+    vp = triton.cdiv(v, 64) * 64 if cuda else v      # 128-byte rows: TMA-legal strides
+    ws = hidden.new_empty((r, vp), dtype=cd)                                 # [R, V]
+    n_tiles = triton.cdiv(v, _tile_v()) if cuda else 1
+    zoff = hidden.new_empty((r, n_tiles), dtype=torch.float32)               # [R, V / BV]
+    xg = hidden.new_empty((r, h), dtype=cd)                                   # [R, H]
+    dx = hidden.new_zeros((n, h)) if need_x else hidden.new_empty(0)         # [N, H]
+    dw = weight.new_empty(weight.shape, dtype=w_dtype) if need_w else weight.new_empty(0)  # [V, H]
+    db = hidden.new_zeros(v, dtype=torch.float32 if cd != torch.float64 else cd) if need_b \
+        else hidden.new_empty(0)                                              # [V] acc
+    scal = dict(temperature=float(temperature), with_entropy=bool(with_entropy),
+                logit_scale=float(logit_scale), softcap=None if softcap is None else float(softcap))
+    lps, ents, lses = [], [], []
+    for b in range(blocks):
+        r0 = torch.sym_min(b * r, n)
+        rows = torch.sym_min((b + 1) * r, n) - r0
+        lp_b, ent_b, lse_b = fused_block_forward(hidden, weight, ids_p, bias, perm, counts, ws,
+                                                 zoff, xg, b, r0, rows, **scal)
+        idx = perm.narrow(0, r0, rows)                                       # [R'] original rows
+        g_lp, g_ent = grad_fn(r0, idx, lp_b, ent_b)
+        fused_block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse_b, ent_b,
+                             g_lp.to(lse_b.dtype).contiguous(),
+                             g_ent.to(lse_b.dtype).contiguous(), dx, dw, db, b, r0, rows,
+                             need_x=need_x, need_w=need_w, need_b=need_b, **scal)
+        lps.append(lp_b), ents.append(ent_b), lses.append(lse_b)
+    # back to the original order (padded rows: 0, the value computed past each block's count)
+    unperm = lambda t: torch.empty_like(t).index_copy_(0, perm, t)  # noqa: E731
+    lp, ent, lse = (unperm(torch.cat(t)) for t in (lps, ents, lses))
+    return FusedResult(lp, ent, lse, dx if need_x else None,
+                       dw if need_w else None, db.to(bias.dtype) if need_b else None)
+
+
+def _tile_v() -> int:
+    from lowerings.linear_logprobs import cuda as _dense
+    return _dense.TILES[1]
+
+
+# --- the two block steps as mutable custom ops ------------------------------------------------
+
+@torch.library.custom_op("compiled_grpo::fused_block_forward", mutates_args=("ws", "zoff", "xg"))
+def fused_block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[Tensor],
+                        perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor,
+                        b: int, r0: int, rows: int, temperature: float, with_entropy: bool,
+                        logit_scale: float, softcap: Optional[float]
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """Block b = rows [r0, r0 + rows) of the permuted order: xg <- its hidden rows, ws <- its
+    logits, -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]."""
+    if hidden.device.type == "cuda":
+        from lowerings.linear_logprobs import fused_cuda
+        return fused_cuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg,
+                                        b, r0, rows, temperature, with_entropy, logit_scale, softcap)
+    idx = perm.narrow(0, r0, rows)
+    x = xg.narrow(0, 0, rows)
+    x.copy_(hidden.index_select(0, idx))                                     # [R', H]
+    z, _ = _cpu._chunk_logits(x, weight, bias, 0, weight.shape[0], temperature,
+                              logit_scale=logit_scale, softcap=softcap)       # [R', V]
+    ws.narrow(0, 0, rows).copy_(z)
+    ids = ids_p.narrow(0, r0, rows)
+    lse = torch.logsumexp(z, -1)                                              # [R']
+    lp = z.gather(1, ids[:, None])[:, 0] - lse
+    if with_entropy:   # 0 log 0 = 0 at -inf logits
+        logp = z - lse[:, None]
+        p = torch.exp(logp)
+        ent = -(p * torch.where(p > 0, logp, 0)).sum(-1)
+    else:
+        ent = torch.zeros_like(lse)
+    valid = torch.arange(rows, device=x.device) < counts[b]                  # [R']
+    out = tuple(torch.where(valid, t, 0).to(lse.dtype) for t in (lp, ent, lse))
+    return out
+
+
+@fused_block_forward.register_fake
+def _(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0, rows, temperature,
+      with_entropy, logit_scale, softcap):
+    dt = torch.float64 if ws.dtype == torch.float64 else torch.float32
+    return tuple(hidden.new_empty(rows, dtype=dt) for _ in range(3))
+
+
+@torch.library.custom_op("compiled_grpo::fused_block_backward",
+                         mutates_args=("ws", "dx", "dw", "db"))
+def fused_block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, ws: Tensor,
+                         zoff: Tensor, xg: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
+                         g_ent: Tensor, dx: Tensor, dw: Tensor, db: Tensor, b: int, r0: int,
+                         rows: int, temperature: float, with_entropy: bool, logit_scale: float,
+                         softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool) -> None:
+    """ws <- dlogits of block b's valid rows; dx[perm rows] = ws @ W; dw (+)= ws.T @ xg (b > 0
+    adds); db += column sums. Incoming vectors [rows] in the block's order."""
+    if weight.device.type == "cuda":
+        from lowerings.linear_logprobs import fused_cuda
+        return fused_cuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp,
+                                         g_ent, dx, dw, db, b, r0, rows, temperature, with_entropy,
+                                         logit_scale, softcap, need_x, need_w, need_b)
+    cd = ws.dtype
+    z = ws.narrow(0, 0, rows)[:, : weight.shape[0]]                          # [R', V]
+    y = None if softcap is None else z * (temperature / softcap)             # tanh(a s / c)
+    valid = (torch.arange(rows, device=z.device) < counts[b])[:, None]       # [R', 1]
+    g_lp, g_ent = (torch.where(valid[:, 0], t, 0).to(cd) for t in (g_lp, g_ent))
+    cols = torch.arange(weight.shape[0], device=z.device)
+    dz = _cpu.dlogits(z, y, lse.to(cd), ent.to(cd), g_lp, g_ent, torch.zeros_like(g_lp),
+                      ids_p.narrow(0, r0, rows), cols, temperature, with_entropy, logit_scale)
+    dz = torch.where(valid, dz, 0)                                           # [R', V]
+    x = xg.narrow(0, 0, rows)
+    if need_x:
+        w = weight.to(cd)
+        w = torch.where(torch.isinf(w), 0, w)
+        dx.index_copy_(0, perm.narrow(0, r0, rows), (dz @ w).to(dx.dtype))
+    if need_w:
+        part = dz.T @ x                                                      # [V, H]
+        dw.copy_(part) if b == 0 else dw.add_(part.to(dw.dtype))
+    if need_b:
+        db.add_(dz.sum(0).to(db.dtype))
+
+
+@fused_block_backward.register_fake
+def _(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp, g_ent, dx, dw, db, b, r0, rows,
+      temperature, with_entropy, logit_scale, softcap, need_x, need_w, need_b):
+    return None

@@ -1,0 +1,108 @@
+"""CUDA bodies of the fused-gradient block steps (fused.py): Triton kernels launched directly
+(the steps are opaque custom ops; tests call these functions on CPU tensors under
+TRITON_INTERPRET=1).
+
+Legend: R' rows of the block (its valid ones first, n of them: counts[b] on the device), H
+hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
+
+  block_forward    _gather_rows_kernel  xg[:n] = X[perm[r0 : r0 + n]]
+                   _fwd_kernel (STORE_Z) statistics of xg's rows and d = z - running max into
+                                        ws (fp16 view) with the max per 256-column tile in zoff
+  block_backward   _fused_dlogits_kernel ws[:n] <- dlogits (in place, input dtype)
+                   _dw_step_kernel      dW (+)= ws[:n].T @ xg[:n]   (K loop stops at n)
+                   _dx_step_kernel      dX[perm[r0 + i]] = ws[i] @ W for i < n (rows past n exit)
+
+Every kernel stops at n, so a block's cost is that of its valid rows (2 + 4 = 6 n H V FLOPs).
+"""
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from lowerings.linear_logprobs import cuda as _dense
+from lowerings.linear_logprobs import cuda_rows as _rows
+from lowerings.linear_logprobs.kernels import (_dw_step_kernel, _dx_step_kernel,
+                                               _fused_dlogits_kernel, _fwd_kernel)
+
+# The in-place dlogits pass: an elementwise [BLOCK_N, BLOCK_V] tile a program. d_bias partial
+# sums are [cdiv(R, BLOCK_N), V] fp32 (only with a bias).
+DLOGITS_TILE = (32, 256, 4)
+
+
+def _z_view(ws: Tensor) -> Tensor:
+    """The stored logits' dtype view of ws: fp16 for 16-bit operands (11 significant bits for
+    d = z - max; bf16 keeps 8), ws itself for fp32."""
+    return ws.view(torch.float16) if ws.element_size() == 2 else ws
+
+
+def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[Tensor],
+                  perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor, b: int,
+                  r0: int, rows: int, temperature: float, with_entropy: bool,
+                  logit_scale: float, softcap: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    bn, bv, bk, warps, stages = _dense.TILES
+    x, w, prec = _dense._prepare(hidden, weight, False)   # no copies: fused.py cast them once
+    zeros = tuple(x.new_zeros(rows, dtype=torch.float32) for _ in range(3))
+    if rows == 0:
+        return zeros
+    tma = _dense._use_tma(x, w)
+    v, h = w.shape
+    count = counts.narrow(0, b, 1)
+    perm_b, ids_b = perm.narrow(0, r0, rows), ids_p.narrow(0, r0, rows)
+    _rows._gather(lambda k: k, x, perm_b, count, 0, rows, xg)
+    splits, cols = _dense._fwd_splits(rows, v, bn, bv, x.device)
+    m, s, t, zt = (x.new_empty((splits, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
+    n_blocks = triton.cdiv(rows, bn)
+    _fwd_kernel[(n_blocks * splits,)](
+        xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
+        xg.stride(0), w.stride(0), *_dense._scalars(temperature, logit_scale, softcap), cols,
+        n_blocks, splits, 0, rows, _z_view(ws), zoff, ws.stride(0), zoff.stride(0),
+        HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy,
+        HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
+        BLOCK_K=bk, GROUP_N=_dense.GROUP_N, num_warps=warps, num_stages=stages)
+    lp, ent, lse = _dense._combine(m, s, t, zt, with_entropy)                # [R']
+    valid = torch.arange(rows, device=x.device) < count                      # [R']
+    return tuple(torch.where(valid, o, 0) for o in (lp, ent, lse))
+
+
+def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, ws: Tensor,
+                   zoff: Tensor, xg: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
+                   g_ent: Tensor, dx: Tensor, dw: Tensor, db: Tensor, b: int, r0: int, rows: int,
+                   temperature: float, with_entropy: bool, logit_scale: float,
+                   softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool) -> None:
+    if rows == 0:
+        if need_w and b == 0:
+            dw.zero_()
+        return
+    v, h = weight.shape
+    w = weight if weight.dtype == ws.dtype else weight.to(ws.dtype)
+    tma = _dense._use_tma(xg, w)
+    prec = "ieee" if ws.dtype == torch.float32 else "tf32"
+    count = counts.narrow(0, b, 1)
+    en, ev, ewarps = DLOGITS_TILE
+    n_rb = triton.cdiv(rows, en)
+    dbp = ws.new_empty((n_rb, v), dtype=torch.float32) if need_b else zoff       # [R'/BN, V]
+    inv_temp, _, cap_post = _dense._scalars(temperature, logit_scale, softcap)
+    _fused_dlogits_kernel[(n_rb, triton.cdiv(v, ev))](
+        _z_view(ws), ws, zoff, ids_p.narrow(0, r0, rows), lse, ent, g_lp, g_ent, dbp, count,
+        rows, v, ws.stride(0), zoff.stride(0), inv_temp, cap_post, HAS_CAP=softcap is not None,
+        WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_dense.TILES[1], BLOCK_N=en,
+        BLOCK_V=ev, num_warps=ewarps)
+    size = min(8, max(2, ws.element_size()))
+    if need_w:
+        wc, wh, wk, wwarps, wstages = _rows.DW_TILES[size]
+        n_cblocks, n_hblocks = triton.cdiv(v, wc), triton.cdiv(h, wh)
+        _dw_step_kernel[(n_cblocks * n_hblocks,)](
+            ws, xg, dw, count, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0),
+            n_cblocks, n_hblocks, ACCUMULATE=b > 0, DOT_PREC=prec, USE_TMA=tma, BLOCK_C=wc,
+            BLOCK_H=wh, BLOCK_K=wk, GROUP_C=_rows.GROUP_M, num_warps=wwarps, num_stages=wstages)
+    if need_x:
+        gm, gh, gk, gwarps, gstages = _rows.GEMM_TILES[size]
+        n_mblocks, n_hblocks = triton.cdiv(rows, gm), triton.cdiv(h, gh)
+        _dx_step_kernel[(n_mblocks * n_hblocks,)](
+            ws, w, dx, dx, perm.narrow(0, r0, rows), count, 0, rows, 0, v, v, h, ws.stride(0),
+            w.stride(0), dx.stride(0), n_mblocks, n_hblocks, ACCUMULATE=False, STORE=True,
+            DOT_PREC=prec, USE_TMA=tma, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk, GROUP_M=_rows.GROUP_M,
+            num_warps=gwarps, num_stages=gstages)
+    if need_b:
+        db.add_(dbp.sum(0))
