@@ -261,9 +261,10 @@ def _compiled_naive(enable_pass: bool):
     return build
 
 
-def _cg_config(cg, p: Params):
+def _cg_config(cg, p: Params, mode: str = "auto"):
+    kw = {} if "gradient_mode" not in {f.name for f in dataclasses.fields(cg.GRPOConfig)} else dict(gradient_mode=mode)
     return cg.GRPOConfig(loss_type="dapo", beta=p.beta, epsilon_low=p.epsilon_low,
-                         epsilon_high=p.epsilon_high, temperature=p.temperature)
+                         epsilon_high=p.epsilon_high, temperature=p.temperature, **kw)
 
 
 def _cg_packed(x: StepInputs) -> Optional[str]:
@@ -275,13 +276,14 @@ def _cg_packed(x: StepInputs) -> Optional[str]:
     return None if "cu_seqlens" in inspect.signature(cg.grpo_loss).parameters else "grpo_loss has no cu_seqlens"
 
 
-def _compiled_grpo(compile_it: bool):
+def _compiled_grpo(compile_it: bool, mode: str = "auto"):
     """cg.grpo_loss on the inputs as they are: padded [B, T] with the mask, or packed [N] with
-    cu_seqlens= (per-sequence advantages [S])."""
+    cu_seqlens= (per-sequence advantages [S]). mode: GRPOConfig.gradient_mode ("auto" is the
+    fused-gradient path for this loss)."""
     @contextlib.contextmanager
     def build(x, p):
         import compiled_grpo as cg
-        cfg = _cg_config(cg, p)
+        cfg = _cg_config(cg, p, mode)
         kw = dict(cu_seqlens=x.cu_seqlens) if x.packed else {}
 
         def loss_fn(*a):
@@ -437,6 +439,8 @@ PROVIDERS: dict[str, Provider] = {
         Provider("compiled_grpo_valid", _need_cg("grpo_loss"), _compiled_grpo_valid),
         Provider("compiled_grpo", _need_cg("grpo_loss"), _compiled_grpo(False), accepts=_cg_packed),
         Provider("compiled_grpo+compile", _need_cg("grpo_loss"), _compiled_grpo(True), accepts=_cg_packed),
+        Provider("compiled_grpo_recompute", _need_cg("grpo_loss"), _compiled_grpo(False, "recompute"),
+                 accepts=_cg_packed),
         Provider("naive_compile+pass", _need_cg("enable_naive_logprob_fusion"), _compiled_naive(True),
                  pass_provider=True),
     ]

@@ -54,9 +54,15 @@ def _hint(n) -> int:
     return n if isinstance(n, int) else (n.node.hint or 1)
 
 
+def _triton_body(t: Tensor) -> bool:
+    """The block steps run fused_cuda.py's Triton kernels on CUDA tensors (the interpreter tests
+    patch this to run them on CPU tensors), the PyTorch body elsewhere."""
+    return t.device.type == "cuda"
+
+
 def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     dt = torch.promote_types(hidden.dtype, weight.dtype)
-    return _cpu._compute_dtype(hidden, weight) if hidden.device.type != "cuda" else dt
+    return dt if _triton_body(hidden) else _cpu._compute_dtype(hidden, weight)
 
 
 def ws_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -109,13 +115,13 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     if row_mask is None:
         row_mask = torch.ones(n, dtype=torch.bool, device=hidden.device)
     w_dtype = weight.dtype
-    if hidden.device.type == "cuda":   # one common dtype for the kernels, cast once (mixed heads)
+    if _triton_body(hidden):   # one common dtype for the kernels, cast once (mixed heads)
         from lowerings.linear_logprobs import cuda as _dense
         hidden, weight = _dense._prepare(hidden, weight, False)[:2]
     perm, counts = order_rows(row_mask, block_rows, blocks, by_block)
     ids_p = ids.index_select(0, perm).contiguous()                          # [N] permuted
     cd = ws_dtype(hidden, weight)
-    cuda = hidden.device.type == "cuda"
+    cuda = _triton_body(hidden)
     r = block_rows
     vp = triton.cdiv(v, 64) * 64 if cuda else v      # 128-byte rows: TMA-legal strides
     ws = hidden.new_empty((r, vp), dtype=cd)                                 # [R, V]
@@ -163,7 +169,7 @@ def fused_block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Opt
                         ) -> tuple[Tensor, Tensor, Tensor]:
     """Block b = rows [r0, r0 + rows) of the permuted order: xg <- its hidden rows, ws <- its
     logits, -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]."""
-    if hidden.device.type == "cuda":
+    if _triton_body(hidden):
         from lowerings.linear_logprobs import fused_cuda
         return fused_cuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg,
                                         b, r0, rows, temperature, with_entropy, logit_scale, softcap)
@@ -203,7 +209,7 @@ def fused_block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Te
                          softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool) -> None:
     """ws <- dlogits of block b's valid rows; dx[perm rows] = ws @ W; dw (+)= ws.T @ xg (b > 0
     adds); db += column sums. Incoming vectors [rows] in the block's order."""
-    if weight.device.type == "cuda":
+    if _triton_body(weight):
         from lowerings.linear_logprobs import fused_cuda
         return fused_cuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp,
                                          g_ent, dx, dw, db, b, r0, rows, temperature, with_entropy,

@@ -157,7 +157,9 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
             zmask = row_mask[:, None] & col_mask[None, :]
             tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
                      d.to(z_ptr.dtype.element_ty), mask=zmask)
-            tl.store(zoff_ptr + rows.to(tl.int64) * n_ztiles + col0 // BLOCK_V, m_sh, mask=row_mask)
+            # (a tile wholly past V, in the last split, has no slot: its index is n_ztiles)
+            tl.store(zoff_ptr + rows.to(tl.int64) * n_ztiles + col0 // BLOCK_V, m_sh,
+                     mask=row_mask & (col0 < V))
     out = split.to(tl.int64) * out_n + out_row0 + rows
     tl.store(m_ptr + out, m, mask=row_mask)
     tl.store(s_ptr + out, s, mask=row_mask)
