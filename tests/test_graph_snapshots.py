@@ -13,7 +13,8 @@ In AOT graphs the triton_op is decomposed, which is device dependent (torch ops 
 on CPU, Triton-kernel higher-order ops on CUDA). `op_sequence` collapses those nodes back into one
 `[compiled_grpo.linear_logprobs]` / `[compiled_grpo.linear_logprobs_backward]` token, so the
 snapshots show the loss math around the op and read the same on every device; the CUDA test below
-checks that the CPU and CUDA sequences agree.
+checks that the CPU and CUDA sequences agree. The configs pin gradient_mode="recompute" (the
+composable op these graphs document); the default fused-gradient mode is tested in test_fused.py.
 """
 import operator
 import unittest
@@ -117,9 +118,10 @@ def _inputs(device="cpu"):
 
 
 CONFIGS = {
-    "dapo": cg.GRPOConfig(),
-    "grpo_beta_sequence": cg.GRPOConfig(loss_type="grpo", beta=0.04, importance_sampling_level="sequence"),
-    "with_entropy": cg.GRPOConfig(metrics="with_entropy"),
+    "dapo": cg.GRPOConfig(gradient_mode="recompute"),
+    "grpo_beta_sequence": cg.GRPOConfig(loss_type="grpo", beta=0.04, importance_sampling_level="sequence",
+                                        gradient_mode="recompute"),
+    "with_entropy": cg.GRPOConfig(metrics="with_entropy", gradient_mode="recompute"),
 }
 
 
