@@ -192,7 +192,9 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
     want_entropy = cfg.entropy_coef > 0 or cfg.metrics_level == "with_entropy"
     adv = advantage_stats(advantages.to(_logprob_dtype(hidden, weight)), valid, segments=segments)
     fused = None
-    if _fused.use_fused(hidden, weight, bias, cfg, segments, tp=logprob_fn is not token_logprobs):
+    tp = isinstance(logprob_fn, functools.partial)   # grpo_loss's tp_group / vocab_start partial
+    # the fused path stands in for token_logprobs only (reference_grpo_loss passes its own)
+    if (logprob_fn is token_logprobs or tp) and _fused.use_fused(hidden, weight, bias, cfg, segments, tp=tp):
         fused = _fused.fused_logprobs(hidden, weight, token_ids, bias, valid, adv.advantages, old_logprobs,
                                       ref_logprobs, sampling_ratio, num_items_in_batch, segments, cfg,
                                       want_entropy, per_token_loss)

@@ -114,7 +114,17 @@ class _AttachGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         dx, dw, db = ctx.saved_tensors
-        scale = lambda t, ok: (g * t).to(t.dtype) if ok else None  # noqa: E731
+        # Eager 16/32-bit: scaled in place, so d_weight becomes weight.grad with no second
+        # [V, H] buffer; a second backward through the same graph (retain_graph=True) then fails
+        # autograd's saved-tensor version check rather than reuse scaled gradients. Traced, and
+        # float64 (gradcheck's repeated backward; memory is not its concern): out of place.
+        in_place = not torch.compiler.is_compiling() and not any(
+            t is not None and t.dtype == torch.float64 for t in (dx, dw, db))
+
+        def scale(t, ok):
+            if not ok:
+                return None
+            return t.mul_(g) if in_place else (g * t).to(t.dtype)
         return (None, scale(dx, ctx.has[0]), scale(dw, ctx.has[1]), scale(db, ctx.has[2]),
                 None, None, None)
 
