@@ -331,3 +331,17 @@ def test_second_backward_is_an_error():
     out.loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.loss.backward()
+
+
+def test_compile_static_shapes():
+    """dynamic=False: every size a plain int (block bounds too), still one graph."""
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused", fused_workspace_mib=_mib(16))
+    inp = make_inputs(B=4, T=9, H=H, V=V, seed=13, device="cpu")
+    cnt = CompileCounterWithBackend("inductor")
+    loss = torch.compile(lambda **kw: cg.grpo_loss(**kw, config=cfg).loss, backend=cnt, fullgraph=True,
+                         dynamic=False)(**inp)
+    loss.backward()
+    ref_inp = {k: (v.detach().clone().requires_grad_() if k in ("hidden", "weight") else v) for k, v in inp.items()}
+    cg.grpo_loss(**ref_inp, config=cfg).loss.backward()
+    torch.testing.assert_close(inp["weight"].grad, ref_inp["weight"].grad, rtol=1e-4, atol=1e-6)
+    assert cnt.frame_count == 1

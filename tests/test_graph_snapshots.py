@@ -149,6 +149,16 @@ class GraphSnapshots(expecttest.TestCase):
 
     def test_dapo_dynamo(self):
         self.assertExpectedInline(dynamo_sequence(CONFIGS["dapo"]), """\
+torch.where
+torch.where
+.sum
+.sum
+.clamp
+truediv
+torch.where
+.amax
+torch.where
+.amin
 ge
 lt
 and_
@@ -163,16 +173,6 @@ sub
 torch.where
 .clamp
 torch.exp
-torch.where
-torch.where
-.sum
-.sum
-.clamp
-truediv
-torch.where
-.amax
-torch.where
-.amin
 mul
 .clamp
 mul
@@ -195,6 +195,7 @@ truediv""")
     def test_dapo_aot(self):
         fw, bw = aot_sequences(CONFIGS["dapo"])
         self.assertExpectedInline(fw, """\
+aten.where
 aten.ge
 aten.lt
 aten.bitwise_and
@@ -208,7 +209,6 @@ aten.sub
 aten.where
 aten.clamp
 aten.exp
-aten.where
 aten.mul
 aten.clamp
 aten.mul
@@ -257,6 +257,16 @@ aten.where
 
     def test_grpo_beta_sequence_dynamo(self):
         self.assertExpectedInline(dynamo_sequence(CONFIGS["grpo_beta_sequence"]), """\
+torch.where
+torch.where
+.sum
+.sum
+.clamp
+truediv
+torch.where
+.amax
+torch.where
+.amin
 ge
 lt
 and_
@@ -276,16 +286,6 @@ truediv
 .clamp
 .clamp
 torch.exp
-torch.where
-torch.where
-.sum
-.sum
-.clamp
-truediv
-torch.where
-.amax
-torch.where
-.amin
 mul
 .clamp
 mul
@@ -320,6 +320,7 @@ truediv""")
     def test_grpo_beta_sequence_aot(self):
         fw, bw = aot_sequences(CONFIGS["grpo_beta_sequence"])
         self.assertExpectedInline(fw, """\
+aten.where
 aten.ge
 aten.lt
 aten.bitwise_and
@@ -337,7 +338,6 @@ aten.sum
 aten.div
 aten.clamp
 aten.exp
-aten.where
 aten.mul
 aten.clamp
 aten.mul
@@ -422,6 +422,16 @@ aten.where
 
     def test_with_entropy_dynamo(self):
         self.assertExpectedInline(dynamo_sequence(CONFIGS["with_entropy"]), """\
+torch.where
+torch.where
+.sum
+.sum
+.clamp
+truediv
+torch.where
+.amax
+torch.where
+.amin
 ge
 lt
 and_
@@ -437,16 +447,6 @@ sub
 torch.where
 .clamp
 torch.exp
-torch.where
-torch.where
-.sum
-.sum
-.clamp
-truediv
-torch.where
-.amax
-torch.where
-.amin
 mul
 .clamp
 mul
@@ -522,6 +522,16 @@ truediv""")
     def test_with_entropy_aot(self):
         fw, bw = aot_sequences(CONFIGS["with_entropy"])
         self.assertExpectedInline(fw, """\
+aten.where
+aten.where
+aten.sum
+aten.sum
+aten.clamp
+aten.div
+aten.where
+aten.amax
+aten.where
+aten.amin
 aten.ge
 aten.lt
 aten.bitwise_and
@@ -536,16 +546,6 @@ aten.sub
 aten.where
 aten.clamp
 aten.exp
-aten.where
-aten.where
-aten.sum
-aten.sum
-aten.clamp
-aten.div
-aten.where
-aten.amax
-aten.where
-aten.amin
 aten.mul
 aten.clamp
 aten.mul
@@ -619,6 +619,7 @@ aten.div
 aten.where
 aten.masked_fill
 aten.masked_fill
+aten.where
 aten.mul
 aten.where
 aten.mul

@@ -136,8 +136,10 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                 logit_scale=float(logit_scale), softcap=None if softcap is None else float(softcap))
     lps, ents, lses = [], [], []
     for b in range(blocks):
-        r0 = torch.sym_min(b * r, n)
-        rows = torch.sym_min((b + 1) * r, n) - r0
+        # builtin min: plain ints stay ints (torch.sym_min of two ints is a graph break under
+        # Dynamo), SymInts become sym_min
+        r0 = min(b * r, n)
+        rows = min((b + 1) * r, n) - r0
         lp_b, ent_b, lse_b = fused_block_forward(hidden, weight, ids_p, bias, perm, counts, ws,
                                                  zoff, xg, b, r0, rows, **scal)
         idx = perm.narrow(0, r0, rows)                                       # [R'] original rows
