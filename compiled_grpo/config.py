@@ -46,8 +46,9 @@ class GRPOConfig:
     once, 6NHV FLOPs; a workspace of one block's [R, V] logits, ``fused_workspace_mib``, default
     640 MiB, R = 2048 rows at V = 151936 bf16); ``"recompute"`` is the composable op of
     token_logprobs (8NHV, logits recomputed in the backward, ~64 MiB); ``"auto"`` (default) is
-    "fused" whenever a gradient is wanted and fused is exact (not under tensor parallelism, and
-    GSPO only on padded inputs with a whole sequence per block), else "recompute". In fused mode
+    "fused" on CUDA whenever a gradient is wanted and fused is exact (not under tensor
+    parallelism, and GSPO only on padded inputs with a whole sequence per block), else
+    "recompute" (always on CPU, whose chunked recompute body needs far less memory). In fused mode
     only ``loss`` carries a gradient: per_token_loss, logprobs and entropy come back detached.
     """
 

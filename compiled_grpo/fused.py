@@ -65,6 +65,10 @@ def _budget_rows(hidden: Tensor, weight: Tensor, cfg) -> int:
     return max(MIN_ROWS, rows // align * align)
 
 
+def _auto_device_ok(hidden: Tensor) -> bool:
+    return hidden.device.type == "cuda"
+
+
 def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, tp: bool) -> Optional[str]:
     """None when the fused path computes this loss exactly, else the reason it cannot."""
     if tp or _tp.is_dtensor(weight):
@@ -82,13 +86,18 @@ def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, tp: bool) -> Op
 
 
 def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, tp: bool) -> bool:
-    """gradient_mode 'recompute' never, 'auto' when exact and a gradient is wanted, 'fused'
-    likewise but raising when it cannot be exact."""
+    """gradient_mode 'recompute' never, 'auto' on CUDA when exact and a gradient is wanted,
+    'fused' whenever a gradient is wanted (any device: the CPU body serves the tests), raising
+    when it cannot be exact."""
     if cfg.gradient_mode == "recompute":
         return False
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not wants_grad:   # nothing to fuse: the forward alone
+        return False
+    if cfg.gradient_mode == "auto" and not _auto_device_ok(hidden):
+        # CPU: the recompute body streams 16 MiB tiles; the fused body's block holds several
+        # [R, V] float32 temporaries (logits, p, dlogits) for no FLOP saving that matters there
         return False
     why = why_not_fused(hidden, weight, cfg, segments, tp)
     if why is not None and cfg.gradient_mode == "fused":

@@ -160,7 +160,9 @@ def test_mode_selection(monkeypatch):
     real = F.fused_logprobs
     monkeypatch.setattr(F, "fused_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
     inp = make_inputs(B=3, T=5, seed=8)
-    cg.grpo_loss(**inp)                                           # auto + grad wanted: fused
+    cg.grpo_loss(**inp)                                           # auto on CPU: recompute
+    assert len(calls) == 0
+    cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="fused"))
     assert len(calls) == 1
     with torch.no_grad():                                         # no gradient: nothing to fuse
         cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="fused"))
@@ -174,14 +176,17 @@ def test_mode_selection(monkeypatch):
               for k, v in inp.items()}
     packed["hidden"] = inp["hidden"].detach().reshape(15, -1).requires_grad_()
     seq = dict(importance_sampling_level="sequence")
+    monkeypatch.setattr(F, "_auto_device_ok", lambda t: True)   # "auto" as on CUDA
+    cg.grpo_loss(**inp)
+    assert len(calls) == 2
     cg.grpo_loss(**packed, cu_seqlens=cu, config=cg.GRPOConfig(**seq))
-    assert len(calls) == 1
+    assert len(calls) == 2
     with pytest.raises(ValueError, match="gradient_mode='fused'.*packed"):
         cg.grpo_loss(**packed, cu_seqlens=cu, config=cg.GRPOConfig(gradient_mode="fused", **seq))
     # a sequence longer than the workspace's rows (at least 16): GSPO cannot hold it in one block
     long = make_inputs(B=2, T=20, seed=8)
     cg.grpo_loss(**long, config=cg.GRPOConfig(fused_workspace_mib=1e-6, **seq))
-    assert len(calls) == 1
+    assert len(calls) == 2
     with pytest.raises(ValueError, match="fused_workspace_mib"):
         cg.grpo_loss(**long, config=cg.GRPOConfig(gradient_mode="fused", fused_workspace_mib=1e-6, **seq))
     with pytest.raises(ValueError, match="gradient_mode"):
@@ -198,7 +203,7 @@ def test_block_plan(mib, blocks, monkeypatch):
     monkeypatch.setattr(F._op, "fused_linear_logprobs",
                         lambda *a, **k: seen.append((k["blocks"], k["block_rows"])) or real(*a, **k))
     inp = make_inputs(B=5, T=9, seed=9)
-    cg.grpo_loss(**inp, config=cg.GRPOConfig(fused_workspace_mib=mib)).loss.backward()
+    cg.grpo_loss(**inp, config=cg.GRPOConfig(fused_workspace_mib=mib, gradient_mode="fused")).loss.backward()
     assert seen[0][0] == blocks and seen[0][0] * seen[0][1] >= 45
 
 
