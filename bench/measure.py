@@ -135,7 +135,7 @@ def _ref_compiled_grpo(x: StepInputs, p: Params) -> Reference:
     h = x.hidden.detach().float().requires_grad_()
     w = x.weight.detach().float().requires_grad_()
     out = cg.reference_grpo_loss(h, w, x.token_ids, x.advantages, x.mask, x.old_logprobs,
-                                 x.ref_logprobs, config=_cg_config(cg, p))
+                                 x.ref_logprobs, config=_cg_config(cg, p, softcap=x.softcap))
     out.loss.backward()
     return Reference("cg.reference_grpo_loss", out.loss.item(), h.grad.cpu(), w.grad.cpu())
 
@@ -153,7 +153,7 @@ def _ref_chunked_naive(x: StepInputs, p: Params, budget_bytes: int) -> Reference
     for b in range(0, B, seqs):
         sl = slice(b, b + seqs)
         h = x.hidden[sl].detach().float().requires_grad_()
-        logp = naive_logprobs(h, w, x.token_ids[sl], p.temperature)  # [seqs, T]
+        logp = naive_logprobs(h, w, x.token_ids[sl], p.temperature, x.softcap)  # [seqs, T]
         part = dapo_loss(logp, x.old_logprobs[sl], x.ref_logprobs[sl], x.advantages[sl],
                          x.mask[sl], p) * x.mask[sl].sum().clamp(min=1.0) / total
         part.backward()

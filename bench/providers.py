@@ -18,7 +18,7 @@ from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 
-from bench.shapes import StepInputs
+from bench.shapes import StepInputs, cap_logits
 
 
 def _any_inputs(x: StepInputs) -> Optional[str]:
@@ -48,14 +48,14 @@ class Provider:
 
 # ---- the "TRL-style user code" being compared: deliberately not compiled_grpo's code ----------
 
-def naive_logprobs(hidden, weight, token_ids, temperature: float):
+def naive_logprobs(hidden, weight, token_ids, temperature: float, softcap: Optional[float] = None):
     """Per-token log-probs the way RL trainers write it: full logits, log_softmax, gather.
 
     Holds [B, T, V] bf16 logits, their fp32 copy and the fp32 log_softmax (and as many again in
     backward): 10 bytes per logit forward, the memory the fused providers avoid.
     """
     logits = hidden @ weight.T  # [B, T, V] bf16
-    logits = logits.float() / temperature  # [B, T, V] fp32 (verl/TRL upcast before the softmax)
+    logits = cap_logits(logits.float(), softcap) / temperature  # [B, T, V] fp32 (HF: cap, then T)
     return torch.log_softmax(logits, dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T]
 
 
@@ -81,8 +81,9 @@ def dapo_loss(logp, old_logp, ref_logp, advantages, mask, p: Params):
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def naive_loss(hidden, weight, token_ids, advantages, mask, old_logp, ref_logp, p: Params):
-    logp = naive_logprobs(hidden, weight, token_ids, p.temperature)  # [B, T] fp32
+def naive_loss(hidden, weight, token_ids, advantages, mask, old_logp, ref_logp, p: Params,
+               softcap: Optional[float] = None):
+    logp = naive_logprobs(hidden, weight, token_ids, p.temperature, softcap)  # [B, T] fp32
     return dapo_loss(logp, old_logp, ref_logp, advantages, mask, p)
 
 
@@ -151,6 +152,15 @@ def _args(x: StepInputs):
         return (x.hidden, x.weight, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs)
     return (x.hidden.unsqueeze(0), x.weight, x.token_ids[None], x.token_advantages[None], x.mask[None],
             x.old_logprobs[None], x.ref_logprobs[None])
+
+
+def _no_softcap(x: StepInputs) -> Optional[str]:
+    """Peers without a final_logit_softcapping option would compute another model's loss."""
+    return "no final_logit_softcapping option" if x.softcap is not None else None
+
+
+def _padded_only_no_softcap(x: StepInputs) -> Optional[str]:
+    return _no_softcap(x) or _padded_only(x)
 
 
 def _padded_only(x: StepInputs) -> Optional[str]:
@@ -233,7 +243,7 @@ def _gemm_floor(h: torch.Tensor, w: torch.Tensor) -> Iterator[Step]:
 @contextlib.contextmanager
 def _naive_eager(x, p):
     def step():
-        loss = naive_loss(*_args(x), p)
+        loss = naive_loss(*_args(x), p, x.softcap)
         loss.backward()
         return loss.detach()
     yield step
@@ -251,7 +261,7 @@ def _compiled_naive(enable_pass: bool):
                 fn = torch.compile(naive_loss, dynamic=False)
 
                 def step():
-                    loss = fn(*_args(x), p)
+                    loss = fn(*_args(x), p, x.softcap)
                     loss.backward()
                     return loss.detach()
                 yield step
@@ -261,8 +271,11 @@ def _compiled_naive(enable_pass: bool):
     return build
 
 
-def _cg_config(cg, p: Params, mode: str = "auto"):
-    kw = {} if "gradient_mode" not in {f.name for f in dataclasses.fields(cg.GRPOConfig)} else dict(gradient_mode=mode)
+def _cg_config(cg, p: Params, mode: str = "auto", softcap: Optional[float] = None):
+    fields = {f.name for f in dataclasses.fields(cg.GRPOConfig)}
+    kw = {} if "gradient_mode" not in fields else dict(gradient_mode=mode)
+    if softcap is not None:
+        kw["final_logit_softcapping"] = softcap
     return cg.GRPOConfig(loss_type="dapo", beta=p.beta, epsilon_low=p.epsilon_low,
                          epsilon_high=p.epsilon_high, temperature=p.temperature, **kw)
 
@@ -283,7 +296,7 @@ def _compiled_grpo(compile_it: bool, mode: str = "auto"):
     @contextlib.contextmanager
     def build(x, p):
         import compiled_grpo as cg
-        cfg = _cg_config(cg, p, mode)
+        cfg = _cg_config(cg, p, mode, x.softcap)
         kw = dict(cu_seqlens=x.cu_seqlens) if x.packed else {}
 
         def loss_fn(*a):
@@ -306,7 +319,7 @@ def _compiled_grpo_valid(x, p):
     """The reference point "the op on the valid tokens, compacted outside": cg.grpo_loss (eager call)
     on hidden[mask][None], ids[mask][None], per-token advantages [1, N_valid], an all-true mask."""
     import compiled_grpo as cg
-    cfg = _cg_config(cg, p)
+    cfg = _cg_config(cg, p, softcap=x.softcap)
     v = compact(x)
 
     def step():
@@ -349,7 +362,7 @@ def _trl_chunked(x, p):
 
     def step():
         logp = ChunkedLogProbFunction.apply(v.hidden(x), x.weight, None, v.token_ids, p.temperature, chunk,
-                                            None, 1.0, ())[0]  # [N_valid] fp32
+                                            x.softcap, 1.0, ())[0]  # [N_valid] fp32
         loss = _valid_dapo(logp, v, p)
         loss.backward()
         return loss.detach()
@@ -432,10 +445,10 @@ PROVIDERS: dict[str, Provider] = {
         Provider("floor_valid", _always, _floor(True)),
         Provider("naive_eager", _always, _naive_eager),
         Provider("naive_compile", _always, _compiled_naive(False)),
-        Provider("liger", _need("liger_kernel.chunked_loss"), _liger, accepts=_padded_only),
-        Provider("cce", _need("cut_cross_entropy", cuda_only=True), _cce),
+        Provider("liger", _need("liger_kernel.chunked_loss"), _liger, accepts=_padded_only_no_softcap),
+        Provider("cce", _need("cut_cross_entropy", cuda_only=True), _cce, accepts=_no_softcap),
         Provider("trl_chunked", _need("trl.kernels.chunked_logprob"), _trl_chunked),
-        Provider("liger_cute", _liger_cute_check, _liger_cute),
+        Provider("liger_cute", _liger_cute_check, _liger_cute, accepts=_no_softcap),
         Provider("compiled_grpo_valid", _need_cg("grpo_loss"), _compiled_grpo_valid),
         Provider("compiled_grpo", _need_cg("grpo_loss"), _compiled_grpo(False), accepts=_cg_packed),
         Provider("compiled_grpo+compile", _need_cg("grpo_loss"), _compiled_grpo(True), accepts=_cg_packed),

@@ -84,6 +84,7 @@ class StepInputs(NamedTuple):
     ref_logprobs: torch.Tensor  # [B, T] or [N] fp32
     cu_seqlens: Optional[torch.Tensor] = None  # [B + 1] int32, packed only
     token_advantages: Optional[torch.Tensor] = None  # [N] fp32, packed only
+    softcap: Optional[float] = None  # the shape's final_logit_softcapping (Gemma 2: 30), applied by every provider
 
     @property
     def packed(self) -> bool:
@@ -105,27 +106,34 @@ def pack(x: StepInputs) -> StepInputs:
     tok_adv = x.advantages[:, None].expand_as(x.mask).reshape(-1)[keep]  # [N_valid]
     return StepInputs(hidden, x.weight, x.token_ids.view(-1)[keep], x.advantages,
                       torch.ones(hidden.shape[0], dtype=x.mask.dtype, device=x.mask.device),
-                      x.old_logprobs.view(-1)[keep], x.ref_logprobs.view(-1)[keep], cu, tok_adv)
+                      x.old_logprobs.view(-1)[keep], x.ref_logprobs.view(-1)[keep], cu, tok_adv, x.softcap)
+
+
+def cap_logits(z: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """HF's final_logit_softcapping: softcap * tanh(z / softcap) (identity without a cap)."""
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
 
 
 @torch.no_grad()
-def _chunked_logprobs(h2d: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows: int) -> torch.Tensor:
+def _chunked_logprobs(h2d: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows: int,
+                      softcap: Optional[float] = None) -> torch.Tensor:
     """log_softmax(h @ W.T).gather(ids) in row chunks: one [rows, V] fp32 tile alive, not [N, V]."""
     out = torch.empty(h2d.shape[0], dtype=torch.float32, device=h2d.device)
     for i in range(0, h2d.shape[0], rows):
-        z = (h2d[i:i + rows] @ w.T).float()  # [rows, V]
+        z = cap_logits((h2d[i:i + rows] @ w.T).float(), softcap)  # [rows, V]
         out[i:i + rows] = z.gather(1, ids[i:i + rows, None]).squeeze(1) - z.logsumexp(1)
         del z
     return out
 
 
 @torch.no_grad()
-def _chunked_sample(h2d: torch.Tensor, w: torch.Tensor, rows: int, g: torch.Generator) -> torch.Tensor:
+def _chunked_sample(h2d: torch.Tensor, w: torch.Tensor, rows: int, g: torch.Generator,
+                    softcap: Optional[float] = None) -> torch.Tensor:
     """One target id per row drawn from softmax(h @ W.T) (on-policy sampling at temperature 1), in
     row chunks: a [rows, V] fp32 tile and its softmax alive, never [N, V]."""
     out = torch.empty(h2d.shape[0], dtype=torch.int64, device=h2d.device)
     for i in range(0, h2d.shape[0], rows):
-        p = torch.softmax((h2d[i:i + rows] @ w.T).float(), dim=1)  # [rows, V]
+        p = torch.softmax(cap_logits((h2d[i:i + rows] @ w.T).float(), softcap), dim=1)  # [rows, V]
         out[i:i + rows] = torch.multinomial(p, 1, generator=g).squeeze(1)
         del p
     return out
@@ -172,9 +180,10 @@ def make_inputs(shape: Shape, device: torch.device, dtype: torch.dtype = torch.b
     mask = (torch.arange(T, device=device)[None, :] < lengths).float()
     rows = max(1, (1 << 28) // (4 * V))  # 1 GiB fp32 tile
     if targets == "sampled":  # drawn after the random ones, so the other inputs stay the same
-        token_ids = _chunked_sample(hidden.detach().view(-1, H), weight.detach(), rows, g).view(B, T)
-    lp = _chunked_logprobs(hidden.detach().view(-1, H), weight.detach(), token_ids.view(-1), rows).view(B, T)
+        token_ids = _chunked_sample(hidden.detach().view(-1, H), weight.detach(), rows, g, shape.softcap).view(B, T)
+    lp = _chunked_logprobs(hidden.detach().view(-1, H), weight.detach(), token_ids.view(-1), rows,
+                           shape.softcap).view(B, T)
     old = lp + randn(B, T, std=old_noise, dt=torch.float32)
     ref = lp + randn(B, T, std=ref_noise, dt=torch.float32)
-    x = StepInputs(hidden, weight, token_ids, advantages, mask, old, ref)
+    x = StepInputs(hidden, weight, token_ids, advantages, mask, old, ref, softcap=shape.softcap)
     return pack(x) if shape.packed else x
