@@ -35,12 +35,14 @@ _DEFAULT = GRPOConfig()
 
 
 class GRPOOutput(NamedTuple):
-    """Per-token fields take token_ids' shape: [B, T] padded, [N] or [1, N] packed."""
+    """Per-token fields take token_ids' shape: [B, T] padded, [N] or [1, N] packed. In the fused
+    gradient mode (GRPOConfig.gradient_mode, default "auto" on CUDA) only ``loss`` is
+    differentiable; per_token_loss and entropy are then detached too."""
 
     loss: Tensor                     # 0-dim
-    per_token_loss: Tensor           # [B, T], 0 at masked positions (differentiable)
+    per_token_loss: Tensor           # [B, T], 0 at masked positions (differentiable in recompute mode)
     logprobs: Tensor                 # [B, T] detached, 0 at masked positions
-    entropy: Optional[Tensor]        # [B, T] (differentiable), 0 at masked positions; None unless computed
+    entropy: Optional[Tensor]        # [B, T], 0 at masked positions; None unless computed (as per_token_loss)
     metrics: Optional[GRPOMetrics]   # None when config.metrics is "none"
 
 
@@ -67,6 +69,11 @@ def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Ten
     take token_ids' shape. Every loss type, IS level, KL, normalizer and metric gives the value of
     the padded [S, T] layout of the same sequences (B = S, empty sequences included; L_i = the
     segment's valid tokens; dr_grpo's divisor S * max_completion_length), up to summation order.
+
+    Gradient: ``config.gradient_mode`` "fused" forms it while each row block's logits exist
+    (6NHV FLOPs, a [R, V] workspace of ``fused_workspace_mib``; compiled_grpo/fused.py),
+    "recompute" recomputes the logits in the backward (8NHV, ~64 MiB), "auto" picks fused on
+    CUDA when it is exact. Fused: only ``loss`` is differentiable (no retain_graph re-backward).
 
     Vocab-parallel TP: ``tp_group`` / ``vocab_start`` go to token_logprobs (weight and bias are this
     rank's vocab shard, or a Shard(0) DTensor; compiled_grpo/distributed.py). Every other input is
