@@ -374,3 +374,21 @@ def test_eager_compiled_block_grads(level, monkeypatch):
         monkeypatch.setattr(F, "_BLOCK_GRADS_COMPILED", True)
         _assert_same(slow, fast)
     assert cnt.frame_count == 1, cnt.frame_count
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_nan_at_masked_positions_never_reach_fused_grads(level):
+    """NaN old/ref log-probs, a NaN advantage of a fully masked row and inf sampling ratios at
+    masked positions: the fused loss and gradients stay finite and equal the recompute ones."""
+    inp = make_inputs(B=4, T=6, seed=3)
+    m = inp["mask"]
+    m[3] = False
+    for k in ("old_logprobs", "ref_logprobs"):
+        inp[k] = torch.where(m, inp[k], float("nan"))
+    inp["advantages"] = inp["advantages"].clone()
+    inp["advantages"][3] = float("nan")
+    inp["sampling_ratio"] = torch.where(m, torch.rand(4, 6, dtype=torch.float64) + 0.5, float("inf"))
+    rec, fus = _pair(inp, loss_type="grpo", beta=0.04, entropy_coef=0.01, importance_sampling_level=level,
+                     metrics="with_entropy", fused_workspace_mib=_mib(12))
+    assert torch.isfinite(fus[0].loss) and all(torch.isfinite(g).all() for g in fus[1])
+    _assert_same(rec, fus)

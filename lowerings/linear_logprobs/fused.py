@@ -88,7 +88,7 @@ def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tup
         perm = torch.argsort(invalid, stable=True)
         total = row_mask.sum(dtype=torch.int32)
         start = torch.arange(blocks, device=row_mask.device, dtype=torch.int32) * block_rows
-        counts = (total - start).clamp(min=0) .clamp(max=block_rows).to(torch.int32)
+        counts = (total - start).clamp(min=0).clamp(max=block_rows).to(torch.int32)
     return perm, counts
 
 
