@@ -149,3 +149,13 @@ def test_plot_or_message(tmp_path):
                   peak_mem_beyond_grads_mib="5") for n in (4, 8)]
     assert report.plot(rows, str(tmp_path / "r.png")) == str(tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_e2e_step_smoke(tmp_path):
+    """bench.e2e on the tiny CPU model: the three eager providers run and agree on the loss."""
+    from bench import e2e
+    rows = e2e.main(["--providers", "naive", "trl_chunked", "compiled_grpo", "--reps", "1", "--out", str(tmp_path)])
+    assert [r["status"] for r in rows] == ["ok"] * 3, rows
+    losses = [r["loss"] for r in rows]
+    assert max(losses) - min(losses) < 1e-5, losses
+    assert (tmp_path / "e2e.csv").exists()
