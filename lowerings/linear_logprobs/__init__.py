@@ -6,7 +6,11 @@ the [N, V] logits.
     kernels.py the @triton.jit kernels (logits tile, forward statistics, dlogits, GEMM steps)
     gemms.py   the backward's GEMM steps as mutable custom ops (in-place under torch.compile)
     cpu.py     the chunked pure-PyTorch body of every other device
+    cuda_rows.py  the row-masked CUDA path (padding skipped on the device)
+    fused.py, fused_cuda.py  the fused-gradient block steps (grpo_loss's default on CUDA):
+               logits once, the caller's per-token gradient, dlogits in place, dX / dW
     bench_op.py  `python -m lowerings.linear_logprobs.bench_op`: the op alone, per-kernel times
+    bench_rows.py, bench_fused.py  the same for the row-masked and the fused path
 """
 from lowerings.linear_logprobs.op import (LinearLogprobs, _linear_logprobs_backward_op,
                                           _linear_logprobs_op, linear_logprobs)
