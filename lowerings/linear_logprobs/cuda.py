@@ -215,12 +215,12 @@ def _fwd_splits(n, v: int, bn: int, bv: int, device: torch.device) -> tuple[int,
     return best[1], best[2]
 
 
-def _row_groups(n, h: int) -> int:
+def _row_groups(n, h: int, budget: int = 0) -> int:
     """G, the number of row groups of the backward: the fp32 dX accumulator of one group,
     cdiv(N, G) * H * 4 bytes, fits DX_GROUP_BYTES. A symbolic N takes the size hint it was
     traced with (G is a Python int: the loops unroll at trace time), so a graph compiled for
     dynamic N keeps that G for every N it runs (any N is correct; memory scales as N / G)."""
-    return min(MAX_ROW_GROUPS, max(1, triton.cdiv(_hint(n) * h * 4, DX_GROUP_BYTES)))
+    return min(MAX_ROW_GROUPS, max(1, triton.cdiv(_hint(n) * h * 4, budget or DX_GROUP_BYTES)))
 
 
 def _chunk_cols(v: int, r, groups: int, elem_bytes: int, bv: int, ws_bytes: int = 0) -> int:

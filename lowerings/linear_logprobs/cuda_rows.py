@@ -68,9 +68,17 @@ def _gather(wrap, x: Tensor, perm: Tensor, count: Tensor, r0, rows, xg: Tensor) 
         BLOCK_H=GATHER_H)
 
 
+# The fp32 dX accumulator of one row group on this path: 24 MiB (R = 1536 rows at H = 4096)
+# rather than the dense path's 32, because this path also holds the group's compacted hidden
+# rows xg [R, H]: acc + xg + ws = 24 + 12 + 24 MiB keeps the recompute mode within 64 MiB beyond
+# the gradients (at R = 2048: 74 MiB, H100, qwen3-8b bench). LINEAR_LOGPROBS_ROWS_DX_GROUP_MIB
+# trades it back (fewer groups: fewer dW read-modify-writes).
+ROWS_DX_GROUP_BYTES = int(os.environ.get("LINEAR_LOGPROBS_ROWS_DX_GROUP_MIB", "24")) << 20
+
+
 def _groups(n, h: int, bn: int):
     """G row groups of R rows (R a whole number of row blocks), as the dense backward."""
-    groups = _dense._row_groups(n, h)
+    groups = _dense._row_groups(n, h, min(_dense.DX_GROUP_BYTES, ROWS_DX_GROUP_BYTES))
     return groups, triton.cdiv(triton.cdiv(n, groups), bn) * bn
 
 
