@@ -1,10 +1,12 @@
 """GPU profile of grpo_loss's fused-gradient path (fused.py, fused_cuda.py) on the bench's inputs.
 
     python -m lowerings.linear_logprobs.bench_fused [--shape qwen3-8b] [--all-valid] [--sweep]
+        [--compile]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run, peak memory beyond inputs and grads, and the CUDA time of each kernel family of one
-step (torch.profiler). --all-valid: every position valid (the all-positions target). --sweep:
+step (torch.profiler). --all-valid: every position valid (the all-positions target). --compile:
+the loss under torch.compile(fullgraph=True) (what the loss's own kernels add there). --sweep:
 the same for a few dW / dX step tiles (LINEAR_LOGPROBS_{DW,GEMM}_TILES are read at import, so
 the sweep patches cuda_rows' tables).
 """
@@ -28,6 +30,7 @@ def main():
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--all-valid", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--compile", action="store_true")
     args = ap.parse_args()
     x = make_inputs(SHAPES[args.shape], torch.device("cuda"))
     mask = torch.ones_like(x.mask) if args.all_valid else x.mask
@@ -43,11 +46,15 @@ def main():
     hidden = x.hidden.detach().requires_grad_()
     weight = x.weight.detach().requires_grad_()
 
+    def loss_fn(hidden, weight):
+        return cg.grpo_loss(hidden, weight, x.token_ids, x.advantages, mask, x.old_logprobs,
+                            x.ref_logprobs, config=cfg).loss
+
+    fn = torch.compile(loss_fn, fullgraph=True) if args.compile else loss_fn
+
     def step():
         hidden.grad = weight.grad = None
-        loss = cg.grpo_loss(hidden, weight, x.token_ids, x.advantages, mask, x.old_logprobs,
-                            x.ref_logprobs, config=cfg).loss
-        loss.backward()
+        fn(hidden, weight).backward()
 
     def measure(tag):
         step()
@@ -70,7 +77,7 @@ def main():
         for name, t in fam.most_common(12):
             print(f"    {t:8.2f} ms  {name}")
 
-    measure("fused")
+    measure("fused" + (" compiled" if args.compile else ""))
     if args.sweep:
         for tiles in [(128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 32, 8, 4)]:
             for table in ("DW_TILES", "GEMM_TILES"):
