@@ -37,7 +37,7 @@ from compiled_grpo.logprobs import check_packed_hidden, token_logprobs
 from compiled_grpo.loss import (LOSS_TYPES, advantage_stats, aggregate, high_entropy_mask, importance_ratio,
                                 kl_penalty, masked_mean, off_policy_mask, policy_objective,
                                 sampling_importance_weight, segments_from_cu_seqlens, vespo_weight)
-from compiled_grpo.metrics import GRPOMetrics, TokenStats, compute_metrics
+from compiled_grpo.metrics import GRPOMetrics, TokenStats, compute_metrics, option_metrics
 
 _DEFAULT = GRPOConfig()
 
@@ -242,6 +242,25 @@ def per_token_loss(logp, old_logprobs, valid, advantages, sampling_ratio, ref_lo
     return PerTokenLoss(per_token, old, rho, pol, kl, sampling_ratio, gamma)
 
 
+def _option_metrics(terms: PerTokenLoss, samp, valid, cfg, segments) -> dict:
+    """option_metrics at TRL's granularity: the IS weight per sequence in sequence_* modes, phi per sequence."""
+    is_weight = None
+    if samp is not None and cfg.vllm_importance_sampling_correction:
+        is_weight = terms.is_weight  # [B, T] token_*, [B, 1] sequence_*
+        if segments is not None and cfg.vllm_importance_sampling_mode.startswith("sequence"):
+            is_weight = sampling_importance_weight(  # [S]
+                terms.old, samp.to(terms.old.dtype), valid, mode=cfg.vllm_importance_sampling_mode,
+                clip_min=cfg.vllm_importance_sampling_clip_min, clip_max=cfg.vllm_importance_sampling_clip_max,
+                segments=segments, per_sequence=True)
+    phi_seq = None
+    if terms.gamma is not None:  # phi is one value over a sequence's valid tokens; 1 (w = 1) for an empty one
+        m = valid.to(terms.gamma.dtype)
+        sums = (segments.sum(terms.gamma * m), segments.sum(m)) if segments is not None else \
+            ((terms.gamma * m).sum(-1), m.sum(-1))  # [S] / [B]
+        phi_seq = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1.0), 1.0)
+    return option_metrics(valid, terms.old, None if samp is None else samp.to(terms.old.dtype), is_weight, phi_seq)
+
+
 def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logprobs=None, ref_logprobs=None, *,
                bias=None, sampling_ratio=None, sampling_per_token_logps=None, num_items_in_batch=None,
                cu_seqlens=None, config: GRPOConfig = _DEFAULT) -> GRPOOutput:
@@ -301,7 +320,8 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
             per_token_loss=per_token.detach(), is_low_clipped=pol.is_low_clipped.expand(valid.shape),
             is_high_clipped=pol.is_high_clipped.expand(valid.shape), kl_ref=d(kl), entropy=d(entropy),
             epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high)
-        metrics = compute_metrics(stats, cfg.metrics_level, cfg.custom_metrics)
+        extra = _option_metrics(terms, samp, valid, cfg, segments) if cfg.metrics_level != "none" else None
+        metrics = compute_metrics(stats, cfg.metrics_level, cfg.custom_metrics, extra)
     logp = logp.detach()
     if out_shape is not None and len(out_shape) == 2:  # HF's packed batch [1, N]
         per_token, logp = per_token.reshape(out_shape), logp.reshape(out_shape)

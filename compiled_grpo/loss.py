@@ -225,7 +225,7 @@ def _sequence_sum(x: Tensor, segments: Optional[Segments]) -> Tensor:
 
 def sampling_importance_weight(old_logprobs: Tensor, sampling_logprobs: Tensor, mask: Tensor, *, mode: str,
                                clip_min: Optional[float], clip_max: Optional[float],
-                               segments: Optional[Segments] = None) -> Tensor:
+                               segments: Optional[Segments] = None, per_sequence: bool = False) -> Tensor:
     """Train/inference importance weight from the sampler's log-probs s (TRL 1.16
     ``GRPOTrainer._generate_and_score_completions``, ``vllm_importance_sampling_correction``)::
 
@@ -236,11 +236,12 @@ def sampling_importance_weight(old_logprobs: Tensor, sampling_logprobs: Tensor, 
 
     A NaN s (a token the sampler could not score) gives d = 0 (no correction), as TRL. The result
     multiplies the per-token policy term like ``sampling_ratio`` (VESPO folds it into its gamma
-    weight instead). Packed (``segments``): the sequence sum runs per segment, w is [N].
+    weight instead). Packed (``segments``): the sequence sum runs per segment, w is [N] (``per_sequence``:
+    [S], one per sequence, what TRL's metrics read in sequence_* modes).
     """
     d = torch.nan_to_num(torch.where(mask, old_logprobs - sampling_logprobs, 0), nan=0.0)  # [B, T]
     if mode.startswith("sequence"):
-        d = _sequence_sum(d, segments)  # [B, 1] ([N] packed)
+        d = segments.sum(d) if per_sequence and segments is not None else _sequence_sum(d, segments)  # [B, 1]
     w = torch.exp(d)
     if mode.endswith("_truncate"):
         return torch.clamp(w, min=clip_min, max=clip_max)
