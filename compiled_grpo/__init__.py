@@ -2,7 +2,8 @@
 
 Public contract (DESIGN.md): ``grpo_loss``, ``GRPOConfig``, ``GRPOOutput``, ``GRPOMetrics``,
 ``metric``, and the pure per-token functions ``token_logprobs``, ``importance_ratio``,
-``kl_penalty``, ``advantage_stats``, ``policy_objective``, ``aggregate`` (``Segments`` /
+``kl_penalty``, ``advantage_stats``, ``policy_objective``, ``aggregate``, and TRL 1.16's options
+``sampling_importance_weight``, ``off_policy_mask``, ``high_entropy_mask``, ``vespo_weight`` (``Segments`` /
 ``segments_from_cu_seqlens`` for packed inputs); ``reference_grpo_loss``
 and ``reference_token_logprobs`` define the result every fast path is tested against;
 ``enable_naive_logprob_fusion`` opts a user's naive ``log_softmax(h @ W.T)`` code under
@@ -12,8 +13,9 @@ from compiled_grpo.api import GRPOOutput, grpo_loss
 from compiled_grpo.config import GRPOConfig
 from compiled_grpo.logprobs import TokenLogprobs, token_logprobs
 from compiled_grpo.loss import (Aggregate, AdvantageStats, ImportanceRatio, KLPenalty, PolicyObjective, Segments,
-                                advantage_stats, aggregate, importance_ratio, kl_penalty, policy_objective,
-                                segments_from_cu_seqlens)
+                                advantage_stats, aggregate, high_entropy_mask, importance_ratio, kl_penalty,
+                                off_policy_mask, policy_objective, sampling_importance_weight,
+                                segments_from_cu_seqlens, vespo_weight)
 from compiled_grpo.metrics import GRPOMetrics, TokenStats, metric
 from compiled_grpo.reference import reference_grpo_loss, reference_token_logprobs
 from lowerings.naive_fusion import disable_naive_logprob_fusion, enable_naive_logprob_fusion, naive_logprob_fusion
@@ -23,6 +25,7 @@ __all__ = [
     "token_logprobs", "importance_ratio", "kl_penalty", "advantage_stats", "policy_objective", "aggregate",
     "ImportanceRatio", "KLPenalty", "AdvantageStats", "PolicyObjective", "Aggregate",
     "Segments", "segments_from_cu_seqlens",
+    "sampling_importance_weight", "off_policy_mask", "high_entropy_mask", "vespo_weight",
     "reference_grpo_loss", "reference_token_logprobs",
     "enable_naive_logprob_fusion", "disable_naive_logprob_fusion", "naive_logprob_fusion",
 ]

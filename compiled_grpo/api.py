@@ -5,12 +5,19 @@ Shape legend: B sequences, T completion positions, H hidden size, V vocab size.
 Composition order (Liger 0.8.5 ``ppo_loss_fn`` / TRL 1.16 ``_compute_loss``)::
 
     p          = token_logprobs(hidden, weight, ids)                 # [B, T]  fused op
+    sr         = sampling_importance_weight(old, s)                  # from sampling_per_token_logps s
     rho        = importance_ratio(p, old)                            # [B, T] or [B, 1] (GSPO)
     l          = policy_objective(rho, A, p)                         # clip rule of loss_type
-    l          = l * sampling_ratio                                  # train/inference IS weights
+                 (vespo: policy_objective(vespo_weight(rho, sr), A, p), sr not multiplied again)
+    l          = where(off_policy_mask(p, s or old, A), l, 0)        # off_policy_mask_threshold
+    l          = where(high_entropy_mask(entropy), l, 0)             # top_entropy_quantile < 1
+    l          = l * sr                                              # train/inference IS weights
     l          = l + beta * kl_penalty(p, ref) [* rho if use_bias_correction_kl]
     loss       = aggregate(l, mask)                                  # normalizer of loss_type
-    loss       = loss - entropy_coef * masked_mean(entropy)          # TRL's entropy bonus
+    loss       = loss - entropy_coef * masked_mean(entropy, m & entropy mask)   # TRL's entropy bonus
+
+That is TRL 1.16 ``_compute_loss``'s order (the masks and the IS weight are factors of the policy
+term only, never of the KL or the normalizer's token count).
 
 Packed inputs (``cu_seqlens``): the same functions on flat [N] tensors, with a ``Segments``
 (each token's sequence id) handed to the three that reduce or broadcast per sequence.
@@ -27,9 +34,10 @@ from compiled_grpo._checks import FLOAT_DTYPES, check_cu_seqlens, check_shape, c
 from compiled_grpo import fused as _fused
 from compiled_grpo.config import GRPOConfig
 from compiled_grpo.logprobs import check_packed_hidden, token_logprobs
-from compiled_grpo.loss import (advantage_stats, aggregate, importance_ratio, kl_penalty, masked_mean,
-                                policy_objective, segments_from_cu_seqlens)
-from compiled_grpo.metrics import GRPOMetrics, TokenStats, compute_metrics
+from compiled_grpo.loss import (LOSS_TYPES, advantage_stats, aggregate, high_entropy_mask, importance_ratio,
+                                kl_penalty, masked_mean, off_policy_mask, policy_objective,
+                                sampling_importance_weight, segments_from_cu_seqlens, vespo_weight)
+from compiled_grpo.metrics import GRPOMetrics, TokenStats, compute_metrics, option_metrics
 
 _DEFAULT = GRPOConfig()
 
@@ -49,6 +57,7 @@ class GRPOOutput(NamedTuple):
 def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Tensor, mask: Tensor,
               old_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None, *,
               bias: Optional[Tensor] = None, sampling_ratio: Optional[Tensor] = None,
+              sampling_per_token_logps: Optional[Tensor] = None,
               num_items_in_batch=None, cu_seqlens: Optional[Tensor] = None,
               config: GRPOConfig = _DEFAULT, tp_group=None, vocab_start: Optional[int] = None) -> GRPOOutput:
     """GRPO-family loss of ``config.loss_type`` (README: loss table).
@@ -60,6 +69,17 @@ def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Ten
     the same pass as the log-probs) when ``entropy_coef > 0`` or ``metrics`` asks for it.
     Hidden states at masked positions must be finite (true of any model); inf/NaN in old/ref
     log-probs, advantages or sampling_ratio at masked positions never reach the loss or grads.
+
+    ``sampling_per_token_logps`` [B, T] (packed: [N], like old_logprobs) are the sampler's (vLLM's)
+    log-probs of the completion, TRL's ``sampling_per_token_logps``. With
+    ``config.vllm_importance_sampling_correction`` (default True, TRL's) they give the
+    train/inference weight from the OLD log-probs, exp(old - sampling) per token or per sequence,
+    truncated or masked to [clip_min, clip_max] (``vllm_importance_sampling_mode``; old = sg(p)
+    when old_logprobs is None), which multiplies the policy term exactly as a ``sampling_ratio``
+    would (TRL computes its ``importance_sampling_ratio`` so and multiplies by it). So the two are
+    alternatives: passing both with the correction on would apply the weight twice and raises a
+    ValueError naming ``sampling_per_token_logps``. They are also what ``off_policy_mask_threshold``
+    measures the drift against (old log-probs when absent), as in TRL, with or without correction.
 
     Packed (padding-free) inputs: ``cu_seqlens`` [S + 1] int32/int64, cumulative offsets with 0
     first and N last (flash-attn varlen / HF convention); sequence i is tokens cu_seqlens[i] :
@@ -83,11 +103,12 @@ def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Ten
     if tp_group is not None or vocab_start is not None:
         logprob_fn = functools.partial(token_logprobs, tp_group=tp_group, vocab_start=vocab_start)
     return _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logprobs, ref_logprobs,
-                      bias=bias, sampling_ratio=sampling_ratio, num_items_in_batch=num_items_in_batch,
-                      cu_seqlens=cu_seqlens, config=config)
+                      bias=bias, sampling_ratio=sampling_ratio, sampling_per_token_logps=sampling_per_token_logps,
+                      num_items_in_batch=num_items_in_batch, cu_seqlens=cu_seqlens, config=config)
 
 
-def _check_packed(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio, cu_seqlens) -> None:
+def _check_packed(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio, cu_seqlens,
+                  sampling_logprobs=None) -> None:
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES)
     check_packed_hidden(hidden)
     tok, dev = tuple(hidden.shape[:-1]), hidden.device  # (N,) or (1, N)
@@ -100,20 +121,22 @@ def _check_packed(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling
     if tuple(advantages.shape) != seqs and tuple(advantages.shape) != tok:
         raise ValueError(f"advantages must have shape [S] = {seqs} (one per sequence of cu_seqlens) or {what} = "
                          f"{tok}, got {tuple(advantages.shape)}")
-    for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs), ("sampling_ratio", sampling_ratio)):
+    for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs), ("sampling_ratio", sampling_ratio),
+                    ("sampling_per_token_logps", sampling_logprobs)):
         if x is not None:
             check_tensor(name, x, dtypes=FLOAT_DTYPES, device=dev)
             check_shape(name, x, tok, what)
 
 
-def _check_padded(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio) -> None:
+def _check_padded(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio, sampling_logprobs=None) -> None:
     check_tensor("hidden", hidden, ndims=(3,), dtypes=FLOAT_DTYPES)
     bt, dev = tuple(hidden.shape[:2]), hidden.device
     check_tensor("mask", mask, ndims=(2,), device=dev)
     check_shape("mask", mask, bt, "[B, T]")
     check_tensor("advantages", advantages, ndims=(1, 2), dtypes=FLOAT_DTYPES, device=dev)
     check_shape("advantages", advantages, bt[: advantages.dim()], "[B] or [B, T]")
-    for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+    for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
+                    ("sampling_per_token_logps", sampling_logprobs)):
         if x is not None:
             check_tensor(name, x, ndims=(2,), dtypes=FLOAT_DTYPES, device=dev)
             check_shape(name, x, bt, "[B, T]")
@@ -123,14 +146,34 @@ def _check_padded(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling
             raise ValueError(f"sampling_ratio must have shape [B, T] = {bt} or [B, 1], got {tuple(sampling_ratio.shape)}")
 
 
+def _check_sampling(sampling_ratio, sampling_logprobs, config, mask, packed: bool) -> None:
+    """The train/inference weight comes from one of sampling_ratio / sampling_per_token_logps."""
+    correct = sampling_logprobs is not None and config.vllm_importance_sampling_correction
+    if correct and sampling_ratio is not None:
+        raise ValueError("sampling_per_token_logps with config.vllm_importance_sampling_correction=True computes the "
+                         "train/inference weight that sampling_ratio also is: passing both would apply it twice; "
+                         "pass one, or set vllm_importance_sampling_correction=False to use sampling_per_token_logps "
+                         "only for off_policy_mask_threshold")
+    if config.loss_type != "vespo":
+        return
+    if correct and config.vllm_importance_sampling_mode.startswith("sequence"):
+        raise ValueError(f"GRPOConfig.vllm_importance_sampling_mode={config.vllm_importance_sampling_mode!r}: "
+                         "loss_type='vespo' needs 'token_truncate' or 'token_mask' (as TRL)")
+    if sampling_ratio is not None and not packed and sampling_ratio.shape[-1] == 1 and mask.shape[-1] != 1:
+        raise ValueError("sampling_ratio of shape [B, 1]: loss_type='vespo' reads token-level ratios [B, T] (it sums "
+                         "their logs over each sequence, as TRL's token_* modes)")
+
+
 def _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio,
-                  num_items_in_batch, config, cu_seqlens=None) -> None:
+                  num_items_in_batch, config, cu_seqlens=None, sampling_logprobs=None) -> None:
     if not isinstance(config, GRPOConfig):
         raise TypeError(f"config must be a compiled_grpo.GRPOConfig, got {type(config).__name__}")
     if cu_seqlens is None:
-        _check_padded(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio)
+        _check_padded(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio, sampling_logprobs)
     else:
-        _check_packed(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio, cu_seqlens)
+        _check_packed(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio, cu_seqlens,
+                      sampling_logprobs)
+    _check_sampling(sampling_ratio, sampling_logprobs, config, mask, cu_seqlens is not None)
     if config.beta != 0.0 and ref_logprobs is None:
         raise ValueError(f"ref_logprobs is required when config.beta={config.beta} > 0 (the KL penalty needs "
                          "the reference policy's log-probs; compute them with token_logprobs under no_grad)")
@@ -154,21 +197,47 @@ class PerTokenLoss(NamedTuple):
     rho: object         # ImportanceRatio
     pol: object         # PolicyObjective
     kl: Optional[Tensor]
+    is_weight: Optional[Tensor]  # the train/inference weight applied (sampling_ratio or from the sampler's log-probs)
+    gamma: Optional[Tensor]      # vespo's phi [B, T], else None
+
+
+def sampling_weight(old, sampling_logprobs, valid, cfg, segments=None) -> Tensor:
+    """sampling_importance_weight of ``cfg``'s vLLM IS options: [B, T] token_*, [B, 1] sequence_*."""
+    return sampling_importance_weight(old, sampling_logprobs.to(old.dtype), valid,
+                                      mode=cfg.vllm_importance_sampling_mode,
+                                      clip_min=cfg.vllm_importance_sampling_clip_min,
+                                      clip_max=cfg.vllm_importance_sampling_clip_max, segments=segments)
 
 
 def per_token_loss(logp, old_logprobs, valid, advantages, sampling_ratio, ref_logprobs, cfg,
-                   segments=None) -> PerTokenLoss:
+                   segments=None, sampling_logprobs=None, entropy_keep=None) -> PerTokenLoss:
     """The per-token loss of ``cfg`` from the log-probs (the one composition of loss.py's
     functions; the fused path differentiates it per row block, compiled_grpo/fused.py).
-    ``advantages``: advantage_stats(...).advantages (broadcast, 0 at masked positions)."""
+    ``advantages``: advantage_stats(...).advantages (broadcast, 0 at masked positions).
+    ``sampling_logprobs``: the sampler's log-probs; the IS weight is formed from them here only
+    when ``sampling_ratio`` is None (grpo_loss forms it once beforehand when old log-probs are
+    given: it depends on inputs only). ``entropy_keep``: high_entropy_mask(...) or None."""
     dtype = logp.dtype
     old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)  # [B, T]
+    if sampling_ratio is None and sampling_logprobs is not None and cfg.vllm_importance_sampling_correction:
+        sampling_ratio = sampling_weight(old, sampling_logprobs, valid, cfg, segments)  # [B, T] or [B, 1]
     rho = importance_ratio(logp, old, valid, level=cfg.importance_sampling_level,
                            log_ratio_clamp=cfg.log_ratio_clamp, segments=segments)
-    pol = policy_objective(rho.ratio, advantages, logp, cfg)
+    gamma, factor = None, sampling_ratio
+    if LOSS_TYPES[cfg.loss_type].gamma_weighted:  # VESPO: the IS weight goes into phi, not a factor
+        gamma = vespo_weight(rho.log_ratio, valid, advantages, sampling_ratio, cfg, segments=segments)  # [B, T]
+        factor = None
+    pol = policy_objective(rho.ratio if gamma is None else gamma, advantages, logp, cfg)
     per_token = pol.per_token_loss  # [B, T] or [B, 1]
-    if sampling_ratio is not None:
-        per_token = per_token * torch.where(valid, sampling_ratio.to(dtype), 0)  # [B, T]
+    keep = entropy_keep  # bool [B, T] or None
+    if cfg.off_policy_mask_threshold is not None:
+        seq_keep = off_policy_mask(logp, old if sampling_logprobs is None else sampling_logprobs.to(dtype), advantages,
+                                   valid, threshold=cfg.off_policy_mask_threshold, segments=segments)  # [B, T]
+        keep = seq_keep if keep is None else keep & seq_keep
+    if keep is not None:  # TRL multiplies by the 0/1 mask; a select is the same on finite values
+        per_token = torch.where(keep, per_token, 0)  # [B, T]
+    if factor is not None:
+        per_token = per_token * torch.where(valid, factor.to(dtype), 0)  # [B, T]
     kl = None
     if cfg.beta != 0.0:
         kl = kl_penalty(logp, ref_logprobs.to(dtype), valid, estimator=cfg.kl_estimator,
@@ -177,46 +246,75 @@ def per_token_loss(logp, old_logprobs, valid, advantages, sampling_ratio, ref_lo
             kl = kl * rho.ratio
         per_token = per_token + cfg.beta * kl
     per_token = torch.where(valid, per_token, 0)  # [B, T]
-    return PerTokenLoss(per_token, old, rho, pol, kl)
+    return PerTokenLoss(per_token, old, rho, pol, kl, sampling_ratio, gamma)
+
+
+def _option_metrics(terms: PerTokenLoss, samp, valid, cfg, segments) -> dict:
+    """option_metrics at TRL's granularity: the IS weight per sequence in sequence_* modes, phi per sequence."""
+    is_weight = None
+    if samp is not None and cfg.vllm_importance_sampling_correction:
+        is_weight = terms.is_weight  # [B, T] token_*, [B, 1] sequence_*
+        if segments is not None and cfg.vllm_importance_sampling_mode.startswith("sequence"):
+            is_weight = sampling_importance_weight(  # [S]
+                terms.old, samp.to(terms.old.dtype), valid, mode=cfg.vllm_importance_sampling_mode,
+                clip_min=cfg.vllm_importance_sampling_clip_min, clip_max=cfg.vllm_importance_sampling_clip_max,
+                segments=segments, per_sequence=True)
+    phi_seq = None
+    if terms.gamma is not None:  # phi is one value over a sequence's valid tokens; 1 (w = 1) for an empty one
+        m = valid.to(terms.gamma.dtype)
+        sums = (segments.sum(terms.gamma * m), segments.sum(m)) if segments is not None else \
+            ((terms.gamma * m).sum(-1), m.sum(-1))  # [S] / [B]
+        phi_seq = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1.0), 1.0)
+    return option_metrics(valid, terms.old, None if samp is None else samp.to(terms.old.dtype), is_weight, phi_seq)
 
 
 def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logprobs=None, ref_logprobs=None, *,
-               bias=None, sampling_ratio=None, num_items_in_batch=None, cu_seqlens=None,
-               config: GRPOConfig = _DEFAULT) -> GRPOOutput:
+               bias=None, sampling_ratio=None, sampling_per_token_logps=None, num_items_in_batch=None,
+               cu_seqlens=None, config: GRPOConfig = _DEFAULT) -> GRPOOutput:
     cfg = config
+    samp = sampling_per_token_logps
     _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio,
-                  num_items_in_batch, cfg, cu_seqlens)
+                  num_items_in_batch, cfg, cu_seqlens, samp)
     segments, out_shape = None, None
     if cu_seqlens is not None:  # packed: flatten HF's [1, N] to [N]; per-token outputs go back to token_ids' shape
         out_shape = token_ids.shape
         flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
         hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-        token_ids, mask, old_logprobs, ref_logprobs, sampling_ratio = map(
-            flat, (token_ids, mask, old_logprobs, ref_logprobs, sampling_ratio))  # [N]
+        token_ids, mask, old_logprobs, ref_logprobs, sampling_ratio, samp = map(
+            flat, (token_ids, mask, old_logprobs, ref_logprobs, sampling_ratio, samp))  # [N]
         advantages = flat(advantages)  # [S] or [N]
         segments = segments_from_cu_seqlens(cu_seqlens, hidden.shape[0])
     valid = mask_to_bool(mask)  # [B, T]; a mask other than 0/1 is rejected (README: Edge cases)
-    want_entropy = cfg.entropy_coef > 0 or cfg.metrics_level == "with_entropy"
-    adv = advantage_stats(advantages.to(_logprob_dtype(hidden, weight)), valid, segments=segments)
+    top_entropy = cfg.top_entropy_quantile < 1.0
+    want_entropy = cfg.entropy_coef > 0 or cfg.metrics_level == "with_entropy" or top_entropy
+    dtype = _logprob_dtype(hidden, weight)
+    adv = advantage_stats(advantages.to(dtype), valid, segments=segments)
+    if samp is not None and old_logprobs is not None and cfg.vllm_importance_sampling_correction:
+        # inputs only: formed once here, so the fused row blocks need no whole sequence for it
+        sampling_ratio = sampling_weight(old_logprobs.to(dtype), samp, valid, cfg, segments)  # [B, T] or [B, 1]
     fused = None
     tp = isinstance(logprob_fn, functools.partial)   # grpo_loss's tp_group / vocab_start partial
     # the fused path stands in for token_logprobs only (reference_grpo_loss passes its own)
-    if (logprob_fn is token_logprobs or tp) and _fused.use_fused(hidden, weight, bias, cfg, segments, tp=tp):
+    if (logprob_fn is token_logprobs or tp) and _fused.use_fused(hidden, weight, bias, cfg, segments, tp=tp,
+                                                                 old_logprobs=old_logprobs, sampling_logprobs=samp):
         fused = _fused.fused_logprobs(hidden, weight, token_ids, bias, valid, adv.advantages, old_logprobs,
                                       ref_logprobs, sampling_ratio, num_items_in_batch, segments, cfg,
-                                      want_entropy, per_token_loss)
+                                      want_entropy, per_token_loss, sampling_logprobs=samp)
         tok = fused.tok
     else:
         tok = logprob_fn(hidden, weight, token_ids, bias, mask=valid, temperature=cfg.temperature,
                          fp32_lm_head=cfg.fp32_lm_head, with_entropy=want_entropy, logit_scale=cfg.logit_scale,
                          final_logit_softcapping=cfg.final_logit_softcapping)
     logp = tok.logprobs  # [B, T] fp32 (fp64 for fp64 inputs)
-    terms = per_token_loss(logp, old_logprobs, valid, adv.advantages, sampling_ratio, ref_logprobs, cfg, segments)
-    per_token, old, rho, pol, kl = terms
-    loss = aggregate(per_token, valid, cfg, num_items_in_batch, segments=segments).loss
     entropy = tok.entropy  # [B, T] or None, 0 at masked positions
-    if cfg.entropy_coef > 0:
-        loss = loss - cfg.entropy_coef * masked_mean(entropy, valid)
+    # a threshold over the whole batch's current entropies: never in fused mode (fused.why_not_fused)
+    keep = high_entropy_mask(entropy, valid, top_quantile=cfg.top_entropy_quantile) if top_entropy else None
+    terms = per_token_loss(logp, old_logprobs, valid, adv.advantages, sampling_ratio, ref_logprobs, cfg, segments,
+                           sampling_logprobs=samp, entropy_keep=keep)
+    per_token, old, rho, pol, kl = terms[:5]
+    loss = aggregate(per_token, valid, cfg, num_items_in_batch, segments=segments).loss
+    if cfg.entropy_coef > 0:  # TRL: the bonus acts on the tokens the policy term keeps
+        loss = loss - cfg.entropy_coef * masked_mean(entropy, valid if keep is None else valid & keep)
     if fused is not None:  # the value above; the gradient computed with the logits (fused.py)
         loss = fused.attach(loss)
     metrics = None
@@ -229,7 +327,8 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
             per_token_loss=per_token.detach(), is_low_clipped=pol.is_low_clipped.expand(valid.shape),
             is_high_clipped=pol.is_high_clipped.expand(valid.shape), kl_ref=d(kl), entropy=d(entropy),
             epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high)
-        metrics = compute_metrics(stats, cfg.metrics_level, cfg.custom_metrics)
+        extra = _option_metrics(terms, samp, valid, cfg, segments) if cfg.metrics_level != "none" else None
+        metrics = compute_metrics(stats, cfg.metrics_level, cfg.custom_metrics, extra)
     logp = logp.detach()
     if out_shape is not None and len(out_shape) == 2:  # HF's packed batch [1, N]
         per_token, logp = per_token.reshape(out_shape), logp.reshape(out_shape)

@@ -19,7 +19,8 @@ from typing import Optional, Union
 from compiled_grpo._registry import METRIC_LEVELS, registered_metrics
 
 GRADIENT_MODES = ("auto", "fused", "recompute")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IS_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -50,6 +51,14 @@ class GRPOConfig:
     parallelism, and GSPO only on padded inputs with a whole sequence per block), else
     "recompute" (always on CPU, whose chunked recompute body needs far less memory). In fused mode
     only ``loss`` carries a gradient: per_token_loss, logprobs and entropy come back detached.
+
+    TRL 1.16 options under TRL's names and defaults (formulas in compiled_grpo/loss.py and the
+    README's loss table): ``loss_type="vespo"`` with ``vespo_k_pos`` 2.0, ``vespo_lambda_pos`` 3.0,
+    ``vespo_k_neg`` 3.0, ``vespo_lambda_neg`` 2.0; ``off_policy_mask_threshold`` (None: off);
+    ``top_entropy_quantile`` (1.0: every token); ``vllm_importance_sampling_correction`` (True),
+    ``vllm_importance_sampling_mode`` ("sequence_mask"), ``vllm_importance_sampling_clip_min``
+    (None), ``vllm_importance_sampling_clip_max`` (3.0), which act only when grpo_loss gets the
+    sampler's log-probs (``sampling_per_token_logps``), as TRL's act only with vLLM.
     """
 
     loss_type: str = "dapo"
@@ -69,6 +78,16 @@ class GRPOConfig:
     max_completion_length: Optional[int] = None
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: Optional[float] = None
+    top_entropy_quantile: float = 1.0
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
     entropy_coef: float = 0.0
     fp32_lm_head: bool = False
     grad_divisor: Optional[float] = None
@@ -81,7 +100,8 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.{field}={getattr(self, field)!r}: {why}")
 
         for field, choices in (("loss_type", LOSS_TYPES), ("importance_sampling_level", IS_LEVELS),
-                               ("kl_estimator", KL_ESTIMATORS), ("gradient_mode", GRADIENT_MODES)):
+                               ("kl_estimator", KL_ESTIMATORS), ("gradient_mode", GRADIENT_MODES),
+                               ("vllm_importance_sampling_mode", VLLM_IS_MODES)):
             if getattr(self, field) not in choices:
                 bad(field, f"must be one of {choices}")
         for field in ("epsilon_low", "epsilon_high", "beta", "entropy_coef"):
@@ -98,7 +118,27 @@ class GRPOConfig:
             v = getattr(self, field)
             if v is not None and (not _is_real(v) or v <= 0):
                 bad(field, "must be None or a finite number > 0")
-        for field in ("use_bias_correction_kl", "fp32_lm_head"):
+        for field in ("vespo_k_pos", "vespo_k_neg", "off_policy_mask_threshold"):
+            v = getattr(self, field)  # any sign: a mean KL estimate (and so its threshold) may be < 0
+            if not (v is None and field == "off_policy_mask_threshold") and not _is_real(v):
+                bad(field, "must be a finite number" + (" or None" if field == "off_policy_mask_threshold" else ""))
+        for field in ("vespo_lambda_pos", "vespo_lambda_neg"):
+            if not _is_real(getattr(self, field)) or getattr(self, field) < 0:
+                bad(field, "must be a finite number >= 0 (TRL clamps it to >= 1e-4)")
+        q = self.top_entropy_quantile
+        if not _is_real(q) or not 0.0 <= q <= 1.0:
+            bad("top_entropy_quantile", "must be a number in [0, 1] (1.0 keeps every token)")
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        for field, v in (("vllm_importance_sampling_clip_min", lo), ("vllm_importance_sampling_clip_max", hi)):
+            if v is not None and (not _is_real(v) or v < 0):
+                bad(field, "must be None or a finite number >= 0")
+        if lo is not None and hi is not None and lo >= hi:
+            bad("vllm_importance_sampling_clip_min", f"must be < vllm_importance_sampling_clip_max={hi} (as TRL)")
+        if (self.vllm_importance_sampling_correction and self.vllm_importance_sampling_mode.endswith("_truncate")
+                and lo is None and hi is None):
+            bad("vllm_importance_sampling_clip_max", "a *_truncate vllm_importance_sampling_mode needs "
+                "vllm_importance_sampling_clip_min or _clip_max set (as TRL)")
+        for field in ("use_bias_correction_kl", "fp32_lm_head", "vllm_importance_sampling_correction"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be a bool")
         m = self.max_completion_length

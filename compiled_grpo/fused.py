@@ -21,7 +21,12 @@ log-ratio, so a block must hold whole sequences: padded inputs are cut into bloc
 k = R // T whole rows of [B, T] (valid rows first inside each block, by_block). Packed inputs
 (sequences of any length at any offset) or T > R cannot be cut so; for them "auto" uses the
 recompute path (a statistics pre-pass over all tokens would cost the same 2NHV the recompute
-does) and "fused" raises.
+does) and "fused" raises. The same holds for everything else that reads a whole sequence's
+current log-probs (``sequence_coupled``: VESPO's gamma weight, the off-policy sequence mask, a
+sequence_* vLLM IS weight with old_logprobs=None). What depends on inputs only (the vLLM IS
+weight from old and sampler log-probs, the normalizers) is formed once before the blocks.
+``top_entropy_quantile < 1`` thresholds on a quantile of every token's current entropy, known
+only after the last block: never fused ("auto" recomputes, "fused" raises).
 
 The loss VALUE is computed by the same code as the recompute path, from the block log-probs
 (detached); ``attach`` gives it the stored gradients: backward multiplies d_hidden, d_weight,
@@ -70,23 +75,44 @@ def _auto_device_ok(hidden: Tensor) -> bool:
     return hidden.device.type == "cuda"
 
 
-def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, tp: bool) -> Optional[str]:
+def sequence_coupled(cfg, old_logprobs=None, sampling_logprobs=None) -> Optional[str]:
+    """What, if anything, makes a token's loss depend on its whole sequence's CURRENT log-probs
+    (so a row block must hold whole sequences, as for GSPO), else None."""
+    if cfg.importance_sampling_level == "sequence":
+        return "sequence-level importance sampling"
+    if cfg.loss_type == "vespo":
+        return "loss_type='vespo' (a sequence's gamma weight sums its log-ratios)"
+    if cfg.off_policy_mask_threshold is not None:
+        return "off_policy_mask_threshold (a sequence's mean drift from the sampler)"
+    if (sampling_logprobs is not None and old_logprobs is None and cfg.vllm_importance_sampling_correction
+            and cfg.vllm_importance_sampling_mode.startswith("sequence")):
+        return ("a sequence_* vllm_importance_sampling_mode with old_logprobs=None (the weight sums the "
+                "current log-probs)")
+    return None
+
+
+def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, tp: bool, old_logprobs=None,
+                  sampling_logprobs=None) -> Optional[str]:
     """None when the fused path computes this loss exactly, else the reason it cannot."""
     if tp or _tp.is_dtensor(weight):
         return "vocab-parallel (tp_group / DTensor) heads use the recompute path"
     if hidden.device.type == "cuda" and torch.float64 in (hidden.dtype, weight.dtype):
         return "float64 on CUDA has no fused kernels"
-    if cfg.importance_sampling_level == "sequence":
+    if cfg.top_entropy_quantile < 1.0:
+        # the threshold is a quantile of every token's current entropy: no block's gradient is
+        # known before the last block's logits exist (a pre-pass would cost the recompute's 2NHV)
+        return "top_entropy_quantile < 1 thresholds on the whole batch's current entropies"
+    coupled = sequence_coupled(cfg, old_logprobs, sampling_logprobs)
+    if coupled is not None:
         if segments is not None:
-            return ("sequence-level importance sampling on packed inputs needs whole sequences in a "
-                    "row block")
+            return f"{coupled} on packed inputs needs whole sequences in a row block"
         if _hint(hidden.shape[1]) > _budget_rows(hidden, weight, cfg):
-            return ("sequence-level importance sampling needs a whole sequence (T rows) in the "
-                    "workspace: raise fused_workspace_mib")
+            return f"{coupled} needs a whole sequence (T rows) in the workspace: raise fused_workspace_mib"
     return None
 
 
-def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, tp: bool) -> bool:
+def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, tp: bool, old_logprobs=None,
+              sampling_logprobs=None) -> bool:
     """gradient_mode 'recompute' never, 'auto' on CUDA when exact and a gradient is wanted,
     'fused' whenever a gradient is wanted (any device: the CPU body serves the tests), raising
     when it cannot be exact."""
@@ -100,7 +126,7 @@ def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, tp: bool) -> 
         # CPU: the recompute body streams 16 MiB tiles; the fused body's block holds several
         # [R, V] float32 temporaries (logits, p, dlogits) for no FLOP saving that matters there
         return False
-    why = why_not_fused(hidden, weight, cfg, segments, tp)
+    why = why_not_fused(hidden, weight, cfg, segments, tp, old_logprobs, sampling_logprobs)
     if why is not None and cfg.gradient_mode == "fused":
         raise ValueError(f"GRPOConfig.gradient_mode='fused' cannot be exact here: {why}; use 'auto' or "
                          f"'recompute'")
@@ -148,7 +174,7 @@ def _linear_weights(fn, like: Tensor) -> Tensor:
 def _block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss):
     """The loss terms of one block's rows, sum(w * l) + sum(e * H), a scalar: lp / ent [R'] in the
     block's order, idx [R'] their original rows, per_tok the [N] inputs and weights."""
-    if seq:   # back to the block's [k, T] rows, the layout importance_ratio reduces over
+    if seq:   # back to the block's [k, T] rows, the layout the sequence reductions run over
         rows = lp.shape[0]
         lp = lp.new_zeros(rows).index_copy(0, idx - r0, lp).view(-1, t_len)
         take = lambda t: None if t is None else t.narrow(0, r0, rows).view(-1, t_len)  # noqa: E731
@@ -156,7 +182,8 @@ def _block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss):
         take = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
     ent_term = 0.0 if per_tok["ent_w"] is None else (per_tok["ent_w"].index_select(0, idx) * ent).sum()
     terms = per_token_loss(lp, take(per_tok["old"]), take(per_tok["valid"]), take(per_tok["adv"]),
-                           take(per_tok["sr"]), take(per_tok["ref"]), cfg)
+                           take(per_tok["sr"]), take(per_tok["ref"]), cfg,
+                           sampling_logprobs=take(per_tok["samp"]))
     return (take(per_tok["agg_w"]) * terms.per_token).sum() + ent_term
 
 
@@ -181,14 +208,18 @@ def _compiled_block_grads():
 
 def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logprobs, ref_logprobs,
                    sampling_ratio, num_items_in_batch, segments, cfg, want_entropy,
-                   per_token_loss) -> Fused:
+                   per_token_loss, sampling_logprobs=None) -> Fused:
     """Run the fused schedule for grpo_loss (api.py). Inputs as grpo_loss after flattening
-    packed ones; ``advantages`` broadcast (advantage_stats), ``per_token_loss`` api.py's."""
+    packed ones; ``advantages`` broadcast (advantage_stats), ``per_token_loss`` api.py's;
+    ``sampling_ratio`` includes the weight grpo_loss formed from the sampler's log-probs when
+    old log-probs are given (inputs only, so before the blocks, like the normalizer weights);
+    ``sampling_logprobs`` go to each block for what needs the current log-probs (the off-policy
+    mask, the weight with old_logprobs=None)."""
     check_model_scaling(cfg.logit_scale, cfg.final_logit_softcapping)
     ids, _ = _prepare(hidden, weight, token_ids, bias, valid, cfg.temperature)   # checks + ids
     lead = valid.shape                                                     # [B, T] or [N]
     dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
-    seq = cfg.importance_sampling_level == "sequence"
+    seq = sequence_coupled(cfg, old_logprobs, sampling_logprobs) is not None   # blocks of whole rows
     # normalizer weights: aggregate and the entropy bonus are linear in their per-token input
     agg_w = _linear_weights(lambda l: aggregate(l, valid, cfg, num_items_in_batch,
                                                 segments=segments).loss,
@@ -201,7 +232,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
     per_tok = dict(old=flat(old_logprobs), valid=flat(valid), adv=flat(advantages),
                    sr=flat(sampling_ratio), ref=flat(ref_logprobs), agg_w=flat(agg_w),
-                   ent_w=flat(ent_w))                                      # [N] each
+                   ent_w=flat(ent_w), samp=flat(sampling_logprobs))        # [N] each
     n = valid.numel()
     budget = _budget_rows(hidden, weight, cfg)
     if seq:   # blocks of k whole sequences of the padded [B, T]

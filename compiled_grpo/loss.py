@@ -16,6 +16,7 @@ select *before* ``exp`` (``torch.where``), so an inf/NaN at a masked position ne
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -180,12 +181,22 @@ def _sapo(ratio, adv, logprobs, cfg) -> PolicyObjective:
     return PolicyObjective(loss, none, none)
 
 
+def _vespo(phi, adv, logprobs, cfg) -> PolicyObjective:
+    """-phi * A * p with phi = vespo_weight(...) (detached): the gradient is -phi * A * grad p (VESPO).
+
+    TRL 1.16 ``per_token_loss = -phi_seq * advantages * per_token_logps``; nothing is clipped."""
+    loss = -phi * adv * logprobs
+    none = torch.zeros_like(loss, dtype=torch.bool)
+    return PolicyObjective(loss, none, none)
+
+
 class LossType(NamedTuple):
     """A loss type is a clip rule plus a normalizer, picked once from the frozen config."""
 
     clip_rule: Callable[..., PolicyObjective]
     per_sequence_mean: bool   # divide each sequence's token sum by max(L_i, 1) first (grpo, sapo)
     divisor: str              # "batch" (B), "tokens" (local sum m), "dr_grpo" (B * max_len), "items"
+    gamma_weighted: bool = False  # the clip rule gets vespo_weight(...) instead of rho (vespo)
 
 
 LOSS_TYPES = {
@@ -196,12 +207,119 @@ LOSS_TYPES = {
     "dapo": LossType(_ppo_clip, False, "items"),
     "cispo": LossType(_cispo, False, "items"),
     "luspo": LossType(_ppo_clip, False, "batch"),
+    "vespo": LossType(_vespo, False, "items", gamma_weighted=True),
 }
 
 
 def policy_objective(ratio: Tensor, advantages: Tensor, logprobs: Tensor, config) -> PolicyObjective:
     """The per-token policy term of ``config.loss_type`` (before the sampling ratio and KL)."""
     return LOSS_TYPES[config.loss_type].clip_rule(ratio, advantages, logprobs, config)
+
+
+def _sequence_sum(x: Tensor, segments: Optional[Segments]) -> Tensor:
+    """Per-sequence sum of a masked per-token x, broadcastable back: [B, T] -> [B, 1]; packed [N] -> [N]."""
+    if segments is not None:
+        return segments.broadcast(segments.sum(x))  # [N]
+    return x.sum(-1, keepdim=True)  # [B, 1]
+
+
+def sampling_importance_weight(old_logprobs: Tensor, sampling_logprobs: Tensor, mask: Tensor, *, mode: str,
+                               clip_min: Optional[float], clip_max: Optional[float],
+                               segments: Optional[Segments] = None, per_sequence: bool = False) -> Tensor:
+    """Train/inference importance weight from the sampler's log-probs s (TRL 1.16
+    ``GRPOTrainer._generate_and_score_completions``, ``vllm_importance_sampling_correction``)::
+
+        d   = nan_to_num(where(m, q - s, 0), nan=0)     # q: OLD log-probs (not the current p)
+        w   = exp(d)                                     # token_*     [B, T]
+        w_i = exp(sum_t d)                               # sequence_*  [B, 1] (a sum, not a mean)
+        *_truncate: clamp(w, clip_min, clip_max)         *_mask: where(clip_min <= w <= clip_max, w, 0)
+
+    A NaN s (a token the sampler could not score) gives d = 0 (no correction), as TRL. The result
+    multiplies the per-token policy term like ``sampling_ratio`` (VESPO folds it into its gamma
+    weight instead). Packed (``segments``): the sequence sum runs per segment, w is [N] (``per_sequence``:
+    [S], one per sequence, what TRL's metrics read in sequence_* modes).
+    """
+    d = torch.nan_to_num(torch.where(mask, old_logprobs - sampling_logprobs, 0), nan=0.0)  # [B, T]
+    if mode.startswith("sequence"):
+        d = segments.sum(d) if per_sequence and segments is not None else _sequence_sum(d, segments)  # [B, 1]
+    w = torch.exp(d)
+    if mode.endswith("_truncate"):
+        return torch.clamp(w, min=clip_min, max=clip_max)
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    return torch.where((w < lo) | (w > hi), 0.0, w)
+
+
+def off_policy_mask(logprobs: Tensor, sampling_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+                    threshold: float, segments: Optional[Segments] = None) -> Tensor:
+    """DeepSeek-V3.2 off-policy sequence masking (eq. 9; TRL 1.16 ``GRPOTrainer.get_off_policy_mask``)::
+
+        kl_i = sum_t m nan_to_num(s - sg(p), nan=0) / max(L_i, 1)    # s: sampler (else old) log-probs
+        keep = (A >= 0) | (kl_i <= threshold)                          # bool, broadcast to [B, T]
+
+    A sequence is dropped from the policy term when its advantage is negative and it drifted
+    from the sampler by more than ``threshold``. It needs the sequence's *current* log-probs p
+    (detached) before any of its tokens' gradients: a sequence-coupled quantity (fused.py).
+    """
+    kl = torch.nan_to_num(torch.where(mask, sampling_logprobs - logprobs.detach(), 0), nan=0.0)  # [B, T]
+    lengths = _sequence_sum(mask.to(kl.dtype), segments).clamp(min=1.0)  # [B, 1] ([N] packed)
+    return (advantages >= 0) | (_sequence_sum(kl, segments) / lengths <= threshold)  # [B, T]
+
+
+def high_entropy_mask(entropy: Tensor, mask: Tensor, *, top_quantile: float) -> Tensor:
+    """Keep the top ``top_quantile`` of the batch's valid tokens by entropy ("Beyond the 80/20
+    Rule"; TRL 1.16 ``GRPOTrainer.get_high_entropy_mask(entropies, mask, 1 - top_entropy_quantile)``)::
+
+        thr  = torch.quantile(entropy[m].float(), 1 - top_quantile)   # linear interpolation
+        keep = (where(m, entropy, 0) >= thr) & m                       # bool [B, T]
+
+    With no host sync and no data-dependent shape: masked entries sort to +inf behind the n
+    valid ones, and torch.quantile's own steps (rank = q * (n - 1) in float32, gather below and
+    above, lerp) run on the sorted [N] with n a tensor, so the threshold is bit-identical to
+    TRL's. No valid token: all False (TRL's early return). TRL gathers the entropies of every
+    data-parallel rank first; this is the caller's batch (one process: the same).
+    """
+    if entropy.numel() == 0:  # a static size (0 specializes under compile)
+        return torch.zeros_like(mask)
+    flat = torch.where(mask, entropy.detach().float(), torch.inf).reshape(-1)  # [N] fp32, as TRL's .float()
+    ranked = flat.sort().values  # [N], the n valid entropies first
+    n = mask.sum()
+    rank = torch.full((), 1.0 - top_quantile, dtype=torch.float32, device=flat.device) * (n - 1)  # fp32 as ATen
+    below = rank.to(torch.int64).clamp(min=0)  # toType(kLong) truncates, as ATen
+    above = rank.ceil().to(torch.int64).clamp(min=0)
+    lo, hi = ranked.gather(0, below.reshape(1)), ranked.gather(0, above.reshape(1))  # [1]
+    thr = torch.lerp(lo, hi, rank - rank.to(torch.int64)).reshape(())  # 0-dim fp32
+    return (torch.where(mask, entropy.detach(), 0) >= thr) & mask  # [B, T]
+
+
+def vespo_weight(log_ratio: Tensor, mask: Tensor, advantages: Tensor, sampling_ratio: Optional[Tensor], config, *,
+                 segments: Optional[Segments] = None) -> Tensor:
+    """VESPO's gamma weight (TRL 1.16 ``GRPOTrainer.get_gamma_weights``, under no_grad: detached)::
+
+        log w_i = clamp(sum_t m clamp(p - q, +-20) + sum_t m clamp(log sr, log 1e-8, 20), log 1e-8, 20)
+        phi     = exp(lam + k log w_i - lam w_i),  (k, lam) = (k_pos, lam_pos) if A >= 0 else (k_neg, lam_neg)
+        phi     = nan_to_num(phi, nan=0, posinf=0, neginf=0)     # phi(1) = 1
+
+    A sequence-level SUM of log-ratios (not GSPO's mean); lam is clamped to >= 1e-4; k and lam
+    become default-dtype tensors as in TRL's ``torch.where(adv >= 0, k_pos, k_neg)``. ``log_ratio``
+    is importance_ratio(...).log_ratio (0 at masked positions). The train/inference ratio sr
+    (token-level, e.g. sampling_importance_weight in a token_* mode) enters in log space instead of
+    multiplying the loss; TRL sums its log over all T, which equals the masked sum whenever a
+    masked position's ratio is 1 (always, for TRL's own ratios). Returns [B, T] ([N] packed).
+    """
+    lower = math.log(1e-8)
+    log_ratio = log_ratio.detach()
+    seq = _sequence_sum(torch.where(mask, log_ratio.clamp(-20.0, 20.0), 0), segments)  # [B, 1]
+    if sampling_ratio is not None:
+        log_is = torch.where(mask, torch.log(sampling_ratio.detach().to(log_ratio.dtype)).clamp(lower, 20.0), 0)
+        seq = seq + _sequence_sum(log_is, segments)
+    log_w = seq.clamp(lower, 20.0)  # [B, 1]
+    w = torch.exp(log_w)
+    nonneg = advantages.detach() >= 0  # [B, T]
+    k = torch.where(nonneg, config.vespo_k_pos, config.vespo_k_neg)
+    lam = torch.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg).clamp(min=1e-4)
+    log_phi = lam + k * log_w - lam * w  # [B, T]
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class Aggregate(NamedTuple):

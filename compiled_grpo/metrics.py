@@ -63,6 +63,16 @@ class GRPOMetrics(NamedTuple):
     num_tokens: Optional[Tensor] = None
     kl_ref: Optional[Tensor] = None
     entropy: Optional[Tensor] = None
+    # TRL 1.16's logs for its options (its names, "/" -> "_"): with sampling_per_token_logps,
+    # sampling/importance_sampling_ratio/{min,mean,max} (valid tokens in token_* modes, every
+    # sequence in sequence_* modes; 0 when empty) and sampling/sampling_logp_difference/{mean,max}
+    # (|old - sampling| over valid tokens the sampler scored); vespo/phi_seq_mean for vespo.
+    importance_sampling_ratio_min: Optional[Tensor] = None
+    importance_sampling_ratio_mean: Optional[Tensor] = None
+    importance_sampling_ratio_max: Optional[Tensor] = None
+    sampling_logp_difference_mean: Optional[Tensor] = None
+    sampling_logp_difference_max: Optional[Tensor] = None
+    vespo_phi_seq_mean: Optional[Tensor] = None
     custom: Dict[str, Tensor] = {}
 
 
@@ -80,8 +90,38 @@ def metric(name: str):
     return register
 
 
-def compute_metrics(stats: TokenStats, level: str, custom_names: tuple) -> GRPOMetrics:
-    """Built-in metrics for ``level`` ('basic' or 'with_entropy') plus the requested custom ones."""
+def _masked_extrema_mean(x: Tensor, mask: Tensor):
+    """(min, mean, max) of x over mask, each 0 when the mask is empty (TRL's convention here)."""
+    n = mask.sum()
+    lo = torch.where(mask, x, torch.inf).amin() if x.numel() else x.new_zeros(())
+    hi = torch.where(mask, x, -torch.inf).amax() if x.numel() else x.new_zeros(())
+    return (torch.where(n > 0, lo, 0.0), masked_mean(x, mask), torch.where(n > 0, hi, 0.0))
+
+
+def option_metrics(mask: Tensor, old: Tensor, sampling_logprobs: Optional[Tensor], is_weight: Optional[Tensor],
+                   phi_seq: Optional[Tensor]) -> dict:
+    """TRL 1.16's metrics of its loss options (detached): see GRPOMetrics. ``is_weight``: the vLLM
+    IS weight, [B, T] / [N] per token, or per sequence ([B, 1] / [S]); ``phi_seq``: vespo's weight
+    per sequence ([B, 1] / [S])."""
+    out = {}
+    if sampling_logprobs is not None:
+        delta = (old - sampling_logprobs).abs().detach()  # [B, T]
+        scored = mask & ~torch.isnan(delta)
+        _, out["sampling_logp_difference_mean"], out["sampling_logp_difference_max"] = \
+            _masked_extrema_mean(torch.where(scored, delta, 0), scored)
+    if is_weight is not None:
+        w = is_weight.detach()
+        per_seq = w.shape != mask.shape
+        keys = ("importance_sampling_ratio_min", "importance_sampling_ratio_mean", "importance_sampling_ratio_max")
+        out.update(zip(keys, _masked_extrema_mean(w, torch.ones_like(w, dtype=torch.bool) if per_seq else mask)))
+    if phi_seq is not None:
+        out["vespo_phi_seq_mean"] = phi_seq.detach().mean() if phi_seq.numel() else phi_seq.new_zeros(())
+    return out
+
+
+def compute_metrics(stats: TokenStats, level: str, custom_names: tuple, extra: Optional[dict] = None) -> GRPOMetrics:
+    """Built-in metrics for ``level`` ('basic' or 'with_entropy') plus the requested custom ones;
+    ``extra``: option_metrics(...), reported with the basic level."""
     out = {}
     m = stats.mask
     if level in ("basic", "with_entropy"):
@@ -110,5 +150,6 @@ def compute_metrics(stats: TokenStats, level: str, custom_names: tuple) -> GRPOM
             out["kl_ref"] = masked_mean(stats.kl_ref, m)
         if level == "with_entropy":
             out["entropy"] = masked_mean(stats.entropy, m)
+        out.update(extra or {})
     custom = {name: get_metric(name)(stats).detach() for name in custom_names}
     return GRPOMetrics(**out, custom=custom)

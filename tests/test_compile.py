@@ -41,6 +41,11 @@ def _sampling_ratio(shape):
     return make
 
 
+def _sampling_logps(dev):
+    g = torch.Generator().manual_seed(7)
+    return {"sampling_per_token_logps": (-2.0 + 0.5 * torch.randn(B, T, generator=g)).to(dev)}
+
+
 CONFIGS = {
     "dapo": ({}, None),
     "grpo": ({"loss_type": "grpo"}, None),
@@ -69,12 +74,18 @@ CONFIGS = {
     "temperature_no_clamps": ({"temperature": 0.7, "log_ratio_clamp": None, "kl_input_clamp": None,
                                "kl_output_clamp": None, "beta": 0.04}, None),
     "grad_divisor": ({"grad_divisor": 64.0}, None),
+    # TRL 1.16 options: the sampler's log-probs, sequence / token IS weights, masks, vespo, and the
+    # top-entropy threshold (sort + gather on a masked tensor: no host sync, no data-dependent shape)
+    "trl_is_opsm_top_entropy": ({"loss_type": "grpo", "off_policy_mask_threshold": 0.05, "top_entropy_quantile": 0.3,
+                                 "entropy_coef": 0.01, "metrics": "basic"}, _sampling_logps),
+    "trl_vespo_token_is": ({"loss_type": "vespo", "vllm_importance_sampling_mode": "token_mask",
+                            "metrics": "basic"}, _sampling_logps),
     "everything": ({"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.04, "delta": 1.5,
                     "use_bias_correction_kl": True, "entropy_coef": 0.01,
                     "metrics": ("with_entropy", "test_compile_max_abs_log_ratio")}, _bias),
 }
 # The inductor rung: a representative subset (each Inductor compile costs seconds on CPU).
-INDUCTOR_CONFIGS = ["dapo", "everything", "cispo"]
+INDUCTOR_CONFIGS = ["dapo", "everything", "cispo", "trl_is_opsm_top_entropy"]
 
 
 def _inputs(device, extra=None, seed=0):

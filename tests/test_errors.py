@@ -34,6 +34,18 @@ def _inp(**over):
     ("metrics", "fancy", "metrics"),
     ("metrics", ("basic", "with_entropy"), "metrics"),
     ("fp32_lm_head", 1, "fp32_lm_head"),
+    ("loss_type", "VESPO", "loss_type"),
+    ("vespo_k_pos", float("nan"), "vespo_k_pos"),
+    ("vespo_k_neg", None, "vespo_k_neg"),
+    ("vespo_lambda_pos", -1.0, "vespo_lambda_pos"),
+    ("vespo_lambda_neg", "2", "vespo_lambda_neg"),
+    ("off_policy_mask_threshold", float("inf"), "off_policy_mask_threshold"),
+    ("top_entropy_quantile", 1.5, "top_entropy_quantile"),
+    ("top_entropy_quantile", -0.1, "top_entropy_quantile"),
+    ("vllm_importance_sampling_correction", 1, "vllm_importance_sampling_correction"),
+    ("vllm_importance_sampling_mode", "token", "vllm_importance_sampling_mode"),
+    ("vllm_importance_sampling_clip_min", -0.5, "vllm_importance_sampling_clip_min"),
+    ("vllm_importance_sampling_clip_max", float("nan"), "vllm_importance_sampling_clip_max"),
 ])
 def test_config_field_errors(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -74,6 +86,31 @@ def test_beta_without_ref_logprobs():
 def test_tensor_argument_errors(name, value, exc):
     with pytest.raises(exc, match=name):
         cg.grpo_loss(**_inp(**{name: value}), config=cg.GRPOConfig(beta=0.04))
+
+
+def test_trl_option_cross_field_errors():
+    with pytest.raises(ValueError, match="vllm_importance_sampling_clip_min"):   # TRL: min < max
+        cg.GRPOConfig(vllm_importance_sampling_clip_min=3.0)
+    with pytest.raises(ValueError, match="vllm_importance_sampling_clip_max"):   # TRL: truncate needs a bound
+        cg.GRPOConfig(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None)
+    cg.GRPOConfig(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None,
+                  vllm_importance_sampling_correction=False)
+    cg.GRPOConfig(loss_type="vespo", off_policy_mask_threshold=-0.1, top_entropy_quantile=0.0)
+
+
+def test_sampling_inputs_errors():
+    inp = _inp()
+    samp = inp["old_logprobs"].clone()
+    with pytest.raises(ValueError, match="sampling_per_token_logps"):   # the IS weight twice
+        cg.grpo_loss(**inp, sampling_ratio=torch.ones(3, 7), sampling_per_token_logps=samp)
+    cg.grpo_loss(**inp, sampling_ratio=torch.ones(3, 7), sampling_per_token_logps=samp,
+                 config=cg.GRPOConfig(vllm_importance_sampling_correction=False, off_policy_mask_threshold=0.1))
+    with pytest.raises(ValueError, match="sampling_per_token_logps"):
+        cg.grpo_loss(**inp, sampling_per_token_logps=samp[:, :3])
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):   # TRL: vespo needs token_*
+        cg.grpo_loss(**inp, sampling_per_token_logps=samp, config=cg.GRPOConfig(loss_type="vespo"))
+    with pytest.raises(ValueError, match="sampling_ratio"):
+        cg.grpo_loss(**inp, sampling_ratio=torch.ones(3, 1), config=cg.GRPOConfig(loss_type="vespo"))
 
 
 def test_keyword_argument_errors():

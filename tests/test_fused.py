@@ -233,6 +233,96 @@ def test_compile_fullgraph_dynamic(level):
     assert cnt.frame_count == 1
 
 
+# --- TRL 1.16 options ------------------------------------------------------------------------------
+# (config, pass the sampler's log-probs, pass old log-probs). vespo, the off-policy mask and a
+# sequence_* weight with old_logprobs=None read whole sequences of current log-probs (blocks of
+# whole rows); the weight from old and sampler log-probs is formed once before the blocks.
+OPTION_CASES = {
+    "vespo": (dict(loss_type="vespo"), False, True),
+    "vespo_token_is_kl": (dict(loss_type="vespo", vllm_importance_sampling_mode="token_mask",
+                               vllm_importance_sampling_clip_min=0.7, vllm_importance_sampling_clip_max=1.4,
+                               beta=0.04, use_bias_correction_kl=True), True, True),
+    "opsm_sampler": (dict(off_policy_mask_threshold=0.02, vllm_importance_sampling_correction=False), True, True),
+    "opsm_old_grpo": (dict(loss_type="grpo", off_policy_mask_threshold=0.0, entropy_coef=0.01), False, True),
+    "is_token_truncate": (dict(vllm_importance_sampling_mode="token_truncate",
+                               vllm_importance_sampling_clip_min=0.9), True, True),
+    "is_sequence_mask_opsm": (dict(vllm_importance_sampling_clip_max=2.0, off_policy_mask_threshold=0.05),
+                              True, True),
+    "is_sequence_truncate_onpolicy": (dict(vllm_importance_sampling_mode="sequence_truncate"), True, False),
+    "is_token_mask_onpolicy_bnpo": (dict(loss_type="bnpo", vllm_importance_sampling_mode="token_mask",
+                                         vllm_importance_sampling_clip_max=1.3), True, False),
+}
+
+
+def _option_inputs(with_samp, with_old, B=5, T=9, seed=12):
+    inp = make_inputs(B=B, T=T, H=H, V=V, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    if with_samp:
+        inp["sampling_per_token_logps"] = inp["old_logprobs"] + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    if not with_old:
+        inp["old_logprobs"] = None
+    return inp
+
+
+@pytest.mark.parametrize("name", OPTION_CASES)
+def test_fused_equals_recompute_trl_options(name):
+    """float64, 16-row blocks (coupled options: blocks of one whole row): same loss, grads, metrics."""
+    kw, with_samp, with_old = OPTION_CASES[name]
+    inp = _option_inputs(with_samp, with_old)
+    rec, fus = _pair(inp, metrics="with_entropy", **kw)
+    _assert_same(rec, fus)
+    for k, v in rec[0].metrics._asdict().items():
+        if torch.is_tensor(v):
+            torch.testing.assert_close(getattr(fus[0].metrics, k), v, rtol=1e-12, atol=1e-12)
+
+
+def _packed(inp, lengths):
+    """The padded inputs' first `lengths` tokens of each row, packed (cu_seqlens), and the padded twin."""
+    T = inp["mask"].shape[1]
+    keep = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]      # [B, T]
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(lengths).cumsum(0)])
+    pad = dict(inp, mask=inp["mask"] & keep)
+    packed = {k: (v[keep] if torch.is_tensor(v) and v.dim() >= 2 and k != "weight" else v) for k, v in pad.items()}
+    packed["hidden"] = inp["hidden"].detach()[keep]
+    return pad, packed, cu, keep
+
+
+@pytest.mark.parametrize("name", [*OPTION_CASES, "top_entropy"])
+def test_trl_options_packed_equal_padded(name):
+    """Every new option on cu_seqlens inputs gives the padded layout's loss, grads and metrics
+    (sequence-level quantities through Segments); "auto" picks recompute where fused is not exact."""
+    kw, with_samp, with_old = OPTION_CASES.get(name, (dict(top_entropy_quantile=0.3, entropy_coef=0.05), True, True))
+    inp = _option_inputs(with_samp, with_old, B=4, T=8, seed=13)
+    pad, packed, cu, keep = _packed(inp, [8, 3, 6, 0])
+    cfg = cg.GRPOConfig(metrics="with_entropy", fused_workspace_mib=_mib(16), **kw)
+    p_out, p_g = _run(pad, cfg)
+    out, grads = _run(packed, cfg, cu_seqlens=cu)
+    torch.testing.assert_close(out.loss, p_out.loss, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grads[0], p_g[0][keep], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads[1], p_g[1], rtol=1e-10, atol=1e-12)
+    for k, v in p_out.metrics._asdict().items():
+        if torch.is_tensor(v):
+            torch.testing.assert_close(getattr(out.metrics, k), v, rtol=1e-12, atol=1e-12, msg=k)
+
+
+def test_trl_options_fused_mode_selection():
+    """top_entropy_quantile < 1 is never fused; sequence-coupled options on packed inputs neither."""
+    inp = _option_inputs(True, True, B=3, T=5)
+    why = F.why_not_fused(inp["hidden"], inp["weight"], cg.GRPOConfig(top_entropy_quantile=0.2), None, False)
+    assert "top_entropy_quantile" in why
+    with pytest.raises(ValueError, match="gradient_mode='fused'.*top_entropy_quantile"):
+        cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="fused", top_entropy_quantile=0.2))
+    _, packed, cu, _ = _packed(inp, [5, 2, 4])
+    for kw in (dict(loss_type="vespo", vllm_importance_sampling_mode="token_mask"), dict(off_policy_mask_threshold=0.1)):
+        with pytest.raises(ValueError, match="gradient_mode='fused'.*packed"):
+            cg.grpo_loss(**packed, cu_seqlens=cu, config=cg.GRPOConfig(gradient_mode="fused", **kw))
+    # the sampler weight from given old log-probs is inputs-only: packed sequence_* modes stay fused
+    assert F.why_not_fused(packed["hidden"], inp["weight"], cg.GRPOConfig(), object(), False,
+                           packed["old_logprobs"], packed["sampling_per_token_logps"]) is None
+    assert "sequence_" in F.why_not_fused(packed["hidden"], inp["weight"], cg.GRPOConfig(), object(), False,
+                                          None, packed["sampling_per_token_logps"])
+
+
 # --- CUDA (skipped without a GPU) ----------------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
