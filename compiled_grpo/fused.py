@@ -196,8 +196,9 @@ def _block_grads(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss):
 # Eager CUDA calls run the per-block gradient as one compiled graph (dynamic shapes: one compile
 # per config, every block and N): otherwise its ~60 small kernels a block cost ~0.5 ms of launches
 # each (H200: qwen3-8b eager 46.7 vs compiled 43.6 ms; long, 32 blocks, 232 vs 200 ms). Inside a
-# user's torch.compile the function is traced inline instead. COMPILED_GRPO_COMPILE_BLOCK_GRADS=0
-# turns it off (eager launches; no compile on the first call).
+# user's torch.compile the function is traced inline instead. Token-level blocks only (see
+# fused_logprobs). COMPILED_GRPO_COMPILE_BLOCK_GRADS=0 turns it off (eager launches; no compile on
+# the first call).
 _BLOCK_GRADS_COMPILED = os.environ.get("COMPILED_GRPO_COMPILE_BLOCK_GRADS", "1") != "0"
 
 
@@ -246,7 +247,11 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         block_rows = _cdiv(_cdiv(n, blocks), align) * align
 
     t_len = lead[1] if seq else None
-    compiled = _BLOCK_GRADS_COMPILED and _auto_device_ok(hidden) and not torch.compiler.is_compiling()
+    # token-level blocks only: with whole-sequence blocks (GSPO, vespo, ...) Dynamo 2.11 fails to
+    # compile the gradient (InternalTorchDynamoError in tests/test_packed.py on CUDA), so those
+    # keep the eager torch.func path
+    compiled = (_BLOCK_GRADS_COMPILED and not seq and _auto_device_ok(hidden)
+                and not torch.compiler.is_compiling())
 
     def grad_fn(r0, idx, lp, ent):
         # (by_block order: the block's original rows are [r0, r0 + rows), in some order)
