@@ -23,7 +23,7 @@ loads on sm_90+, whose zero fill past n_g does the masking). Padded rows get log
 and lse 0, dX rows 0, and add nothing to dW and d_bias; their incoming grads are ignored.
 
 Memory beyond the dense path's (acc [R, H] fp32 + ws [R, C]): xg [R, H] in the input dtype
-(16 MiB at R=2048, H=4096 bf16), perm and the permuted [N] vectors.
+(12 MiB at R=1536, H=4096 bf16: see ROWS_DX_GROUP_BYTES), perm and the permuted [N] vectors.
 """
 import os
 from typing import Callable, Optional
@@ -71,7 +71,8 @@ def _gather(wrap, x: Tensor, perm: Tensor, count: Tensor, r0, rows, xg: Tensor) 
 # The fp32 dX accumulator of one row group on this path: 24 MiB (R = 1536 rows at H = 4096)
 # rather than the dense path's 32, because this path also holds the group's compacted hidden
 # rows xg [R, H]: acc + xg + ws = 24 + 12 + 24 MiB keeps the recompute mode within 64 MiB beyond
-# the gradients (at R = 2048: 74 MiB, H100, qwen3-8b bench). LINEAR_LOGPROBS_ROWS_DX_GROUP_MIB
+# the gradients (H200, qwen3-8b bench, 39% valid: 58 MiB, 63.0 ms; at R = 2048: 74 MiB, 57.0 ms).
+# LINEAR_LOGPROBS_ROWS_DX_GROUP_MIB
 # trades it back (fewer groups: fewer dW read-modify-writes).
 ROWS_DX_GROUP_BYTES = int(os.environ.get("LINEAR_LOGPROBS_ROWS_DX_GROUP_MIB", "24")) << 20
 
