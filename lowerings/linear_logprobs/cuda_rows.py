@@ -72,8 +72,7 @@ def _gather(wrap, x: Tensor, perm: Tensor, count: Tensor, r0, rows, xg: Tensor) 
 # rather than the dense path's 32, because this path also holds the group's compacted hidden
 # rows xg [R, H]: acc + xg + ws = 24 + 12 + 24 MiB keeps the recompute mode within 64 MiB beyond
 # the gradients (H200, qwen3-8b bench, 39% valid: 58 MiB, 63.0 ms; at R = 2048: 74 MiB, 57.0 ms).
-# LINEAR_LOGPROBS_ROWS_DX_GROUP_MIB
-# trades it back (fewer groups: fewer dW read-modify-writes).
+# LINEAR_LOGPROBS_ROWS_DX_GROUP_MIB trades it back (fewer groups: fewer dW read-modify-writes).
 ROWS_DX_GROUP_BYTES = int(os.environ.get("LINEAR_LOGPROBS_ROWS_DX_GROUP_MIB", "24")) << 20
 
 

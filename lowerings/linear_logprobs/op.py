@@ -47,8 +47,8 @@ runs cuda_rows.py, valid rows compacted first on the device and every kernel sto
 count: no FLOP and no host sync for padding. H100, qwen3-8b shape, the bench's 39%-valid batch
 (`python -m bench --shapes qwen3-8b qwen3-8b-packed`, README "real batches"): grpo_loss on the
 padded batch 58.4 ms = 0.97x the same loss on the valid tokens compacted outside (60.3 ms), 74 MiB
-(58 MiB since the masked path's row groups went from 2048 to 1536 rows; 63.0 ms on H200)
-beyond grads. At 67% valid (`python -m lowerings.linear_logprobs.bench_rows --profile`): 96.7 ms
+beyond grads (58 MiB, 63.0 ms on H200, since the masked path's row groups went from 2048 to 1536
+rows). At 67% valid (`python -m lowerings.linear_logprobs.bench_rows --profile`): 96.7 ms
 masked vs 88.3 ms compacted (cuBLAS steps), because the masked path's Triton dW / dX steps run
 ~20% / ~7% slower than cuBLAS (25.8 / 22.1 ms); the forward and dlogits kernels match.
 Numerics (tests/test_linear_logprobs_gpu.py, N=1024, full head): error vs an fp32 upcast
