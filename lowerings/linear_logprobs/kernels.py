@@ -168,6 +168,25 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
 
 
 @triton.jit
+def _dz_tile(z, y, cols, ids, lse, coef, g_lp, g_ent, ent, inv_temp, HAS_CAP: tl.constexpr,
+             WITH_ENTROPY: tl.constexpr):
+    """dL/da [BLOCK_N, BLOCK_V] of logits z (y = tanh(a s / c) with a cap) for per-row lse,
+    coef = g_lp - g_lse, g_lp, g_ent, entropy and target ids (cpu.dlogits' formula):
+    (g_lp * onehot - p * (coef + g_ent * (log p + H))) * s / T, times (1 - y^2) with a cap."""
+    logp = z - lse[:, None]
+    p = tl.exp(logp)
+    if WITH_ENTROPY:   # p log p -> 0 as p -> 0: no -inf * 0 at banned tokens
+        dz = -p * (coef[:, None] + g_ent[:, None] * (tl.where(p > 0, logp, 0.0) + ent[:, None]))
+    else:
+        dz = -p * coef[:, None]
+    # d/da of z = c tanh(a s / c) / T is (s / T) (1 - y^2); of z = a s / T, s / T (= inv_temp)
+    dz = tl.where(cols[None, :] == ids[:, None], dz + g_lp[:, None], dz) * tl.cast(inv_temp, tl.float32)
+    if HAS_CAP:
+        dz = dz * (1.0 - y * y)
+    return dz
+
+
+@triton.jit
 def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, glse_ptr,
                     ws_ptr, dbp_ptr, count_ptr, N, V, H, x_row_first, row_first, n_rows, v_first,
                     stride_x, stride_w, stride_ws, inv_temp, cap_pre, cap_post, n_blocks, n_vtiles,
@@ -203,18 +222,13 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
     coef = g_lp - tl.load(glse_ptr + rows, mask=row_mask, other=0.0)
-    logp = z - lse[:, None]
-    p = tl.exp(logp)
     if WITH_ENTROPY:
         g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
         ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-        dz = -p * (coef[:, None] + g_ent[:, None] * (tl.where(p > 0, logp, 0.0) + ent[:, None]))
     else:
-        dz = -p * coef[:, None]
-    # d/da of z = c tanh(a s / c) / T is (s / T) (1 - y^2); of z = a s / T, s / T (= inv_temp)
-    dz = tl.where(cols[None, :] == ids[:, None], dz + g_lp[:, None], dz) * tl.cast(inv_temp, tl.float32)
-    if HAS_CAP:
-        dz = dz * (1.0 - y * y)
+        g_ent = coef
+        ent = coef
+    dz = _dz_tile(z, y, cols, ids, lse, coef, g_lp, g_ent, ent, inv_temp, HAS_CAP, WITH_ENTROPY)
     mask = row_mask[:, None] & col_mask[None, :]
     dz = tl.where(mask, dz, 0.0)                      # padded rows/cols may hold inf/nan
     ws_ptrs = ws_ptr + local_rows.to(tl.int64)[:, None] * stride_ws + local[None, :]
@@ -256,18 +270,17 @@ def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, gl
     ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
-    logp = z - lse[:, None]
-    p = tl.exp(logp)
     if WITH_ENTROPY:
         g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
         ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-        dz = -p * (g_lp[:, None] + g_ent[:, None] * (tl.where(p > 0, logp, 0.0) + ent[:, None]))
     else:
-        dz = -p * g_lp[:, None]
-    dz = tl.where(cols[None, :] == ids[:, None], dz + g_lp[:, None], dz) * tl.cast(inv_temp, tl.float32)
-    if HAS_CAP:   # y = tanh(a s / c) = z / cap_post (z = c y / T)
+        g_ent = g_lp
+        ent = g_lp
+    if HAS_CAP:   # tanh(a s / c) = z / cap_post (z = c y / T)
         y = z / tl.cast(cap_post, tl.float32)
-        dz = dz * (1.0 - y * y)
+    else:
+        y = z
+    dz = _dz_tile(z, y, cols, ids, lse, g_lp, g_lp, g_ent, ent, inv_temp, HAS_CAP, WITH_ENTROPY)
     dz = tl.where(mask, dz, 0.0)
     tl.store(ws_ptr + offs, dz.to(ws_ptr.dtype.element_ty), mask=mask)
     if NEED_DB:
