@@ -28,7 +28,11 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +="
 LOSS_METRICS = ("loss", "grad_norm", "kl", "entropy", "policy_loss", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio")
+                "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio",
+                "vespo/phi_seq_mean")
+# step 2 re-trains step 1's batch: its A < 0 sequences drift by 0.09 to 0.36 (mean sampler - current
+# log-prob), so 0.15 drops most of them, far from any value that could flip; step 1 and 3 drift by 0.
+OFF_POLICY_THRESHOLD = 0.15
 SAME_BATCH = ("reward", "reward_std", "completions/mean_length", "num_tokens")
 
 
@@ -119,15 +123,41 @@ PARITY = {
     "dr_grpo_no_bias_correction": dict(loss_type="dr_grpo", use_bias_correction_kl=False),
     "sapo": dict(loss_type="sapo"),
     "luspo_gspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "vespo": dict(loss_type="vespo", vespo_k_neg=2.5, vespo_lambda_pos=2.5),
+    "grpo_off_policy_mask": dict(loss_type="grpo", off_policy_mask_threshold=OFF_POLICY_THRESHOLD),
+    "dapo_top_entropy_bonus": dict(top_entropy_quantile=0.5, entropy_coef=0.02),
 }
+
+
+def count_trl_masked(monkeypatch, dropped):
+    """Count the valid tokens TRL's own off-policy / high-entropy masks drop (proof the option acts)."""
+    def wrap(name, mask_of):
+        original = getattr(trl.GRPOTrainer, name)
+
+        def recorded(*args, **kwargs):
+            keep = original(*args, **kwargs)
+            valid = mask_of(args, kwargs).bool()
+            dropped[name] += int((valid & ~keep.bool().expand_as(valid)).sum())
+            return keep
+
+        monkeypatch.setattr(trl.GRPOTrainer, name, staticmethod(recorded) if name == "get_off_policy_mask" else recorded)
+
+    wrap("get_off_policy_mask", lambda args, kwargs: kwargs["mask"])
+    wrap("get_high_entropy_mask", lambda args, kwargs: args[2])  # (self, entropies, mask, threshold)
 
 
 @pytest.mark.parametrize("name", PARITY)
 def test_parity_with_trl(name, model_dir, tmp_path, monkeypatch):
+    dropped = {"get_off_policy_mask": 0, "get_high_entropy_mask": 0}
+    count_trl_masked(monkeypatch, dropped)
     ref = train(trl.GRPOTrainer, model_dir, tmp_path / "trl", **PARITY[name])
     ours = train(GRPOTrainer, model_dir, tmp_path / "ours", monkeypatch, **PARITY[name])
     assert any(step.get("clip_ratio/region_mean", step.get("cispo_clip_ratio", 1.0)) > 0 for step in ref)
     assert any(step.get("kl", 0) > 0 for step in ref)
+    assert (dropped["get_off_policy_mask"] > 0) == ("off_policy_mask_threshold" in PARITY[name])
+    assert (dropped["get_high_entropy_mask"] > 0) == ("top_entropy_quantile" in PARITY[name])
+    if PARITY[name].get("loss_type") == "vespo":  # phi != 1: the second update of a batch is off-policy
+        assert any(abs(step["vespo/phi_seq_mean"] - 1) > 1e-3 for step in ref)
     assert_same_logs(ref, ours)
 
 
@@ -164,13 +194,27 @@ def test_logit_scale_and_softcap(tmp_path, monkeypatch):
             train(GRPOTrainer, model, tmp_path / "ours", monkeypatch)
 
 
-@pytest.mark.parametrize("option, value", [("loss_type", "vespo"), ("off_policy_mask_threshold", 0.5),
-                                           ("top_entropy_quantile", 0.2), ("use_adaptive_entropy", True)])
-def test_unsupported_option_raises_at_construction(option, value, tmp_path):
-    args = make_args(tmp_path, **{option: value})
-    with pytest.raises(ValueError, match=f"{option}={value!r}"):  # before the (absent) model is loaded
+@pytest.mark.parametrize("overrides, match", [
+    (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True"),
+    # vespo sums log(TRL's IS ratio) over padded positions too, where clip_max < 1 makes it != 1
+    (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_truncate",
+          vllm_importance_sampling_clip_max=0.5), r"vllm_importance_sampling_clip_min/_clip_max=\(None, 0.5\)"),
+])
+def test_unsupported_option_raises_at_construction(overrides, match, tmp_path):
+    args = make_args(tmp_path, **overrides)
+    with pytest.raises(ValueError, match=match):  # before the (absent) model is loaded
         GRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=count_a, args=args,
                     train_dataset=Dataset.from_dict({"prompt": ["1 ="]}), processing_class=char_tokenizer())
+
+
+def test_top_entropy_quantile_multi_process_raises():
+    """TRL's quantile spans every rank's entropies; compiled_grpo's spans the local batch."""
+    from compiled_grpo.integrations.trl import check_supported_world
+
+    check_supported_world(make_args("unused", top_entropy_quantile=0.5), 1)
+    check_supported_world(make_args("unused"), 2)
+    with pytest.raises(ValueError, match="top_entropy_quantile=0.5"):
+        check_supported_world(make_args("unused", top_entropy_quantile=0.5), 2)
 
 
 def test_config_mapping():
@@ -186,3 +230,12 @@ def test_config_mapping():
                                                                                                    "k3")
     assert (cfg.log_ratio_clamp, cfg.kl_input_clamp, cfg.kl_output_clamp) == (None, None, None)
     assert grpo_config_from_trl(make_args("unused")).epsilon_high == 0.05  # epsilon_high None -> epsilon
+    cfg = grpo_config_from_trl(make_args("unused", loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5,
+                                         vespo_k_neg=3.5, vespo_lambda_neg=1.0, off_policy_mask_threshold=0.3,
+                                         top_entropy_quantile=0.4, use_vllm=True,
+                                         vllm_importance_sampling_mode="token_mask"))
+    assert (cfg.loss_type, cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg) == (
+        "vespo", 1.5, 2.5, 3.5, 1.0)
+    assert (cfg.off_policy_mask_threshold, cfg.top_entropy_quantile) == (0.3, 0.4)
+    # TRL forms the IS weight itself (passed as sampling_ratio): compiled_grpo must not form a second one
+    assert cfg.vllm_importance_sampling_correction is False
