@@ -239,3 +239,73 @@ def test_config_mapping():
     assert (cfg.off_policy_mask_threshold, cfg.top_entropy_quantile) == (0.3, 0.4)
     # TRL forms the IS weight itself (passed as sampling_ratio): compiled_grpo must not form a second one
     assert cfg.vllm_importance_sampling_correction is False
+
+
+VLLM_INPUTS = {
+    # TRL's importance_sampling_ratio per token (token_truncate), a KL term, the off-policy mask on the sampler's
+    # log-probs: the ratio multiplies the policy term once, and the mask reads sampling_per_token_logps
+    "grpo_token_is_off_policy_kl": (dict(loss_type="grpo", off_policy_mask_threshold=0.05), "token_truncate"),
+    # vespo folds log(ratio) into phi (no multiplication); token_mask zeroes some ratios
+    "vespo_token_mask_off_policy": (dict(loss_type="vespo", beta=0.0, off_policy_mask_threshold=0.05),
+                                    "token_mask"),
+    # a per-sequence ratio [B, 1] with the high-entropy mask and the entropy bonus
+    "dapo_sequence_is_top_entropy": (dict(top_entropy_quantile=0.5, entropy_coef=0.02, beta=0.0), "sequence_mask"),
+}
+
+
+@pytest.mark.parametrize("name", VLLM_INPUTS)
+def test_vllm_inputs_match_trl_compute_loss(name, model_dir, tmp_path, monkeypatch):
+    """vLLM generation cannot run here: both trainers' _compute_loss get the inputs TRL's
+    _generate_and_score_completions builds with use_vllm (old and sampler log-probs and TRL's
+    importance_sampling_ratio, from compiled_grpo's sampling_importance_weight, tested against TRL in
+    test_trl_options.py); loss, gradients and logged metrics must agree."""
+    overrides, is_mode = VLLM_INPUTS[name]
+    dropped = {"get_off_policy_mask": 0, "get_high_entropy_mask": 0}
+    count_trl_masked(monkeypatch, dropped)
+    g = torch.Generator().manual_seed(1)
+    b, p, t = 8, 4, 10
+    lengths = torch.tensor([10, 3, 7, 1, 10, 6, 2, 9])
+    completion_mask = (torch.arange(t)[None] < lengths[:, None]).long()  # [B, T], right-padded as TRL's
+    inputs = dict(prompt_ids=torch.randint(2, 40, (b, p), generator=g), prompt_mask=torch.ones(b, p, dtype=torch.long),
+                  completion_ids=torch.randint(2, 40, (b, t), generator=g) * completion_mask,
+                  completion_mask=completion_mask, advantages=torch.randn(b, generator=g),
+                  num_items_in_batch=completion_mask.sum())
+    results = []
+    for cls in (trl.GRPOTrainer, GRPOTrainer):
+        torch.manual_seed(0)
+        trainer = cls(model=model_dir, reward_funcs=count_a, args=make_args(tmp_path / cls.__module__, **overrides),
+                      train_dataset=Dataset.from_dict({"prompt": ["1 ="]}), processing_class=char_tokenizer())
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True  # what use_vllm=True sets
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.train()
+        if cls is trl.GRPOTrainer:  # the batch's log-probs, from TRL's own code
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            am = torch.cat([inputs["prompt_mask"], completion_mask], 1)
+            with torch.no_grad():
+                logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, am, t)[0]
+                if trainer.beta != 0.0:
+                    inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                        trainer.ref_model, ids, am, t)[0]
+            valid = completion_mask.bool()
+            old = logps + 0.05 * torch.randn(b, t, generator=g)
+            samp = old + 0.3 * torch.randn(b, t, generator=g)
+            samp[2, 1] = float("nan")  # a token the sampler could not score
+            samp[0, 0] = old[0, 0] + 3.0  # IS ratio exp(-3): zeroed by token_mask, clipped by the others
+            inputs.update(old_per_token_logps=old, sampling_per_token_logps=samp,
+                          importance_sampling_ratio=cg.sampling_importance_weight(
+                              old, samp, valid, mode=is_mode, clip_min=0.2 if is_mode == "token_mask" else None,
+                              clip_max=5.0 if is_mode == "token_mask" else 2.0))
+        loss = trainer._compute_loss(trainer.model, dict(inputs))
+        loss.backward()
+        head = trainer.model.get_output_embeddings().weight.grad.clone()
+        first = trainer.model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+        results.append((loss.detach(), head, first, {k: v[-1] for k, v in trainer._metrics["train"].items()}))
+    (ref_loss, ref_head, ref_first, ref_metrics), (loss, head, first, metrics) = results
+    assert (dropped["get_off_policy_mask"] > 0) == ("off_policy_mask_threshold" in overrides)
+    assert (dropped["get_high_entropy_mask"] > 0) == ("top_entropy_quantile" in overrides)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(head, ref_head, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(first, ref_first, rtol=1e-4, atol=1e-7)
+    assert set(metrics) == set(ref_metrics)
+    for key, value in ref_metrics.items():
+        assert math.isclose(metrics[key], value, rel_tol=1e-5, abs_tol=1e-7), f"{key}: TRL {value} vs ours {metrics[key]}"
