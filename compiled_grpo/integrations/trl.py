@@ -18,11 +18,16 @@ logged reward/completion metrics stay TRL's code):
   (numerical guards off, so the numbers are TRL's). The metrics TRL 1.16 logs there are logged
   under the same names with TRL's definitions (``kl``, ``entropy``, ``clip_ratio/low_mean``,
   ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``clip_ratio/low_min``,
-  ``clip_ratio/high_max``, ``cispo_clip_ratio``, ``policy_loss`` and ``entropy_coef`` with an
-  entropy bonus); ``loss`` and ``grad_norm`` are logged by ``transformers.Trainer`` as before.
+  ``clip_ratio/high_max``, ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``policy_loss`` and
+  ``entropy_coef`` with an entropy bonus); ``loss`` and ``grad_norm`` are logged by
+  ``transformers.Trainer`` as before.
 
 Supported (``trl.GRPOConfig`` fields): ``loss_type`` grpo, bnpo, dr_grpo (``max_completion_length``),
-dapo, cispo, sapo (``sapo_temperature_pos/neg``), luspo; ``epsilon``, ``epsilon_high``, ``delta``,
+dapo, cispo, sapo (``sapo_temperature_pos/neg``), luspo, vespo (``vespo_k_pos``, ``vespo_lambda_pos``,
+``vespo_k_neg``, ``vespo_lambda_neg``); ``off_policy_mask_threshold`` (measured against TRL's
+``sampling_per_token_logps`` when present, i.e. with vLLM, else the old log-probs, as TRL);
+``top_entropy_quantile`` (the entropy bonus then averages over the kept tokens, as TRL);
+``epsilon``, ``epsilon_high``, ``delta``,
 ``beta`` with ``use_bias_correction_kl``, ``importance_sampling_level`` token or sequence (GSPO),
 ``temperature``, ``num_iterations``, ``steps_per_generation``, gradient accumulation, a static
 ``entropy_coef``, ``cast_lm_head_to_fp32`` (``fp32_lm_head``), tool masks, mixed precision (the
@@ -33,15 +38,22 @@ model's logit scale and final-logit softcapping are read from its config as TRL 
 ``final_logit_softcapping``) and passed to compiled_grpo's ``logit_scale`` /
 ``final_logit_softcapping``; with a compiled_grpo that lacks them, such a model raises ``ValueError``.
 
-Not supported, ``ValueError`` at construction naming the option: ``loss_type="vespo"``,
-``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, ``use_adaptive_entropy``, MoE router
-aux loss (``router_aux_loss_coef`` on a model with ``output_router_logits``), vision-language
-models, DeepSpeed ZeRO-3 (the op recomputes logits from the weight in its backward, outside the
-ZeRO-3 gather). Written for but not tested (single CPU process is what CI runs): DDP / multi-GPU
-(the forward runs through the wrapped model, metrics are reduced as TRL does), FSDP2 (the
-lm_head weight is gathered with ``full_tensor`` as TRL does), PEFT without an lm_head adapter,
-vLLM generation with ``vllm_importance_sampling_correction`` (TRL's ratio is passed to
-``grpo_loss`` as ``sampling_ratio``).
+Not supported, ``ValueError`` at construction naming the option: ``use_adaptive_entropy``,
+``top_entropy_quantile < 1`` with more than one process (TRL takes the quantile over every rank's
+entropies, gathered inside its loss; compiled_grpo over the local micro-batch), ``loss_type="vespo"``
+with vLLM importance sampling and ``vllm_importance_sampling_clip_min > 1`` or ``_clip_max < 1``
+(TRL's ratio is then not 1 at padded positions and its gamma weight sums their logs; compiled_grpo
+reads valid tokens only), MoE router aux loss (``router_aux_loss_coef`` on a model with
+``output_router_logits``), vision-language models, DeepSpeed ZeRO-3 (the op recomputes logits from
+the weight in its backward, outside the ZeRO-3 gather). Written for but not tested end to end
+(single CPU process is what CI runs): DDP / multi-GPU (the forward runs through the wrapped model,
+metrics are reduced as TRL does), FSDP2 (the lm_head weight is gathered with ``full_tensor`` as TRL
+does), PEFT without an lm_head adapter, vLLM generation with ``vllm_importance_sampling_correction``:
+TRL forms the weight at generation (``inputs["importance_sampling_ratio"]``) and the trainer passes
+it to ``grpo_loss`` as ``sampling_ratio`` (a factor of the policy term; vespo: its log enters phi),
+with compiled_grpo's own ``vllm_importance_sampling_correction`` off so it is applied once;
+``inputs["sampling_per_token_logps"]`` goes to ``grpo_loss`` only for ``off_policy_mask_threshold``.
+The loss on such inputs is tested against TRL's ``_compute_loss`` (tests/test_trl_integration.py).
 
 Compiling the loss: ``GRPOTrainer(..., compile_loss=True)`` (an argument TRL does not have) wraps
 ``compiled_grpo.grpo_loss`` in ``torch.compile(fullgraph=True)`` with the completion length marked
@@ -295,7 +307,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         """TRL 1.16 ``_compute_loss`` as one ``compiled_grpo.grpo_loss`` call.
 
         TRL's normalizers, reproduced: the loss types divided by B or by tokens are divided by the
-        gradient accumulation steps in training; dapo/cispo divide by ``num_items_in_batch`` (which
+        gradient accumulation steps in training; dapo/cispo/vespo divide by ``num_items_in_batch`` (which
         spans the generation batch) * accumulation steps / ``steps_per_generation``: here
         ``grpo_loss(num_items_in_batch=items / steps_per_generation) / accumulation_steps``, which also
         scales the entropy bonus by 1 / accumulation_steps as TRL does.
