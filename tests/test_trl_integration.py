@@ -161,14 +161,20 @@ def test_parity_with_trl(name, model_dir, tmp_path, monkeypatch):
     assert_same_logs(ref, ours)
 
 
-def test_parity_compiled_loss(model_dir, tmp_path, monkeypatch):
+COMPILED = {"dapo_kl_offpolicy": dict(),
+            "vespo_off_policy_top_entropy": dict(loss_type="vespo", off_policy_mask_threshold=OFF_POLICY_THRESHOLD,
+                                                 top_entropy_quantile=0.5, entropy_coef=0.02)}
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_parity_compiled_loss(name, model_dir, tmp_path, monkeypatch):
     """compile_loss: grpo_loss under torch.compile(fullgraph=True), one graph for the run (aot_eager
     keeps the test fast; the default Inductor backend gives the same numbers)."""
     torch._dynamo.reset()
-    ref = train(trl.GRPOTrainer, model_dir, tmp_path / "trl")
+    ref = train(trl.GRPOTrainer, model_dir, tmp_path / "trl", **COMPILED[name])
     frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     ours = train(GRPOTrainer, model_dir, tmp_path / "ours", monkeypatch,
-                 trainer_kwargs={"compile_loss": {"backend": "aot_eager"}})
+                 trainer_kwargs={"compile_loss": {"backend": "aot_eager"}}, **COMPILED[name])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before == 1
     assert_same_logs(ref, ours)
 
