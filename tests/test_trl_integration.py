@@ -28,7 +28,11 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +="
 LOSS_METRICS = ("loss", "grad_norm", "kl", "entropy", "policy_loss", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio")
+                "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio",
+                "vespo/phi_seq_mean")
+# step 2 re-trains step 1's batch: its A < 0 sequences drift by 0.09 to 0.36 (mean sampler - current
+# log-prob), so 0.15 drops most of them, far from any value that could flip; step 1 and 3 drift by 0.
+OFF_POLICY_THRESHOLD = 0.15
 SAME_BATCH = ("reward", "reward_std", "completions/mean_length", "num_tokens")
 
 
@@ -119,26 +123,58 @@ PARITY = {
     "dr_grpo_no_bias_correction": dict(loss_type="dr_grpo", use_bias_correction_kl=False),
     "sapo": dict(loss_type="sapo"),
     "luspo_gspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "vespo": dict(loss_type="vespo", vespo_k_neg=2.5, vespo_lambda_pos=2.5),
+    "grpo_off_policy_mask": dict(loss_type="grpo", off_policy_mask_threshold=OFF_POLICY_THRESHOLD),
+    "dapo_top_entropy_bonus": dict(top_entropy_quantile=0.5, entropy_coef=0.02),
 }
+
+
+def count_trl_masked(monkeypatch, dropped):
+    """Count the valid tokens TRL's own off-policy / high-entropy masks drop (proof the option acts)."""
+    def wrap(name, mask_of):
+        original = getattr(trl.GRPOTrainer, name)
+
+        def recorded(*args, **kwargs):
+            keep = original(*args, **kwargs)
+            valid = mask_of(args, kwargs).bool()
+            dropped[name] += int((valid & ~keep.bool().expand_as(valid)).sum())
+            return keep
+
+        monkeypatch.setattr(trl.GRPOTrainer, name, staticmethod(recorded) if name == "get_off_policy_mask" else recorded)
+
+    wrap("get_off_policy_mask", lambda args, kwargs: kwargs["mask"])
+    wrap("get_high_entropy_mask", lambda args, kwargs: args[2])  # (self, entropies, mask, threshold)
 
 
 @pytest.mark.parametrize("name", PARITY)
 def test_parity_with_trl(name, model_dir, tmp_path, monkeypatch):
+    dropped = {"get_off_policy_mask": 0, "get_high_entropy_mask": 0}
+    count_trl_masked(monkeypatch, dropped)
     ref = train(trl.GRPOTrainer, model_dir, tmp_path / "trl", **PARITY[name])
     ours = train(GRPOTrainer, model_dir, tmp_path / "ours", monkeypatch, **PARITY[name])
     assert any(step.get("clip_ratio/region_mean", step.get("cispo_clip_ratio", 1.0)) > 0 for step in ref)
     assert any(step.get("kl", 0) > 0 for step in ref)
+    assert (dropped["get_off_policy_mask"] > 0) == ("off_policy_mask_threshold" in PARITY[name])
+    assert (dropped["get_high_entropy_mask"] > 0) == ("top_entropy_quantile" in PARITY[name])
+    if PARITY[name].get("loss_type") == "vespo":  # phi != 1: the second update of a batch is off-policy
+        assert any(abs(step["vespo/phi_seq_mean"] - 1) > 1e-3 for step in ref)
     assert_same_logs(ref, ours)
 
 
-def test_parity_compiled_loss(model_dir, tmp_path, monkeypatch):
+COMPILED = {"dapo_kl_offpolicy": dict(),
+            "vespo_off_policy_top_entropy": dict(loss_type="vespo", off_policy_mask_threshold=OFF_POLICY_THRESHOLD,
+                                                 top_entropy_quantile=0.5, entropy_coef=0.02)}
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_parity_compiled_loss(name, model_dir, tmp_path, monkeypatch):
     """compile_loss: grpo_loss under torch.compile(fullgraph=True), one graph for the run (aot_eager
     keeps the test fast; the default Inductor backend gives the same numbers)."""
     torch._dynamo.reset()
-    ref = train(trl.GRPOTrainer, model_dir, tmp_path / "trl")
+    ref = train(trl.GRPOTrainer, model_dir, tmp_path / "trl", **COMPILED[name])
     frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     ours = train(GRPOTrainer, model_dir, tmp_path / "ours", monkeypatch,
-                 trainer_kwargs={"compile_loss": {"backend": "aot_eager"}})
+                 trainer_kwargs={"compile_loss": {"backend": "aot_eager"}}, **COMPILED[name])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before == 1
     assert_same_logs(ref, ours)
 
@@ -164,13 +200,27 @@ def test_logit_scale_and_softcap(tmp_path, monkeypatch):
             train(GRPOTrainer, model, tmp_path / "ours", monkeypatch)
 
 
-@pytest.mark.parametrize("option, value", [("loss_type", "vespo"), ("off_policy_mask_threshold", 0.5),
-                                           ("top_entropy_quantile", 0.2), ("use_adaptive_entropy", True)])
-def test_unsupported_option_raises_at_construction(option, value, tmp_path):
-    args = make_args(tmp_path, **{option: value})
-    with pytest.raises(ValueError, match=f"{option}={value!r}"):  # before the (absent) model is loaded
+@pytest.mark.parametrize("overrides, match", [
+    (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True"),
+    # vespo sums log(TRL's IS ratio) over padded positions too, where clip_max < 1 makes it != 1
+    (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_truncate",
+          vllm_importance_sampling_clip_max=0.5), r"vllm_importance_sampling_clip_min/_clip_max=\(None, 0.5\)"),
+])
+def test_unsupported_option_raises_at_construction(overrides, match, tmp_path):
+    args = make_args(tmp_path, **overrides)
+    with pytest.raises(ValueError, match=match):  # before the (absent) model is loaded
         GRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=count_a, args=args,
                     train_dataset=Dataset.from_dict({"prompt": ["1 ="]}), processing_class=char_tokenizer())
+
+
+def test_top_entropy_quantile_multi_process_raises():
+    """TRL's quantile spans every rank's entropies; compiled_grpo's spans the local batch."""
+    from compiled_grpo.integrations.trl import check_supported_world
+
+    check_supported_world(make_args("unused", top_entropy_quantile=0.5), 1)
+    check_supported_world(make_args("unused"), 2)
+    with pytest.raises(ValueError, match="top_entropy_quantile=0.5"):
+        check_supported_world(make_args("unused", top_entropy_quantile=0.5), 2)
 
 
 def test_config_mapping():
@@ -186,3 +236,82 @@ def test_config_mapping():
                                                                                                    "k3")
     assert (cfg.log_ratio_clamp, cfg.kl_input_clamp, cfg.kl_output_clamp) == (None, None, None)
     assert grpo_config_from_trl(make_args("unused")).epsilon_high == 0.05  # epsilon_high None -> epsilon
+    cfg = grpo_config_from_trl(make_args("unused", loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5,
+                                         vespo_k_neg=3.5, vespo_lambda_neg=1.0, off_policy_mask_threshold=0.3,
+                                         top_entropy_quantile=0.4, use_vllm=True,
+                                         vllm_importance_sampling_mode="token_mask"))
+    assert (cfg.loss_type, cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg) == (
+        "vespo", 1.5, 2.5, 3.5, 1.0)
+    assert (cfg.off_policy_mask_threshold, cfg.top_entropy_quantile) == (0.3, 0.4)
+    # TRL forms the IS weight itself (passed as sampling_ratio): compiled_grpo must not form a second one
+    assert cfg.vllm_importance_sampling_correction is False
+
+
+VLLM_INPUTS = {
+    # TRL's importance_sampling_ratio per token (token_truncate), a KL term, the off-policy mask on the sampler's
+    # log-probs: the ratio multiplies the policy term once, and the mask reads sampling_per_token_logps
+    "grpo_token_is_off_policy_kl": (dict(loss_type="grpo", off_policy_mask_threshold=0.05), "token_truncate"),
+    # vespo folds log(ratio) into phi (no multiplication); token_mask zeroes some ratios
+    "vespo_token_mask_off_policy": (dict(loss_type="vespo", beta=0.0, off_policy_mask_threshold=0.05),
+                                    "token_mask"),
+    # a per-sequence ratio [B, 1] with the high-entropy mask and the entropy bonus
+    "dapo_sequence_is_top_entropy": (dict(top_entropy_quantile=0.5, entropy_coef=0.02, beta=0.0), "sequence_mask"),
+}
+
+
+@pytest.mark.parametrize("name", VLLM_INPUTS)
+def test_vllm_inputs_match_trl_compute_loss(name, model_dir, tmp_path, monkeypatch):
+    """vLLM generation cannot run here: both trainers' _compute_loss get the inputs TRL's
+    _generate_and_score_completions builds with use_vllm (old and sampler log-probs and TRL's
+    importance_sampling_ratio, from compiled_grpo's sampling_importance_weight, tested against TRL in
+    test_trl_options.py); loss, gradients and logged metrics must agree."""
+    overrides, is_mode = VLLM_INPUTS[name]
+    dropped = {"get_off_policy_mask": 0, "get_high_entropy_mask": 0}
+    count_trl_masked(monkeypatch, dropped)
+    g = torch.Generator().manual_seed(1)
+    b, p, t = 8, 4, 10
+    lengths = torch.tensor([10, 3, 7, 1, 10, 6, 2, 9])
+    completion_mask = (torch.arange(t)[None] < lengths[:, None]).long()  # [B, T], right-padded as TRL's
+    inputs = dict(prompt_ids=torch.randint(2, 40, (b, p), generator=g), prompt_mask=torch.ones(b, p, dtype=torch.long),
+                  completion_ids=torch.randint(2, 40, (b, t), generator=g) * completion_mask,
+                  completion_mask=completion_mask, advantages=torch.randn(b, generator=g),
+                  num_items_in_batch=completion_mask.sum())
+    results = []
+    for cls in (trl.GRPOTrainer, GRPOTrainer):
+        torch.manual_seed(0)
+        trainer = cls(model=model_dir, reward_funcs=count_a, args=make_args(tmp_path / cls.__module__, **overrides),
+                      train_dataset=Dataset.from_dict({"prompt": ["1 ="]}), processing_class=char_tokenizer())
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True  # what use_vllm=True sets
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.train()
+        if cls is trl.GRPOTrainer:  # the batch's log-probs, from TRL's own code
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            am = torch.cat([inputs["prompt_mask"], completion_mask], 1)
+            with torch.no_grad():
+                logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, am, t)[0]
+                if trainer.beta != 0.0:
+                    inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                        trainer.ref_model, ids, am, t)[0]
+            valid = completion_mask.bool()
+            old = logps + 0.05 * torch.randn(b, t, generator=g)
+            samp = old + 0.3 * torch.randn(b, t, generator=g)
+            samp[2, 1] = float("nan")  # a token the sampler could not score
+            samp[0, 0] = old[0, 0] + 3.0  # IS ratio exp(-3): zeroed by token_mask, clipped by the others
+            inputs.update(old_per_token_logps=old, sampling_per_token_logps=samp,
+                          importance_sampling_ratio=cg.sampling_importance_weight(
+                              old, samp, valid, mode=is_mode, clip_min=0.2 if is_mode == "token_mask" else None,
+                              clip_max=5.0 if is_mode == "token_mask" else 2.0))
+        loss = trainer._compute_loss(trainer.model, dict(inputs))
+        loss.backward()
+        head = trainer.model.get_output_embeddings().weight.grad.clone()
+        first = trainer.model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+        results.append((loss.detach(), head, first, {k: v[-1] for k, v in trainer._metrics["train"].items()}))
+    (ref_loss, ref_head, ref_first, ref_metrics), (loss, head, first, metrics) = results
+    assert (dropped["get_off_policy_mask"] > 0) == ("off_policy_mask_threshold" in overrides)
+    assert (dropped["get_high_entropy_mask"] > 0) == ("top_entropy_quantile" in overrides)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(head, ref_head, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(first, ref_first, rtol=1e-4, atol=1e-7)
+    assert set(metrics) == set(ref_metrics)
+    for key, value in ref_metrics.items():
+        assert math.isclose(metrics[key], value, rel_tol=1e-5, abs_tol=1e-7), f"{key}: TRL {value} vs ours {metrics[key]}"

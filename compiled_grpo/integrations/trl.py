@@ -18,11 +18,16 @@ logged reward/completion metrics stay TRL's code):
   (numerical guards off, so the numbers are TRL's). The metrics TRL 1.16 logs there are logged
   under the same names with TRL's definitions (``kl``, ``entropy``, ``clip_ratio/low_mean``,
   ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``clip_ratio/low_min``,
-  ``clip_ratio/high_max``, ``cispo_clip_ratio``, ``policy_loss`` and ``entropy_coef`` with an
-  entropy bonus); ``loss`` and ``grad_norm`` are logged by ``transformers.Trainer`` as before.
+  ``clip_ratio/high_max``, ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``policy_loss`` and
+  ``entropy_coef`` with an entropy bonus); ``loss`` and ``grad_norm`` are logged by
+  ``transformers.Trainer`` as before.
 
 Supported (``trl.GRPOConfig`` fields): ``loss_type`` grpo, bnpo, dr_grpo (``max_completion_length``),
-dapo, cispo, sapo (``sapo_temperature_pos/neg``), luspo; ``epsilon``, ``epsilon_high``, ``delta``,
+dapo, cispo, sapo (``sapo_temperature_pos/neg``), luspo, vespo (``vespo_k_pos``, ``vespo_lambda_pos``,
+``vespo_k_neg``, ``vespo_lambda_neg``); ``off_policy_mask_threshold`` (measured against TRL's
+``sampling_per_token_logps`` when present, i.e. with vLLM, else the old log-probs, as TRL);
+``top_entropy_quantile`` (the entropy bonus then averages over the kept tokens, as TRL);
+``epsilon``, ``epsilon_high``, ``delta``,
 ``beta`` with ``use_bias_correction_kl``, ``importance_sampling_level`` token or sequence (GSPO),
 ``temperature``, ``num_iterations``, ``steps_per_generation``, gradient accumulation, a static
 ``entropy_coef``, ``cast_lm_head_to_fp32`` (``fp32_lm_head``), tool masks, mixed precision (the
@@ -33,15 +38,22 @@ model's logit scale and final-logit softcapping are read from its config as TRL 
 ``final_logit_softcapping``) and passed to compiled_grpo's ``logit_scale`` /
 ``final_logit_softcapping``; with a compiled_grpo that lacks them, such a model raises ``ValueError``.
 
-Not supported, ``ValueError`` at construction naming the option: ``loss_type="vespo"``,
-``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, ``use_adaptive_entropy``, MoE router
-aux loss (``router_aux_loss_coef`` on a model with ``output_router_logits``), vision-language
-models, DeepSpeed ZeRO-3 (the op recomputes logits from the weight in its backward, outside the
-ZeRO-3 gather). Written for but not tested (single CPU process is what CI runs): DDP / multi-GPU
-(the forward runs through the wrapped model, metrics are reduced as TRL does), FSDP2 (the
-lm_head weight is gathered with ``full_tensor`` as TRL does), PEFT without an lm_head adapter,
-vLLM generation with ``vllm_importance_sampling_correction`` (TRL's ratio is passed to
-``grpo_loss`` as ``sampling_ratio``).
+Not supported, ``ValueError`` at construction naming the option: ``use_adaptive_entropy``,
+``top_entropy_quantile < 1`` with more than one process (TRL takes the quantile over every rank's
+entropies, gathered inside its loss; compiled_grpo over the local micro-batch), ``loss_type="vespo"``
+with vLLM importance sampling and ``vllm_importance_sampling_clip_min > 1`` or ``_clip_max < 1``
+(TRL's ratio is then not 1 at padded positions and its gamma weight sums their logs; compiled_grpo
+reads valid tokens only), MoE router aux loss (``router_aux_loss_coef`` on a model with
+``output_router_logits``), vision-language models, DeepSpeed ZeRO-3 (the op recomputes logits from
+the weight in its backward, outside the ZeRO-3 gather). Written for but not tested end to end
+(single CPU process is what CI runs): DDP / multi-GPU (the forward runs through the wrapped model,
+metrics are reduced as TRL does), FSDP2 (the lm_head weight is gathered with ``full_tensor`` as TRL
+does), PEFT without an lm_head adapter, vLLM generation with ``vllm_importance_sampling_correction``:
+TRL forms the weight at generation (``inputs["importance_sampling_ratio"]``) and the trainer passes
+it to ``grpo_loss`` as ``sampling_ratio`` (a factor of the policy term; vespo: its log enters phi),
+with compiled_grpo's own ``vllm_importance_sampling_correction`` off so it is applied once;
+``inputs["sampling_per_token_logps"]`` goes to ``grpo_loss`` only for ``off_policy_mask_threshold``.
+The loss on such inputs is tested against TRL's ``_compute_loss`` (tests/test_trl_integration.py).
 
 Compiling the loss: ``GRPOTrainer(..., compile_loss=True)`` (an argument TRL does not have) wraps
 ``compiled_grpo.grpo_loss`` in ``torch.compile(fullgraph=True)`` with the completion length marked
@@ -73,8 +85,8 @@ if not trl.__version__.startswith(TRL_SERIES + "."):
     raise ImportError(f"compiled_grpo.integrations.trl overrides private methods of TRL {TRL_SERIES}.x's GRPOTrainer; "
                       f"found trl {trl.__version__}. Install the pinned release: pip install -e \".[trl]\"")
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
-_ITEMS_NORMALIZED = ("dapo", "cispo")  # divided by num_items_in_batch, not by the accumulation steps
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+_ITEMS_NORMALIZED = ("dapo", "cispo", "vespo")  # divided by num_items_in_batch, not by the accumulation steps
 _HIDDEN_FLAG = "compiled_grpo_hidden_states"  # forward kwarg that returns the backbone's last hidden state
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -90,15 +102,27 @@ def check_supported(args: trl.GRPOConfig) -> None:
     if args.loss_type not in SUPPORTED_LOSS_TYPES:
         raise _unsupported("GRPOConfig.loss_type", args.loss_type, "compiled_grpo has no such loss",
                            f"Pick one of {SUPPORTED_LOSS_TYPES}")
-    if args.off_policy_mask_threshold is not None:
-        raise _unsupported("GRPOConfig.off_policy_mask_threshold", args.off_policy_mask_threshold,
-                           "the off-policy sequence mask is not implemented", "Leave it None")
-    if args.top_entropy_quantile != 1.0:
-        raise _unsupported("GRPOConfig.top_entropy_quantile", args.top_entropy_quantile,
-                           "the high-entropy token mask is not implemented", "Leave it 1.0")
     if args.use_adaptive_entropy:
         raise _unsupported("GRPOConfig.use_adaptive_entropy", True, "only a static entropy_coef is implemented",
                            "Set a fixed entropy_coef")
+    if args.loss_type == "vespo" and args.use_vllm and args.vllm_importance_sampling_correction:
+        lo, hi = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+        if (lo is not None and lo > 1.0) or (hi is not None and hi < 1.0):
+            # TRL's ratio is clip(1) != 1 at padded positions and its get_gamma_weights sums log(ratio) over
+            # all T positions; compiled_grpo sums over the valid tokens only (equal whenever 1 is in range).
+            raise _unsupported("GRPOConfig.vllm_importance_sampling_clip_min/_clip_max", (lo, hi),
+                               "with loss_type='vespo', TRL's importance-sampling ratio of a padded position is "
+                               "then not 1 and enters its gamma weight; compiled_grpo reads valid tokens only",
+                               "Use bounds with clip_min <= 1 <= clip_max")
+
+
+def check_supported_world(args: trl.GRPOConfig, num_processes: int) -> None:
+    """Options whose TRL numbers need data from every data-parallel rank inside the loss."""
+    if args.top_entropy_quantile < 1.0 and num_processes > 1:
+        raise _unsupported("GRPOConfig.top_entropy_quantile", args.top_entropy_quantile,
+                           f"with {num_processes} processes TRL takes the entropy quantile over every rank's tokens "
+                           "(a gather inside the loss); compiled_grpo takes it over this rank's micro-batch",
+                           "Leave it 1.0 for multi-process training")
 
 
 def lm_head_scalings(model_config) -> tuple[float, Optional[float], str]:
@@ -132,7 +156,12 @@ def _scaling_kwargs(params, logit_scale: float, softcap: Optional[float], where:
 def grpo_config_from_trl(args: trl.GRPOConfig, *, logit_scale: float = 1.0,
                          final_logit_softcapping: Optional[float] = None) -> cg.GRPOConfig:
     """``trl.GRPOConfig`` -> ``compiled_grpo.GRPOConfig`` with TRL 1.16's numbers: guards off (TRL
-    clamps nothing), k3 KL, ``metrics="with_entropy"`` (TRL logs the entropy every step)."""
+    clamps nothing), k3 KL, ``metrics="with_entropy"`` (TRL logs the entropy every step).
+
+    ``vllm_importance_sampling_correction`` is always False here: TRL forms the train/inference
+    weight itself (``inputs["importance_sampling_ratio"]``) and the trainer passes that tensor as
+    ``grpo_loss(sampling_ratio=...)``; the sampler's log-probs go to ``grpo_loss`` only for the
+    off-policy mask, which reads them with or without the correction (as TRL)."""
     check_supported(args)
     fields = {f.name for f in dataclasses.fields(cg.GRPOConfig)}
     return cg.GRPOConfig(
@@ -141,7 +170,10 @@ def grpo_config_from_trl(args: trl.GRPOConfig, *, logit_scale: float = 1.0,
         delta=args.delta, beta=args.beta, kl_estimator="k3", use_bias_correction_kl=args.use_bias_correction_kl,
         temperature=args.temperature, log_ratio_clamp=None, kl_input_clamp=None, kl_output_clamp=None,
         max_completion_length=args.max_completion_length, sapo_temperature_pos=args.sapo_temperature_pos,
-        sapo_temperature_neg=args.sapo_temperature_neg, entropy_coef=args.entropy_coef,
+        sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
+        vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
+        off_policy_mask_threshold=args.off_policy_mask_threshold, top_entropy_quantile=args.top_entropy_quantile,
+        vllm_importance_sampling_correction=False, entropy_coef=args.entropy_coef,
         fp32_lm_head=args.cast_lm_head_to_fp32, metrics="with_entropy",
         **_scaling_kwargs(fields, logit_scale, final_logit_softcapping, "GRPOConfig", "logit_scale"))
 
@@ -205,6 +237,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             add_hidden_states_forward(self.accelerator.unwrap_model(self.ref_model))
 
     def _check_model_supported(self) -> None:
+        check_supported_world(self.args, self.accelerator.num_processes)
         if self.aux_loss_enabled:
             raise _unsupported("router_aux_loss_coef", self.router_aux_loss_coef,
                                "the MoE load-balancing loss is not implemented",
@@ -274,7 +307,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         """TRL 1.16 ``_compute_loss`` as one ``compiled_grpo.grpo_loss`` call.
 
         TRL's normalizers, reproduced: the loss types divided by B or by tokens are divided by the
-        gradient accumulation steps in training; dapo/cispo divide by ``num_items_in_batch`` (which
+        gradient accumulation steps in training; dapo/cispo/vespo divide by ``num_items_in_batch`` (which
         spans the generation batch) * accumulation steps / ``steps_per_generation``: here
         ``grpo_loss(num_items_in_batch=items / steps_per_generation) / accumulation_steps``, which also
         scales the entropy bonus by 1 / accumulation_steps as TRL does.
@@ -291,7 +324,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         ref = inputs.get("ref_per_token_logps") if cfg.beta != 0.0 else None
         sampling_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
+            # TRL's train/inference weight, formed from the old and the sampler's log-probs at generation;
+            # cfg.vllm_importance_sampling_correction is False, so grpo_loss forms no second one. It multiplies
+            # the policy term (vespo: its log enters phi instead, as TRL's get_gamma_weights).
             sampling_ratio = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1]
+        # The off-policy mask's reference: the sampler's log-probs when TRL has them (vLLM), else the old
+        # log-probs (grpo_loss's default, TRL's inputs.get("sampling_per_token_logps", old_per_token_logps)).
+        sampling_logps = inputs.get("sampling_per_token_logps") if cfg.off_policy_mask_threshold is not None else None
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         items = None
         if cfg.loss_type in _ITEMS_NORMALIZED:
@@ -299,18 +338,19 @@ class GRPOTrainer(trl.GRPOTrainer):
             if mode == "train":
                 items = items / self.args.steps_per_generation
         if self._compiled:
-            for t in (hidden, completion_ids, mask, old, ref, sampling_ratio):
+            for t in (hidden, completion_ids, mask, old, ref, sampling_ratio, sampling_logps):
                 if t is not None and t.size(1) > 1:
                     torch._dynamo.maybe_mark_dynamic(t, 1)  # T varies batch to batch
         with torch.autocast(hidden.device.type, enabled=False):
             out = self._grpo_loss(hidden, weight, completion_ids, advantages, mask, old, ref, bias=bias,
-                                  sampling_ratio=sampling_ratio, num_items_in_batch=items, config=cfg)
+                                  sampling_ratio=sampling_ratio, sampling_per_token_logps=sampling_logps,
+                                  num_items_in_batch=items, config=cfg)
         loss = out.loss / accumulation
-        self._log_trl_metrics(mode, mask, out, old, ref, advantages, accumulation)
+        self._log_trl_metrics(mode, mask, out, old, ref, advantages, accumulation, sampling_ratio)
         return loss
 
     @torch.no_grad()
-    def _log_trl_metrics(self, mode, mask, out, old, ref, advantages, accumulation) -> None:
+    def _log_trl_metrics(self, mode, mask, out, old, ref, advantages, accumulation, sampling_ratio=None) -> None:
         """The metrics TRL 1.16 ``_compute_loss`` logs, same names, same definitions and reductions, on
         detached [B, T] tensors; ratio and KL from compiled_grpo's own functions with TRL's (absent) guards."""
         cfg, metrics, reduce = self.compiled_grpo_config, self._metrics[mode], self.accelerator.reduce
@@ -318,10 +358,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         mask = mask.to(logp.dtype)
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)  # [B, 1]
-        coef = cg.importance_ratio(logp, logp if old is None else old.to(logp.dtype), valid,
-                                   level=cfg.importance_sampling_level, log_ratio_clamp=None).ratio  # [B, T] or [B, 1]
+        rho = cg.importance_ratio(logp, logp if old is None else old.to(logp.dtype), valid,
+                                  level=cfg.importance_sampling_level, log_ratio_clamp=None)
+        coef = rho.ratio  # [B, T] or [B, 1]
         if self._entropy_bonus_enabled:
-            mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
+            bonus_mask = mask  # TRL: the bonus averages over the tokens the policy term keeps
+            if cfg.top_entropy_quantile < 1.0:
+                keep = cg.high_entropy_mask(entropy, valid, top_quantile=cfg.top_entropy_quantile)  # [B, T]
+                bonus_mask = mask * keep.to(mask.dtype)
+            mean_entropy = (entropy * bonus_mask).sum() / bonus_mask.sum().clamp(min=1.0)
             items_scale = accumulation if cfg.loss_type in _ITEMS_NORMALIZED else 1
             policy_loss = (out.loss.detach() + cfg.entropy_coef * mean_entropy) / items_scale
             metrics["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
@@ -334,7 +379,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                 kl = kl * coef
             metrics["kl"].append(_global_masked_mean(reduce, kl, mask))
         metrics["entropy"].append(_global_masked_mean(reduce, entropy, mask))
-        if cfg.loss_type == "cispo":
+        if cfg.loss_type == "vespo":  # TRL's phi_seq: [B, 1] (one per sequence) with [B] advantages
+            phi = cg.vespo_weight(rho.log_ratio, valid, advantages, sampling_ratio, cfg)
+            metrics["vespo/phi_seq_mean"].append(_global_masked_mean(reduce, phi, mask))
+        elif cfg.loss_type == "cispo":
             clipped = (coef > cfg.epsilon_high) & (advantages > 0)
             metrics["cispo_clip_ratio"].append(_global_masked_mean(reduce, clipped.float(), mask))
         elif cfg.loss_type != "sapo":
