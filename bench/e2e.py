@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from bench.providers import Params, dapo_loss, naive_logprobs
+from bench.providers import TRL_CHUNK_SIZE, Params, _cg_config, dapo_loss, naive_logprobs
 from bench.report import run_header
 
 
@@ -81,7 +81,7 @@ def _loss_trl(model, ids, mask, adv, old, ref, P, p, keep):
     H = h.shape[-1]
     hv = h.reshape(-1, H).index_select(0, keep)                           # [N_valid, H]
     tv = ids[:, P:].reshape(-1).index_select(0, keep)
-    logp = ChunkedLogProbFunction.apply(hv, model.lm_head.weight, None, tv, p.temperature, 32768,
+    logp = ChunkedLogProbFunction.apply(hv, model.lm_head.weight, None, tv, p.temperature, TRL_CHUNK_SIZE,
                                         None, 1.0, ())[0]                 # [N_valid] fp32
     flat = lambda t: t.reshape(-1).index_select(0, keep)[None]  # noqa: E731   [1, N_valid]
     adv_t = adv[:, None].expand_as(mask)                                  # per token
@@ -91,9 +91,8 @@ def _loss_trl(model, ids, mask, adv, old, ref, P, p, keep):
 def _loss_cg(model, ids, mask, adv, old, ref, P, p, keep):
     import compiled_grpo as cg
     h = completion_hidden(model, ids, P)
-    cfg = cg.GRPOConfig(loss_type="dapo", beta=p.beta, epsilon_low=p.epsilon_low,
-                        epsilon_high=p.epsilon_high, temperature=p.temperature)
-    return cg.grpo_loss(h, model.lm_head.weight, ids[:, P:], adv, mask > 0, old, ref, config=cfg).loss
+    return cg.grpo_loss(h, model.lm_head.weight, ids[:, P:], adv, mask > 0, old, ref,
+                        config=_cg_config(cg, p)).loss
 
 
 LOSSES = {"naive": _loss_naive, "trl_chunked": _loss_trl, "compiled_grpo": _loss_cg}

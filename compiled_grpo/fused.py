@@ -47,14 +47,11 @@ from compiled_grpo.logprobs import _prepare, check_model_scaling
 from compiled_grpo.loss import aggregate, masked_mean
 from lowerings.linear_logprobs import LinearLogprobs
 from lowerings.linear_logprobs import fused as _op
+from lowerings.linear_logprobs.cpu import _hint
 
 ROW_ALIGN = 128          # block rows: a whole number of the kernels' 128-row tiles ...
 MIN_ROWS = 16            # ... or of 16 when the workspace budget is smaller (tests, tiny heads)
 MAX_BLOCKS = 64          # bound on the unrolled loop (compiled graph size); past it R grows
-
-
-def _hint(n) -> int:
-    return n if isinstance(n, int) else (n.node.hint or 1)
 
 
 def _cdiv(a, b):
@@ -63,10 +60,7 @@ def _cdiv(a, b):
 
 def _budget_rows(hidden: Tensor, weight: Tensor, cfg) -> int:
     """R of the workspace budget: fused_workspace_mib / (V * element size), whole tiles."""
-    v = weight.shape[0]
-    elem = _op.ws_dtype(hidden, weight).itemsize
-    vp = _cdiv(v, 64) * 64 if hidden.device.type == "cuda" else v
-    rows = int(cfg.fused_workspace_mib * 2**20) // (vp * elem)
+    rows = int(cfg.fused_workspace_mib * 2**20) // _op.ws_row_bytes(hidden, weight)
     align = ROW_ALIGN if rows >= ROW_ALIGN else MIN_ROWS
     return max(MIN_ROWS, rows // align * align)
 
@@ -209,9 +203,10 @@ def _compiled_block_grads():
 
 def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logprobs, ref_logprobs,
                    sampling_ratio, num_items_in_batch, segments, cfg, want_entropy,
-                   per_token_loss, sampling_logprobs=None) -> Fused:
+                   per_token_loss, dtype, sampling_logprobs=None) -> Fused:
     """Run the fused schedule for grpo_loss (api.py). Inputs as grpo_loss after flattening
-    packed ones; ``advantages`` broadcast (advantage_stats), ``per_token_loss`` api.py's;
+    packed ones; ``advantages`` broadcast (advantage_stats), ``per_token_loss`` api.py's and
+    ``dtype`` its log-prob dtype;
     ``sampling_ratio`` includes the weight grpo_loss formed from the sampler's log-probs when
     old log-probs are given (inputs only, so before the blocks, like the normalizer weights);
     ``sampling_logprobs`` go to each block for what needs the current log-probs (the off-policy
@@ -219,7 +214,6 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     check_model_scaling(cfg.logit_scale, cfg.final_logit_softcapping)
     ids, _ = _prepare(hidden, weight, token_ids, bias, valid, cfg.temperature)   # checks + ids
     lead = valid.shape                                                     # [B, T] or [N]
-    dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
     seq = sequence_coupled(cfg, old_logprobs, sampling_logprobs) is not None   # blocks of whole rows
     # normalizer weights: aggregate and the entropy bonus are linear in their per-token input
     agg_w = _linear_weights(lambda l: aggregate(l, valid, cfg, num_items_in_batch,

@@ -39,6 +39,8 @@ import triton
 from torch import Tensor
 
 from lowerings.linear_logprobs import cpu as _cpu
+from lowerings.linear_logprobs import cuda as _dense
+from lowerings.linear_logprobs import cuda_rows as _rows
 
 
 class FusedResult(NamedTuple):
@@ -50,25 +52,29 @@ class FusedResult(NamedTuple):
     d_bias: Optional[Tensor]    # [V] in bias's dtype
 
 
-def _hint(n) -> int:
-    return n if isinstance(n, int) else (n.node.hint or 1)
-
-
 def _triton_body(t: Tensor) -> bool:
     """The block steps run fused_cuda.py's Triton kernels on CUDA tensors (the interpreter tests
     patch this to run them on CPU tensors), the PyTorch body elsewhere."""
     return t.device.type == "cuda"
 
 
-def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
-    dt = torch.promote_types(hidden.dtype, weight.dtype)
-    return dt if _triton_body(hidden) else _cpu._compute_dtype(hidden, weight)
-
-
 def ws_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     """The workspace dtype: the operands' common dtype on CUDA (16-bit or fp32), the CPU body's
     compute dtype (fp32, or fp64) elsewhere."""
-    return _compute_dtype(hidden, weight)
+    if _triton_body(hidden):
+        return torch.promote_types(hidden.dtype, weight.dtype)
+    return _cpu._compute_dtype(hidden, weight)
+
+
+def ws_cols(hidden: Tensor, v: int) -> int:
+    """The workspace's row length: V, rounded up to 64 columns for the Triton body (128-byte
+    rows: TMA-legal strides)."""
+    return triton.cdiv(v, 64) * 64 if _triton_body(hidden) else v
+
+
+def ws_row_bytes(hidden: Tensor, weight: Tensor) -> int:
+    """Bytes of one workspace row: what a caller's budget divides by to get R."""
+    return ws_cols(hidden, weight.shape[0]) * ws_dtype(hidden, weight).itemsize
 
 
 def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tuple[Tensor, Tensor]:
@@ -77,16 +83,14 @@ def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tup
     until the last valid row and later blocks are empty. by_block: each block of R original
     rows keeps its rows, valid ones first (for losses whose gradient needs whole sequences:
     a block then holds whole sequences)."""
-    n = row_mask.shape[0]
-    invalid = (~row_mask).to(torch.int64)                                   # [N]
     if by_block:
+        n = row_mask.shape[0]
         block = torch.arange(n, device=row_mask.device) // block_rows      # [N]
-        perm = torch.argsort(block * 2 + invalid, stable=True)
+        perm = torch.argsort(block * 2 + (~row_mask).to(torch.int64), stable=True)
         counts = torch.zeros(blocks, dtype=torch.int32, device=row_mask.device).index_add(
             0, block, row_mask.to(torch.int32))
     else:
-        perm = torch.argsort(invalid, stable=True)
-        total = row_mask.sum(dtype=torch.int32)
+        perm, total = _rows.order_rows(row_mask)                           # [N], [1] int32
         start = torch.arange(blocks, device=row_mask.device, dtype=torch.int32) * block_rows
         counts = (total - start).clamp(min=0).clamp(max=block_rows).to(torch.int32)
     return perm, counts
@@ -116,16 +120,14 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         row_mask = torch.ones(n, dtype=torch.bool, device=hidden.device)
     w_dtype = weight.dtype
     if _triton_body(hidden):   # one common dtype for the kernels, cast once (mixed heads)
-        from lowerings.linear_logprobs import cuda as _dense
         hidden, weight = _dense._prepare(hidden, weight, False)[:2]
     perm, counts = order_rows(row_mask, block_rows, blocks, by_block)
     ids_p = ids.index_select(0, perm).contiguous()                          # [N] permuted
     cd = ws_dtype(hidden, weight)
     cuda = _triton_body(hidden)
     r = block_rows
-    vp = triton.cdiv(v, 64) * 64 if cuda else v      # 128-byte rows: TMA-legal strides
-    ws = hidden.new_empty((r, vp), dtype=cd)                                 # [R, V]
-    n_tiles = triton.cdiv(v, _tile_v()) if cuda else 1
+    ws = hidden.new_empty((r, ws_cols(hidden, v)), dtype=cd)                 # [R, V]
+    n_tiles = triton.cdiv(v, _dense.TILES[1]) if cuda else 1
     zoff = hidden.new_empty((r, n_tiles), dtype=torch.float32)               # [R, V / BV]
     xg = hidden.new_empty((r, h), dtype=cd)                                   # [R, H]
     dx = hidden.new_zeros((n, h)) if need_x else hidden.new_empty(0)         # [N, H]
@@ -154,11 +156,6 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     lp, ent, lse = (unperm(torch.cat(t)) for t in (lps, ents, lses))
     return FusedResult(lp, ent, lse, dx if need_x else None,
                        dw if need_w else None, db.to(bias.dtype) if need_b else None)
-
-
-def _tile_v() -> int:
-    from lowerings.linear_logprobs import cuda as _dense
-    return _dense.TILES[1]
 
 
 # --- the two block steps as mutable custom ops ------------------------------------------------

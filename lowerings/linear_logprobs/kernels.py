@@ -168,14 +168,17 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
 
 
 @triton.jit
-def _dz_tile(z, y, cols, ids, lse, coef, g_lp, g_ent, ent, inv_temp, HAS_CAP: tl.constexpr,
-             WITH_ENTROPY: tl.constexpr):
+def _dz_tile(z, y, cols, ids, lse, coef, g_lp, gent_ptr, ent_ptr, rows, row_mask, inv_temp,
+             HAS_CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr):
     """dL/da [BLOCK_N, BLOCK_V] of logits z (y = tanh(a s / c) with a cap) for per-row lse,
-    coef = g_lp - g_lse, g_lp, g_ent, entropy and target ids (cpu.dlogits' formula):
+    coef = g_lp - g_lse, g_lp and target ids, and (WITH_ENTROPY) g_ent and entropy loaded at
+    `rows` (cpu.dlogits' formula):
     (g_lp * onehot - p * (coef + g_ent * (log p + H))) * s / T, times (1 - y^2) with a cap."""
     logp = z - lse[:, None]
     p = tl.exp(logp)
     if WITH_ENTROPY:   # p log p -> 0 as p -> 0: no -inf * 0 at banned tokens
+        g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
+        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
         dz = -p * (coef[:, None] + g_ent[:, None] * (tl.where(p > 0, logp, 0.0) + ent[:, None]))
     else:
         dz = -p * coef[:, None]
@@ -222,13 +225,8 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
     coef = g_lp - tl.load(glse_ptr + rows, mask=row_mask, other=0.0)
-    if WITH_ENTROPY:
-        g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
-        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-    else:
-        g_ent = coef
-        ent = coef
-    dz = _dz_tile(z, y, cols, ids, lse, coef, g_lp, g_ent, ent, inv_temp, HAS_CAP, WITH_ENTROPY)
+    dz = _dz_tile(z, y, cols, ids, lse, coef, g_lp, gent_ptr, ent_ptr, rows, row_mask, inv_temp,
+                  HAS_CAP, WITH_ENTROPY)
     mask = row_mask[:, None] & col_mask[None, :]
     dz = tl.where(mask, dz, 0.0)                      # padded rows/cols may hold inf/nan
     ws_ptrs = ws_ptr + local_rows.to(tl.int64)[:, None] * stride_ws + local[None, :]
@@ -270,17 +268,12 @@ def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, gl
     ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
-    if WITH_ENTROPY:
-        g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
-        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-    else:
-        g_ent = g_lp
-        ent = g_lp
     if HAS_CAP:   # tanh(a s / c) = z / cap_post (z = c y / T)
         y = z / tl.cast(cap_post, tl.float32)
     else:
         y = z
-    dz = _dz_tile(z, y, cols, ids, lse, g_lp, g_lp, g_ent, ent, inv_temp, HAS_CAP, WITH_ENTROPY)
+    dz = _dz_tile(z, y, cols, ids, lse, g_lp, g_lp, gent_ptr, ent_ptr, rows, row_mask, inv_temp,
+                  HAS_CAP, WITH_ENTROPY)
     dz = tl.where(mask, dz, 0.0)
     tl.store(ws_ptr + offs, dz.to(ws_ptr.dtype.element_ty), mask=mask)
     if NEED_DB:
