@@ -224,6 +224,23 @@ from lowerings.linear_logprobs import _linear_logprobs_backward_op, _linear_logp
 env = ShapeEnv()
 mode = FakeTensorMode(shape_env=env)
 graphs = []
+
+
+def reinplaced_counts(bw):
+    """Run Inductor's reinplace pass on the backward graph; op name -> node count, asserting
+    that no mutable op / Triton kernel node clones its buffers."""
+    # FakeTensorUpdater takes the GraphModule on torch 2.13 and its Graph on 2.11
+    params = inspect.signature(FakeTensorUpdater.__init__).parameters
+    reinplace_inplaceable_ops(FakeTensorUpdater(bw if "gm" in params else bw.graph), bw.graph)
+    counts = {}
+    for node in bw.graph.nodes:
+        name = getattr(node.target, "__name__", str(node.target))
+        counts[name] = counts.get(name, 0) + 1
+        if node.target is torch.ops.higher_order.auto_functionalized_v2:
+            assert node.meta["only_clone_these_tensors"] == [], node.format_node()
+        if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
+            assert node.kwargs["tensors_to_clone"] == [], node.format_node()
+    return counts
 '''
 _CUDA_TRACE = _TRACE_PRELUDE + r'''
 with mode:
@@ -252,18 +269,7 @@ with mode:
     aot_function(lambda *a: _linear_logprobs_backward_op(
         *a[:3], None, *a[3:], 0.7, False, True, True, True, False, None, 0.5, 30.0), grab)(
         x, w, ids, lsec, entc, lsec, lsec, lsec)
-    bw = graphs[1]
-    # FakeTensorUpdater takes the GraphModule on torch 2.13 and its Graph on 2.11
-    params = inspect.signature(FakeTensorUpdater.__init__).parameters
-    reinplace_inplaceable_ops(FakeTensorUpdater(bw if "gm" in params else bw.graph), bw.graph)
-counts = {}
-for node in bw.graph.nodes:
-    name = getattr(node.target, "__name__", str(node.target))
-    counts[name] = counts.get(name, 0) + 1
-    if node.target is torch.ops.higher_order.auto_functionalized_v2:
-        assert node.meta["only_clone_these_tensors"] == [], node.format_node()
-    if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
-        assert node.kwargs["tensors_to_clone"] == [], node.format_node()
+    counts = reinplaced_counts(graphs[1])
 # per row group: dW and dX for each of 3 chunks, then the dX store
 assert counts["auto_functionalized_v2"] == 2 * (3 * 2 + 1), counts
 assert not any("scatter" in k or "clone" in k or "copy_" in k for k in counts), counts
@@ -346,15 +352,7 @@ with mode:
     aot_function(lambda x, w, ids, lse, ent, g, m: _linear_logprobs_backward_op(
         x, w, ids, None, lse, ent, g, g, g, 0.7, False, True, True, True, False, m, 0.5, 30.0),
         grab)(x, w, ids, lsec, entc, lsec, m)
-    bw = graphs[1]
-    params = inspect.signature(FakeTensorUpdater.__init__).parameters
-    reinplace_inplaceable_ops(FakeTensorUpdater(bw if "gm" in params else bw.graph), bw.graph)
-counts = {}
-for node in bw.graph.nodes:
-    name = getattr(node.target, "__name__", str(node.target))
-    counts[name] = counts.get(name, 0) + 1
-    if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
-        assert node.kwargs["tensors_to_clone"] == [], node.format_node()
+    counts = reinplaced_counts(graphs[1])
 # per row group: gather, then dlogits, dW and dX steps for each of 3 chunks; nothing copied
 assert counts["triton_kernel_wrapper_functional"] == 2 * (1 + 3 * 3), counts
 assert not any("clone" in k or "copy_" in k for k in counts), counts
