@@ -295,10 +295,11 @@ import lowerings.linear_logprobs.fused as fk  # noqa: E402
 import lowerings.linear_logprobs.fused_cuda as fck  # noqa: E402
 
 
-def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block, **kw):
+def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,
+               dlogits_tile=(16, 16, 1), **kw):
     monkeypatch.setattr(rk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     monkeypatch.setattr(rk, "DW_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
-    monkeypatch.setattr(fck, "DLOGITS_TILE", (16, 16, 1))
+    monkeypatch.setattr(fck, "DLOGITS_TILE", dlogits_tile)
     monkeypatch.setattr(fk, "_triton_body", lambda t: True)
     g = torch.Generator().manual_seed(11)
     G_lp, G_ent = torch.randn(x.shape[0], generator=g), torch.randn(x.shape[0], generator=g)
@@ -315,12 +316,14 @@ def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block, **
 
 
 @pytest.mark.parametrize("kind", ["right_padded", "scattered", "all_valid", "all_padded"])
-@pytest.mark.parametrize("blocks,block_rows,by_block", [(1, 40, False), (3, 16, False), (4, 10, True)])
-def test_fused_blocks(monkeypatch, kind, blocks, block_rows, by_block):
+@pytest.mark.parametrize("blocks,block_rows,by_block,dlogits_tile", [
+    (1, 40, False, (16, 16, 1)), (3, 16, False, (16, 16, 1)), (4, 10, True, (16, 16, 1)),
+    (3, 16, False, (8, 32, 1))])   # dlogits tiles wider than the stored-max tiles: per-column maxima
+def test_fused_blocks(monkeypatch, kind, blocks, block_rows, by_block, dlogits_tile):
     mask = MASKS[kind]
     x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=3)
     res, G_lp, G_ent, seen = _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,
-                                        temperature=0.7, with_entropy=True)
+                                        dlogits_tile, temperature=0.7, with_entropy=True)
     assert sorted(seen.tolist()) == list(range(40))          # every row handed to grad_fn once
     if by_block:   # whole blocks of original rows
         assert all(set(seen[i * 10:(i + 1) * 10].tolist()) == set(range(i * 10, (i + 1) * 10)) for i in range(4))

@@ -1,14 +1,18 @@
 """GPU profile of grpo_loss's fused-gradient path (fused.py, fused_cuda.py) on the bench's inputs.
 
     python -m lowerings.linear_logprobs.bench_fused [--shape qwen3-8b] [--all-valid] [--sweep]
-        [--compile]
+        [--compile] [--recompute] [--cublas]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run, peak memory beyond inputs and grads, and the CUDA time of each kernel family of one
 step (torch.profiler). --all-valid: every position valid (the all-positions target). --compile:
 the loss under torch.compile(fullgraph=True) (what the loss's own kernels add there). --sweep:
-the same for a few dW / dX step tiles (LINEAR_LOGPROBS_{DW,GEMM}_TILES are read at import, so
-the sweep patches cuda_rows' tables).
+the same for a few dW / dX step tiles, dlogits tiles and the forward's TMA store of d (the
+LINEAR_LOGPROBS_* tile variables are read at import, so the sweep patches the module tables).
+--recompute: the same profile of gradient_mode="recompute" (its _fwd_kernel stores no logits:
+the forward's cost of keeping them). --cublas: what cuBLAS takes for one full block's three
+GEMMs (logits, dX, dW with beta = 1 as the fused dW step accumulates), scaled to the valid rows:
+the mark the Triton steps are held to.
 """
 import argparse
 import collections
@@ -18,7 +22,8 @@ import triton.testing
 
 import compiled_grpo as cg
 from bench.shapes import SHAPES, make_inputs
-from lowerings.linear_logprobs import cuda_rows
+from compiled_grpo import fused as cg_fused
+from lowerings.linear_logprobs import cuda_rows, fused_cuda
 
 
 def bench(fn):
@@ -31,6 +36,8 @@ def main():
     ap.add_argument("--all-valid", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--cublas", action="store_true")
     args = ap.parse_args()
     x = make_inputs(SHAPES[args.shape], torch.device("cuda"))
     mask = torch.ones_like(x.mask) if args.all_valid else x.mask
@@ -42,7 +49,18 @@ def main():
     dz = torch.randn(n_valid, w.shape[0], device="cuda", dtype=w.dtype)
     floor = bench(lambda: xv @ w.T) + bench(lambda: dz @ w) + bench(lambda: dz.T @ xv)
     del dz
-    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04)
+    if args.cublas:
+        rows = cg_fused._budget_rows(h2, w, cg.GRPOConfig())
+        xb, zb = xv[:rows].contiguous(), torch.randn(rows, w.shape[0], device="cuda", dtype=w.dtype)
+        dwb = torch.zeros_like(w)
+        per = [bench(lambda: xb @ w.T), bench(lambda: zb @ w), bench(lambda: dwb.addmm_(zb.T, xb))]
+        scale = n_valid / rows
+        print(f"cuBLAS, one {rows}-row block x {scale:.2f} blocks: logits {per[0] * scale:.2f}, "
+              f"dX {per[1] * scale:.2f}, dW (beta=1) {per[2] * scale:.2f} ms; "
+              f"sum {sum(per) * scale:.2f} = {sum(per) * scale / floor:.3f}x valid floor")
+        del xb, zb, dwb
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04,
+                        gradient_mode="recompute" if args.recompute else "auto")
     hidden = x.hidden.detach().requires_grad_()
     weight = x.weight.detach().requires_grad_()
 
@@ -77,16 +95,29 @@ def main():
         for name, t in fam.most_common(12):
             print(f"    {t:8.2f} ms  {name}")
 
-    measure("fused" + (" compiled" if args.compile else ""))
+    measure(cfg.gradient_mode + (" compiled" if args.compile else ""))
     if args.sweep:
-        for tiles in [(128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 32, 8, 4)]:
-            for table in ("DW_TILES", "GEMM_TILES"):
-                old = getattr(cuda_rows, table)
-                setattr(cuda_rows, table, dict(old, **{2: tiles}))
-                try:
-                    measure(f"{table}[bf16]={tiles}")
-                finally:
-                    setattr(cuda_rows, table, old)
+        def variant(mod, name, value, tag):
+            old = getattr(mod, name)
+            setattr(mod, name, value)
+            try:
+                measure(tag)
+            except Exception as e:   # a tile the GPU cannot take: say so, go on
+                print(f"{tag}: {type(e).__name__}: {str(e)[:200]}")
+            finally:
+                setattr(mod, name, old)
+
+        variant(fused_cuda, "ZSTORE_TMA", not fused_cuda.ZSTORE_TMA,
+                f"ZSTORE_TMA={not fused_cuda.ZSTORE_TMA}")
+        for tile in [(64, 256, 8), (32, 512, 8), (16, 256, 4), (64, 256, 4), (32, 256, 8)]:
+            variant(fused_cuda, "DLOGITS_TILE", tile, f"DLOGITS_TILE={tile}")
+        for tiles in [(128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 4),
+                      (256, 128, 64, 8, 3), (128, 256, 32, 8, 4)]:
+            variant(cuda_rows, "DW_TILES", dict(cuda_rows.DW_TILES, **{2: tiles}),
+                    f"DW_TILES[bf16]={tiles}")
+        for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3)]:
+            variant(cuda_rows, "GEMM_TILES", dict(cuda_rows.GEMM_TILES, **{2: tiles}),
+                    f"GEMM_TILES[bf16]={tiles}")
 
 
 if __name__ == "__main__":
