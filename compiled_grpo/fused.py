@@ -152,9 +152,8 @@ class _AttachGrads(torch.autograd.Function):
             t is not None and t.dtype == torch.float64 for t in (dx, dw, db))
 
         grads = [t if ok else None for t, ok in zip((dx, dw, db), ctx.has)]
-        if in_place:   # one multi-tensor kernel, fp32 math (t.mul_(g) with a bf16 t and an fp32
-            # 0-dim g takes TensorIterator's slow mixed-dtype path: 2.8 ms for a 1.2 GiB dW on H200)
-            torch._foreach_mul_([t for t in grads if t is not None], g)
+        if in_place:   # fp32 math, no pass at all when g == 1 (lowerings' scale_)
+            _op.scale_([t for t in grads if t is not None], g)
         else:
             grads = [None if t is None else (g * t).to(t.dtype) for t in grads]
         return (None, *grads, None, None, None)

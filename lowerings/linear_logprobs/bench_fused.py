@@ -34,7 +34,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--all-valid", action="store_true")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "zstore", "dlogits", "dw", "dx"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--cublas", action="store_true")
@@ -107,16 +107,18 @@ def main():
             finally:
                 setattr(mod, name, old)
 
-        variant(fused_cuda, "ZSTORE_TMA", not fused_cuda.ZSTORE_TMA,
-                f"ZSTORE_TMA={not fused_cuda.ZSTORE_TMA}")
-        for tile in [(64, 256, 8), (32, 512, 8), (16, 256, 4), (64, 256, 4), (32, 256, 8)]:
+        want = lambda part: args.sweep in ("all", part)  # noqa: E731
+        if want("zstore"):
+            variant(fused_cuda, "ZSTORE_TMA", not fused_cuda.ZSTORE_TMA,
+                    f"ZSTORE_TMA={not fused_cuda.ZSTORE_TMA}")
+        for tile in [(64, 256, 8), (32, 512, 8), (16, 256, 4), (64, 256, 4), (32, 256, 8)] * want("dlogits"):
             variant(fused_cuda, "DLOGITS_TILE", tile, f"DLOGITS_TILE={tile}")
         for tiles in [(128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 4),
-                      (256, 128, 64, 8, 3), (128, 256, 32, 8, 4)]:
-            variant(cuda_rows, "DW_TILES", dict(cuda_rows.DW_TILES, **{2: tiles}),
+                      (256, 128, 64, 8, 3), (128, 256, 32, 8, 4), (128, 128, 64, 4, 2)] * want("dw"):
+            variant(cuda_rows, "DW_TILES", {**cuda_rows.DW_TILES, 2: tiles},
                     f"DW_TILES[bf16]={tiles}")
-        for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3)]:
-            variant(cuda_rows, "GEMM_TILES", dict(cuda_rows.GEMM_TILES, **{2: tiles}),
+        for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3)] * want("dx"):
+            variant(cuda_rows, "GEMM_TILES", {**cuda_rows.GEMM_TILES, 2: tiles},
                     f"GEMM_TILES[bf16]={tiles}")
 
 

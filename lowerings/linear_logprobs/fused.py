@@ -158,6 +158,26 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                        dw if need_w else None, db.to(bias.dtype) if need_b else None)
 
 
+SCALE_BLOCK = 4096
+
+
+def scale_(tensors: list[Tensor], g: Tensor) -> None:
+    """t *= g for each (contiguous) t, in place, fp32 math, g a 0-dim tensor: the incoming
+    gradient applied to the gradients the blocks stored. Triton body: one pass over each t,
+    none when g == 1 (checked on the device: no host sync); a bf16 t.mul_(g) with an fp32 0-dim
+    g takes TensorIterator's slow mixed-dtype path instead (3 ms for a 1.2 GiB dW on H100). The
+    PyTorch body elsewhere."""
+    if not tensors or not _triton_body(tensors[0]):
+        torch._foreach_mul_(tensors, g)
+        return
+    from lowerings.linear_logprobs.kernels import _scale_kernel
+    g = g.detach().to(torch.float32).reshape(1)
+    for t in tensors:
+        assert t.is_contiguous()
+        _scale_kernel[(triton.cdiv(t.numel(), SCALE_BLOCK),)](t, g, t.numel(), BLOCK=SCALE_BLOCK,
+                                                              num_warps=8)
+
+
 # --- the two block steps as mutable custom ops ------------------------------------------------
 
 @torch.library.custom_op("compiled_grpo::fused_block_forward", mutates_args=("ws", "zoff", "xg"))
