@@ -26,6 +26,9 @@ from compiled_grpo import fused as cg_fused
 from lowerings.linear_logprobs import cuda_rows, fused_cuda
 
 
+PROFILE_STEPS = 3   # the per-kernel times are a mean over this many steps
+
+
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=2, rep=1500, return_mode="median")
 
@@ -83,13 +86,14 @@ def main():
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         ms = bench(step)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step()
+            for _ in range(PROFILE_STEPS):
+                step()
             torch.cuda.synchronize()
         fam = collections.Counter()
         for e in prof.key_averages():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 name = e.key.split("(")[0][:48]
-                fam[name] += e.device_time_total / 1e3
+                fam[name] += e.device_time_total / 1e3 / PROFILE_STEPS
         print(f"{tag}: {ms:.2f} ms = {ms / floor:.3f}x valid floor ({floor:.2f} ms, N_valid={n_valid}), "
               f"peak beyond grads {peak:.0f} MiB")
         for name, t in fam.most_common(12):
