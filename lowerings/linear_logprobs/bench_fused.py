@@ -7,7 +7,7 @@ Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of 
 the same run, peak memory beyond inputs and grads, and the CUDA time of each kernel family of one
 step (torch.profiler). --all-valid: every position valid (the all-positions target). --compile:
 the loss under torch.compile(fullgraph=True) (what the loss's own kernels add there). --sweep:
-the same for a few dW / dX step tiles, dlogits tiles and the forward's TMA store of d (the
+the same for a few dW / dX step tiles, and dlogits tiles (the
 LINEAR_LOGPROBS_* tile variables are read at import, so the sweep patches the module tables).
 --recompute: the same profile of gradient_mode="recompute" (its _fwd_kernel stores no logits:
 the forward's cost of keeping them). --cublas: what cuBLAS takes for one full block's three
@@ -37,7 +37,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--all-valid", action="store_true")
-    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "zstore", "dlogits", "dw", "dx"])
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "dlogits", "dw", "dx"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--cublas", action="store_true")
@@ -112,9 +112,6 @@ def main():
                 setattr(mod, name, old)
 
         want = lambda part: args.sweep in ("all", part)  # noqa: E731
-        if want("zstore"):
-            variant(fused_cuda, "ZSTORE_TMA", not fused_cuda.ZSTORE_TMA,
-                    f"ZSTORE_TMA={not fused_cuda.ZSTORE_TMA}")
         for tile in [(64, 256, 8), (32, 512, 8), (16, 256, 4), (64, 256, 4), (32, 256, 8)] * want("dlogits"):
             variant(fused_cuda, "DLOGITS_TILE", tile, f"DLOGITS_TILE={tile}")
         for tiles in [(128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 4),

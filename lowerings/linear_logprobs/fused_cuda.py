@@ -31,9 +31,6 @@ from lowerings.linear_logprobs.kernels import (_dw_step_kernel, _dx_step_kernel,
 # partial sums are [cdiv(R, BLOCK_N), V] fp32 (only with a bias).
 DLOGITS_TILE = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DLOGITS_TILE",
                                                     "32,256,4").split(","))
-# The forward's d tile stored through a TMA descriptor (sm_90+) rather than from registers;
-# LINEAR_LOGPROBS_ZSTORE_TMA=0/1 (tuning runs).
-ZSTORE_TMA = os.environ.get("LINEAR_LOGPROBS_ZSTORE_TMA", "0") == "1"
 
 
 def _z_view(ws: Tensor) -> Tensor:
@@ -64,7 +61,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
         xg.stride(0), w.stride(0), *_dense._scalars(temperature, logit_scale, softcap), cols,
         n_blocks, splits, 0, rows, _z_view(ws), zoff, ws.stride(0), zoff.stride(0),
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy,
-        HAS_COUNT=True, STORE_Z=True, Z_TMA=tma and ZSTORE_TMA, DOT_PREC=prec, USE_TMA=tma,
+        HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma,
         BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N, num_warps=warps,
         num_stages=stages)
     lp, ent, lse = _dense._combine(m, s, t, zt, with_entropy)                # [R']
