@@ -319,7 +319,9 @@ def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,
 @pytest.mark.parametrize("blocks,block_rows,by_block,dlogits_tile", [
     (1, 40, False, (16, 16, 1)), (3, 16, False, (16, 16, 1)), (4, 10, True, (16, 16, 1)),
     (3, 16, False, (8, 32, 1))])   # dlogits tiles wider than the stored-max tiles: per-column maxima
-def test_fused_blocks(monkeypatch, kind, blocks, block_rows, by_block, dlogits_tile):
+@pytest.mark.parametrize("persistent", [False, True])   # fused_cuda.DW_PERSISTENT
+def test_fused_blocks(monkeypatch, kind, blocks, block_rows, by_block, dlogits_tile, persistent):
+    monkeypatch.setattr(fck, "DW_PERSISTENT", persistent)
     mask = MASKS[kind]
     x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=3)
     res, G_lp, G_ent, seen = _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,

@@ -23,14 +23,23 @@ from torch import Tensor
 
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs import cuda_rows as _rows
-from lowerings.linear_logprobs.kernels import (_dw_step_kernel, _dx_step_kernel,
-                                               _fused_dlogits_kernel, _fwd_kernel)
+from lowerings.linear_logprobs.kernels import (_dw_step_kernel, _dw_step_persistent_kernel,
+                                               _dx_step_kernel, _fused_dlogits_kernel, _fwd_kernel)
 
 # The in-place dlogits pass: an elementwise [BLOCK_N, BLOCK_V] tile a program, (BLOCK_N,
 # BLOCK_V, num_warps); LINEAR_LOGPROBS_DLOGITS_TILE="64,256,8" overrides it (tuning runs). d_bias
 # partial sums are [cdiv(R, BLOCK_N), V] fp32 (only with a bias).
 DLOGITS_TILE = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DLOGITS_TILE",
                                                     "32,256,4").split(","))
+# The dW step as a persistent grid (kernels._dw_step_persistent_kernel); 0 / 1 (tuning runs).
+DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "0") == "1"
+
+
+def _sms(device: torch.device) -> int:
+    """Programs of a persistent grid: the SM count (a CPU tensor in the interpreter tests: 4)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _z_view(ws: Tensor) -> Tensor:
@@ -96,10 +105,15 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     if need_w:
         wc, wh, wk, wwarps, wstages = _rows.DW_TILES[size]
         n_cblocks, n_hblocks = triton.cdiv(v, wc), triton.cdiv(h, wh)
-        _dw_step_kernel[(n_cblocks * n_hblocks,)](
-            ws, xg, dw, count, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0),
-            n_cblocks, n_hblocks, ACCUMULATE=b > 0, DOT_PREC=prec, USE_TMA=tma, BLOCK_C=wc,
-            BLOCK_H=wh, BLOCK_K=wk, GROUP_C=_rows.GROUP_M, num_warps=wwarps, num_stages=wstages)
+        tiles = dict(ACCUMULATE=b > 0, DOT_PREC=prec, USE_TMA=tma, BLOCK_C=wc, BLOCK_H=wh,
+                     BLOCK_K=wk, GROUP_C=_rows.GROUP_M, num_warps=wwarps, num_stages=wstages)
+        args = (ws, xg, dw, count, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0),
+                n_cblocks, n_hblocks)
+        if DW_PERSISTENT:
+            n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
+            _dw_step_persistent_kernel[(n_prog,)](*args, n_prog, **tiles)
+        else:
+            _dw_step_kernel[(n_cblocks * n_hblocks,)](*args, **tiles)
     if need_x:
         gm, gh, gk, gwarps, gstages = _rows.GEMM_TILES[size]
         n_mblocks, n_hblocks = triton.cdiv(rows, gm), triton.cdiv(h, gh)
