@@ -77,6 +77,20 @@ def ws_row_bytes(hidden: Tensor, weight: Tensor) -> int:
     return ws_cols(hidden, weight.shape[0]) * ws_dtype(hidden, weight).itemsize
 
 
+def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:
+    """Rows whose dX step fills whole waves of the GPU: floor(SMs / H blocks) row tiles of the
+    step's BLOCK_M (H100 / H200, H = 4096, bf16: 8 x 128 = 1024). A block of R rows runs
+    cdiv((R / BLOCK_M) * H blocks, SMs) waves of K = V long programs, so R = 2176 costs 3 waves
+    where 2048 costs 2 (H100, qwen3-8b packed: 42.1 ms against 39.5 for the padded twin's 2048-row
+    blocks). None off the Triton body."""
+    if not _triton_body(hidden) or hidden.device.type != "cuda":
+        return None
+    size = min(8, max(2, ws_dtype(hidden, weight).itemsize))
+    bm, bh = _rows.GEMM_TILES[size][:2]
+    sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
+    return max(1, sms // triton.cdiv(hidden.shape[-1], bh)) * bm
+
+
 def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tuple[Tensor, Tensor]:
     """perm [N] int64 and counts [G] int32 (valid rows of each block), no host sync.
     Global order (by_block False): all valid rows first (a stable sort), so blocks are full
