@@ -234,11 +234,12 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         k = max(1, budget // _hint(t_sz))
         blocks = max(1, _cdiv(_hint(b_sz), k))
         block_rows = _cdiv(b_sz, blocks) * t_sz
-    else:   # whole dX waves where the budget holds one (see wave_rows), else whole row tiles
+    else:   # several blocks: whole dX waves where the budget holds one (see wave_rows)
+        align = ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS
         wave = _op.wave_rows(hidden, weight)
-        align = wave if wave is not None and budget >= wave else \
-            ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS
-        budget = budget // align * align
+        if wave is not None and budget >= wave and _hint(n) > budget:
+            align = wave
+            budget = budget // align * align
         blocks = min(MAX_BLOCKS, max(1, _cdiv(_hint(n), budget)))
         block_rows = _cdiv(_cdiv(n, blocks), align) * align
 

@@ -208,6 +208,30 @@ def test_block_plan(mib, blocks, monkeypatch):
     assert seen[0][0] == blocks and seen[0][0] * seen[0][1] >= 45
 
 
+def test_block_plan_whole_waves(monkeypatch):
+    """With several blocks, block rows are whole dX waves (fused.wave_rows, CUDA only: faked
+    here as 24 rows) where the budget (32 rows) holds one; the result is unchanged."""
+    seen = []
+    real = F._op.fused_linear_logprobs
+    monkeypatch.setattr(F._op, "fused_linear_logprobs",
+                        lambda *a, **k: seen.append((k["blocks"], k["block_rows"])) or real(*a, **k))
+    inp = make_inputs(B=5, T=9, seed=9)
+    cfg = dict(fused_workspace_mib=_mib(40), beta=0.04)
+    want = cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="recompute", **cfg)).loss
+    monkeypatch.setattr(F._op, "wave_rows", lambda h, w: 24)
+    got = cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="fused", **cfg)).loss
+    assert seen == [(2, 24)]
+    torch.testing.assert_close(got, want)
+
+
+def test_sm_count_is_a_compile_time_constant(monkeypatch):
+    """fused.sm_count (wave_rows' SM count) is called, not traced, inside a fullgraph compile."""
+    props = type("Props", (), {"multi_processor_count": 132})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    fn = torch.compile(lambda x: x * F._op.sm_count(0), fullgraph=True, backend="eager")
+    assert fn(torch.ones(2)).tolist() == [132.0, 132.0]
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_compile_fullgraph_dynamic(level):
     """Fused mode under torch.compile(fullgraph=True): one frame for several T (mark_dynamic),

@@ -83,12 +83,17 @@ def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:
     cdiv((R / BLOCK_M) * H blocks, SMs) waves of K = V long programs, so R = 2176 costs 3 waves
     where 2048 costs 2 (H100, qwen3-8b packed: 42.1 ms against 39.5 for the padded twin's 2048-row
     blocks). None off the Triton body."""
-    if not _triton_body(hidden) or hidden.device.type != "cuda":
+    if hidden.device.type != "cuda":
         return None
     size = min(8, max(2, ws_dtype(hidden, weight).itemsize))
     bm, bh = _rows.GEMM_TILES[size][:2]
-    sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
-    return max(1, sms // triton.cdiv(hidden.shape[-1], bh)) * bm
+    return max(1, sm_count(hidden.device.index) // triton.cdiv(hidden.shape[-1], bh)) * bm
+
+
+@torch.compiler.assume_constant_result
+def sm_count(index: int) -> int:
+    """The GPU's SM count; a constant to Dynamo (called, not traced, inside a compiled step)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tuple[Tensor, Tensor]:
