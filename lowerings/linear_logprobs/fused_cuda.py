@@ -9,7 +9,8 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
                    _fwd_kernel (STORE_Z) statistics of xg's rows and d = z - running max into
                                         ws (fp16 view) with the max per 256-column tile in zoff
   block_backward   _fused_dlogits_kernel ws[:n] <- dlogits (in place, input dtype)
-                   _dw_step_kernel      dW (+)= ws[:n].T @ xg[:n]   (K loop stops at n)
+                   _dw_step_persistent_kernel  dW (+)= ws[:n].T @ xg[:n]   (K loop stops at
+                                        n; one program per SM walks the dW tiles)
                    _dx_step_kernel      dX[perm[r0 + i]] = ws[i] @ W for i < n (rows past n exit)
 
 Every kernel stops at n, so a block's cost is that of its valid rows (2 + 4 = 6 n H V FLOPs).
