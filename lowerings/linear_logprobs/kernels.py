@@ -370,8 +370,19 @@ def _dw_step_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H,
     # a descriptor of >= 1 row (a tensor map has no empty dims); the K loop reads none then
     a_src = _desc(ws_ptr, tl.maximum(n_valid, 1), cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
     b_src = _desc(x_ptr, tl.maximum(n_valid, 1), H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
+    _dw_tile(a_src, b_src, dw_ptr, pid_c, pid_h, n_valid, v0, cols, H, stride_ws, stride_x,
+             stride_dw, ACCUMULATE, DOT_PREC, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)
+
+
+@triton.jit
+def _dw_tile(a_src, b_src, dw_ptr, pid_c, pid_h, n_valid, v0, cols, H, stride_ws, stride_x,
+             stride_dw, ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
+             BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_C, BLOCK_H] tile of the dW steps: fp32 sum over the n_valid rows (K steps),
+    plus dW's old value with ACCUMULATE, rounded once into dW."""
     acc = tl.zeros((BLOCK_C, BLOCK_H), dtype=tl.float32)
-    for k0 in range(0, n_valid, BLOCK_K):
+    for ki in range(tl.cdiv(n_valid, BLOCK_K)):
+        k0 = ki * BLOCK_K
         a = _tile(a_src, k0, pid_c * BLOCK_C, n_valid, cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
         b = _tile(b_src, k0, pid_h * BLOCK_H, n_valid, H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PREC)
@@ -433,21 +444,7 @@ def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v
             return
     a_src = _desc(ws_ptr, tl.maximum(n_valid, 1), cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
     b_src = _desc(x_ptr, tl.maximum(n_valid, 1), H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
-    n_tiles = n_cblocks * n_hblocks
-    k_tiles = tl.cdiv(n_valid, BLOCK_K)
-    for tile_id in tl.range(tl.program_id(0), n_tiles, n_programs, flatten=True):
+    for tile_id in tl.range(tl.program_id(0), n_cblocks * n_hblocks, n_programs, flatten=True):
         pid_c, pid_h = _swizzle_id(tile_id, n_cblocks, n_hblocks, GROUP_C)
-        acc = tl.zeros((BLOCK_C, BLOCK_H), dtype=tl.float32)
-        for ki in range(k_tiles):
-            k0 = ki * BLOCK_K
-            a = _tile(a_src, k0, pid_c * BLOCK_C, n_valid, cols, stride_ws, USE_TMA, BLOCK_K,
-                      BLOCK_C)
-            b = _tile(b_src, k0, pid_h * BLOCK_H, n_valid, H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
-            acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PREC)
-        cs = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = (cs < cols)[:, None] & (hs < H)[None, :]
-        ptrs = dw_ptr + (v0 + cs).to(tl.int64)[:, None] * stride_dw + hs[None, :]
-        if ACCUMULATE:
-            acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask)
+        _dw_tile(a_src, b_src, dw_ptr, pid_c, pid_h, n_valid, v0, cols, H, stride_ws, stride_x,
+                 stride_dw, ACCUMULATE, DOT_PREC, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)
