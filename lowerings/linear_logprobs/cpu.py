@@ -86,8 +86,10 @@ def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1
 
 
 def _forward_rows(x: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
-                  temperature: float, with_entropy: bool, **scaling) -> tuple[Tensor, Tensor, Tensor]:
-    """(target logit, entropy or zeros, lse) of one row group: x [R, H] upcast, ids [R]."""
+                  temperature: float, with_entropy: bool, z_out: Optional[Tensor] = None,
+                  **scaling) -> tuple[Tensor, Tensor, Tensor]:
+    """(target logit, entropy or zeros, lse) of one row group: x [R, H] upcast, ids [R].
+    z_out [R, V]: also keep the logits there (the fused-gradient body, fused.py)."""
     r, v = x.shape[0], weight.shape[0]
     tiny = torch.finfo(x.dtype).min
     m = x.new_full((r,), float("-inf"))        # running max                 [R]
@@ -97,6 +99,8 @@ def _forward_rows(x: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     for v0 in range(0, v, CHUNK_V):
         v1 = min(v0 + CHUNK_V, v)
         z, _ = _chunk_logits(x, weight, bias, v0, v1, temperature, **scaling)  # [R, C]
+        if z_out is not None:
+            z_out[:, v0:v1].copy_(z)
         m_new = torch.maximum(m, z.amax(-1))                               # [R]
         # -inf logits (a banned token): a row whose columns so far are all -inf has m_new = -inf;
         # shifting by finfo.min there keeps exp(-inf - -inf) = NaN out of alpha and e

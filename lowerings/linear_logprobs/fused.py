@@ -214,21 +214,11 @@ def fused_block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Opt
     idx = perm.narrow(0, r0, rows)
     x = xg.narrow(0, 0, rows)
     x.copy_(hidden.index_select(0, idx))                                     # [R', H]
-    z, _ = _cpu._chunk_logits(x, weight, bias, 0, weight.shape[0], temperature,
-                              logit_scale=logit_scale, softcap=softcap)       # [R', V]
-    ws.narrow(0, 0, rows).copy_(z)
-    ids = ids_p.narrow(0, r0, rows)
-    lse = torch.logsumexp(z, -1)                                              # [R']
-    lp = z.gather(1, ids[:, None])[:, 0] - lse
-    if with_entropy:   # 0 log 0 = 0 at -inf logits
-        logp = z - lse[:, None]
-        p = torch.exp(logp)
-        ent = -(p * torch.where(p > 0, logp, 0)).sum(-1)
-    else:
-        ent = torch.zeros_like(lse)
+    zt, ent, lse = _cpu._forward_rows(x, weight, ids_p.narrow(0, r0, rows), bias, temperature,
+                                      with_entropy, z_out=ws.narrow(0, 0, rows),
+                                      logit_scale=logit_scale, softcap=softcap)   # [R'] each
     valid = torch.arange(rows, device=x.device) < counts[b]                  # [R']
-    out = tuple(torch.where(valid, t, 0).to(lse.dtype) for t in (lp, ent, lse))
-    return out
+    return tuple(torch.where(valid, t, 0) for t in (zt - lse, ent, lse))
 
 
 @fused_block_forward.register_fake
