@@ -82,7 +82,7 @@ def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:
     step's BLOCK_M (H100 / H200, H = 4096, bf16: 8 x 128 = 1024). A block of R rows runs
     cdiv((R / BLOCK_M) * H blocks, SMs) waves of K = V long programs, so R = 2176 costs 3 waves
     where 2048 costs 2 (H100, qwen3-8b packed: 42.1 ms against 39.5 for the padded twin's 2048-row
-    blocks). None off the Triton body."""
+    blocks). None off CUDA."""
     if hidden.device.type != "cuda":
         return None
     size = min(8, max(2, ws_dtype(hidden, weight).itemsize))

@@ -39,10 +39,9 @@ DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
 
 
 def _sms(device: torch.device) -> int:
-    """Programs of a persistent grid: the SM count (a CPU tensor in the interpreter tests: 4)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """Programs of a persistent grid: the SM count (CPU tensors in the interpreter tests: 4)."""
+    from lowerings.linear_logprobs.fused import sm_count
+    return sm_count(device.index) if device.type == "cuda" else 4
 
 
 def _z_view(ws: Tensor) -> Tensor:
@@ -73,9 +72,8 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
         xg.stride(0), w.stride(0), *_dense._scalars(temperature, logit_scale, softcap), cols,
         n_blocks, splits, 0, rows, _z_view(ws), zoff, ws.stride(0), zoff.stride(0),
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy,
-        HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma,
-        BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N, num_warps=warps,
-        num_stages=stages)
+        HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
+        BLOCK_K=bk, GROUP_N=_dense.GROUP_N, num_warps=warps, num_stages=stages)
     lp, ent, lse = _dense._combine(m, s, t, zt, with_entropy)                # [R']
     valid = torch.arange(rows, device=x.device) < count                      # [R']
     return tuple(torch.where(valid, o, 0) for o in (lp, ent, lse))
