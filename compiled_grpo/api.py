@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from compiled_grpo._checks import FLOAT_DTYPES, check_cu_seqlens, check_shape, check_tensor, mask_to_bool
+from compiled_grpo import distributed as _tp
 from compiled_grpo import fused as _fused
 from compiled_grpo.config import GRPOConfig
 from compiled_grpo.logprobs import check_packed_hidden, token_logprobs
@@ -105,7 +106,7 @@ def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Ten
     return _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logprobs, ref_logprobs,
                       bias=bias, sampling_ratio=sampling_ratio, sampling_per_token_logps=sampling_per_token_logps,
                       num_items_in_batch=num_items_in_batch, cu_seqlens=cu_seqlens, config=config,
-                      fusable=True)
+                      fusable=True, tp_group=tp_group, vocab_start=vocab_start)
 
 
 def _check_packed(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio, cu_seqlens,
@@ -271,10 +272,11 @@ def _option_metrics(terms: PerTokenLoss, samp, valid, cfg, segments) -> dict:
 
 def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logprobs=None, ref_logprobs=None, *,
                bias=None, sampling_ratio=None, sampling_per_token_logps=None, num_items_in_batch=None,
-               cu_seqlens=None, config: GRPOConfig = _DEFAULT, fusable: bool = False) -> GRPOOutput:
+               cu_seqlens=None, config: GRPOConfig = _DEFAULT, fusable: bool = False, tp_group=None,
+               vocab_start=None) -> GRPOOutput:
     """The loss of grpo_loss with log-probs from ``logprob_fn``. ``fusable``: logprob_fn is
-    grpo_loss's token_logprobs (or its TP partial), which the fused-gradient mode may stand in
-    for; reference_grpo_loss's materializing logprob_fn is not."""
+    grpo_loss's token_logprobs (or its TP partial over ``tp_group`` / ``vocab_start``), which the
+    fused-gradient mode may stand in for; reference_grpo_loss's materializing logprob_fn is not."""
     cfg = config
     samp = sampling_per_token_logps
     _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio,
@@ -297,12 +299,16 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
         # inputs only: formed once here, so the fused row blocks need no whole sequence for it
         sampling_ratio = sampling_weight(old_logprobs.to(dtype), samp, valid, cfg, segments)  # [B, T] or [B, 1]
     fused = None
-    tp = logprob_fn is not token_logprobs   # grpo_loss's tp_group / vocab_start partial
-    if fusable and _fused.use_fused(hidden, weight, bias, cfg, segments, tp=tp, old_logprobs=old_logprobs,
+    shard = None
+    if fusable and cfg.gradient_mode != "recompute" and (
+            tp_group is not None or vocab_start is not None or _tp.is_dtensor(weight)):
+        shard = _tp.vocab_shard(weight, bias, tp_group, vocab_start)
+    if fusable and _fused.use_fused(hidden, weight, bias, cfg, segments, shard, old_logprobs=old_logprobs,
                                     sampling_logprobs=samp):
         fused = _fused.fused_logprobs(hidden, weight, token_ids, bias, valid, adv.advantages, old_logprobs,
                                       ref_logprobs, sampling_ratio, num_items_in_batch, segments, cfg,
-                                      want_entropy, per_token_loss, dtype, sampling_logprobs=samp)
+                                      want_entropy, per_token_loss, dtype, sampling_logprobs=samp,
+                                      shard=shard)
         tok = fused.tok
     else:
         tok = logprob_fn(hidden, weight, token_ids, bias, mask=valid, temperature=cfg.temperature,

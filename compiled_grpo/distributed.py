@@ -38,6 +38,12 @@ hidden's dtype (Megatron's vocab-parallel lm_head pays the same all-reduce). Com
 the op on V/R columns. Masked rows (``row_mask``) go to the op as on one device (no FLOPs on CUDA,
 no gradient) and their outputs are zeroed here; packed inputs (cu_seqlens) are flattened above.
 
+grpo_loss's fused-gradient mode (compiled_grpo/fused.py) runs the same combination once per row
+block (``gather_shards`` + ``combine_shards``, outside autograd) between the block's logits GEMM
+and its gradient: with lse and entropy global, shard r's dlogits are columns [s_r, s_r + V_r) of
+the full dlogits, the one-hot term only on the owner (non-owned ids map to -1, no column), so
+dW_r / db_r come out directly and the ranks' dX parts are summed once (``all_reduce_sum``).
+
 DTensor weights: a DTensor sharded ``Shard(0)`` over a 1-D mesh takes the same path with
 ``weight.to_local()`` (its gradient comes back as a Shard(0) DTensor), the group from the mesh and
 the shard offsets of torch.chunk (DTensor's uneven split: ceil(V / R) rows a rank).
@@ -131,11 +137,8 @@ class _CopyToTPRegion(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
-        out = funcol.all_reduce(grad.contiguous(), "sum", ctx.group)
-        if isinstance(out, funcol.AsyncCollectiveTensor):  # eager: a plain tensor for .grad
-            out = out.wait()
-        return out, None
+    def backward(ctx, grad):   # all_reduce_sum waits: eager autograd wants a plain tensor
+        return all_reduce_sum(grad, ctx.group), None
 
 
 def _gather_own_slot(st: Tensor, shard: VocabShard) -> Tensor:
@@ -185,6 +188,15 @@ def tp_linear_logprobs(hidden: Tensor, shard: VocabShard, ids: Tensor, *, temper
         rows.append(out.entropy)
     st = torch.stack(rows)                                                   # [k, N]
     st = st[None] if shard.group is None else _gather_own_slot(st, shard)    # [R, k, N]
+    logprobs, entropy, lse = combine_shards(st, shard, rm)                   # [N] each
+    return LinearLogprobs(logprobs.view(lead), None if entropy is None else entropy.view(lead), lse.view(lead))
+
+
+def combine_shards(st: Tensor, shard: VocabShard, rm: Optional[Tensor]
+                   ) -> tuple[Tensor, Optional[Tensor], Tensor]:
+    """Every rank's statistics st [R, k, N] (lp_r where the rank owns the target else 0, lse_r,
+    o_r[, H_r]) -> (logprobs, entropy or None, lse) [N] of the full vocab (module docstring),
+    0 at rows where rm [N] is False."""
     lp_r, lse_r, o_r = st[:, 0], st[:, 1], st[:, 2]                          # [R, N]
     if shard.vocab_size is None:
         _check_owned(o_r.sum(0), rm)
@@ -192,14 +204,31 @@ def tp_linear_logprobs(hidden: Tensor, shard: VocabShard, ids: Tensor, *, temper
     # where, not o_r * (...): lse_r = -inf on a shard of banned tokens would give 0 * inf = NaN
     logprobs = (lp_r + torch.where(o_r > 0, lse_r - lse, 0)).sum(0)          # [N]
     entropy = None
-    if with_entropy:
+    if st.shape[1] > 3:
         w = torch.exp(lse_r - lse)                                           # [R, N]
         term = torch.where(w > 0, st[:, 3] + (lse - lse_r), 0)               # [R, N], 0 * inf guarded
         entropy = (w * term).sum(0)                                          # [N]
     if rm is not None:  # masked rows: lse_r = 0 on every rank would give lse = log R
         logprobs, lse = torch.where(rm, logprobs, 0), torch.where(rm, lse, 0)
         entropy = None if entropy is None else torch.where(rm, entropy, 0)
-    return LinearLogprobs(logprobs.view(lead), None if entropy is None else entropy.view(lead), lse.view(lead))
+    return logprobs, entropy, lse
 
 
-__all__ = ["VocabShard", "is_dtensor", "tp_linear_logprobs", "vocab_shard"]
+def gather_shards(st: Tensor, shard: VocabShard) -> Tensor:
+    """[k, N] -> [R, k, N]: every rank's statistics, outside autograd (the fused-gradient path
+    forms its gradients itself)."""
+    if shard.group is None:
+        return st[None]
+    return _all_gather(st.contiguous(), 0, shard.group).view(shard.world, *st.shape)
+
+
+def all_reduce_sum(x: Tensor, group) -> Tensor:
+    """x summed over the group's ranks (the full dX from each rank's part); group None: x."""
+    if group is None:
+        return x
+    out = funcol.all_reduce(x.contiguous(), "sum", group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+__all__ = ["VocabShard", "all_reduce_sum", "combine_shards", "gather_shards", "is_dtensor",
+           "tp_linear_logprobs", "vocab_shard"]

@@ -58,9 +58,18 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def _budget_rows(hidden: Tensor, weight: Tensor, cfg) -> int:
+def _plan_vocab(weight: Tensor, shard) -> int:
+    """The vocab rows a block's workspace is planned for: the weight's, or under TP the largest
+    shard's (ceil(V / ranks)), so every rank plans the same blocks."""
+    if shard is None:
+        return weight.shape[0]
+    return _cdiv(shard.vocab_size, shard.world)
+
+
+def _budget_rows(hidden: Tensor, weight: Tensor, cfg, shard=None) -> int:
     """R of the workspace budget: fused_workspace_mib / (V * element size), whole tiles."""
-    rows = int(cfg.fused_workspace_mib * 2**20) // _op.ws_row_bytes(hidden, weight)
+    row_bytes = _op.ws_cols(hidden, _plan_vocab(weight, shard)) * _op.ws_dtype(hidden, weight).itemsize
+    rows = int(cfg.fused_workspace_mib * 2**20) // row_bytes
     align = ROW_ALIGN if rows >= ROW_ALIGN else MIN_ROWS
     return max(MIN_ROWS, rows // align * align)
 
@@ -85,11 +94,13 @@ def sequence_coupled(cfg, old_logprobs=None, sampling_logprobs=None) -> Optional
     return None
 
 
-def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, tp: bool, old_logprobs=None,
+def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, shard, old_logprobs=None,
                   sampling_logprobs=None) -> Optional[str]:
-    """None when the fused path computes this loss exactly, else the reason it cannot."""
-    if tp or _tp.is_dtensor(weight):
-        return "vocab-parallel (tp_group / DTensor) heads use the recompute path"
+    """None when the fused path computes this loss exactly, else the reason it cannot. ``shard``:
+    the VocabShard of a tensor-parallel head (weight is then its local rows), else None."""
+    if shard is not None and shard.vocab_size is None:
+        return ("vocab_start (uneven vocab shards) leaves the global V unknown on each rank, so the "
+                "ranks could plan different row blocks; pass an even split or a DTensor weight")
     if hidden.device.type == "cuda" and torch.float64 in (hidden.dtype, weight.dtype):
         return "float64 on CUDA has no fused kernels"
     if cfg.top_entropy_quantile < 1.0:
@@ -100,14 +111,15 @@ def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, tp: bool, old_l
     if coupled is not None:
         if segments is not None:
             return f"{coupled} on packed inputs needs whole sequences in a row block"
-        if _hint(hidden.shape[1]) > _budget_rows(hidden, weight, cfg):
+        if _hint(hidden.shape[1]) > _budget_rows(hidden, weight, cfg, shard):
             return f"{coupled} needs a whole sequence (T rows) in the workspace: raise fused_workspace_mib"
     return None
 
 
-def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, tp: bool, old_logprobs=None,
+def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, shard, old_logprobs=None,
               sampling_logprobs=None) -> bool:
-    """gradient_mode 'recompute' never, 'auto' on CUDA when exact and a gradient is wanted,
+    """gradient_mode 'recompute' never, 'auto' on CUDA when exact and a gradient is wanted (not
+    for tensor-parallel heads: their fused path is gloo-tested but not yet measured on NCCL),
     'fused' whenever a gradient is wanted (any device: the CPU body serves the tests), raising
     when it cannot be exact."""
     if cfg.gradient_mode == "recompute":
@@ -116,11 +128,11 @@ def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, tp: bool, old
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not wants_grad:   # nothing to fuse: the forward alone
         return False
-    if cfg.gradient_mode == "auto" and not _auto_device_ok(hidden):
+    if cfg.gradient_mode == "auto" and (shard is not None or not _auto_device_ok(hidden)):
         # CPU: the recompute body streams 16 MiB tiles; the fused body's block holds several
         # [R, V] float32 temporaries (logits, p, dlogits) for no FLOP saving that matters there
         return False
-    why = why_not_fused(hidden, weight, cfg, segments, tp, old_logprobs, sampling_logprobs)
+    why = why_not_fused(hidden, weight, cfg, segments, shard, old_logprobs, sampling_logprobs)
     if why is not None and cfg.gradient_mode == "fused":
         raise ValueError(f"GRPOConfig.gradient_mode='fused' cannot be exact here: {why}; use 'auto' or "
                          f"'recompute'")
@@ -202,16 +214,24 @@ def _compiled_block_grads():
 
 def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logprobs, ref_logprobs,
                    sampling_ratio, num_items_in_batch, segments, cfg, want_entropy,
-                   per_token_loss, dtype, sampling_logprobs=None) -> Fused:
+                   per_token_loss, dtype, sampling_logprobs=None, shard=None) -> Fused:
     """Run the fused schedule for grpo_loss (api.py). Inputs as grpo_loss after flattening
     packed ones; ``advantages`` broadcast (advantage_stats), ``per_token_loss`` api.py's and
     ``dtype`` its log-prob dtype;
     ``sampling_ratio`` includes the weight grpo_loss formed from the sampler's log-probs when
     old log-probs are given (inputs only, so before the blocks, like the normalizer weights);
     ``sampling_logprobs`` go to each block for what needs the current log-probs (the off-policy
-    mask, the weight with old_logprobs=None)."""
+    mask, the weight with old_logprobs=None).
+
+    ``shard`` (tensor parallelism, distributed.py): weight / bias are this rank's vocab rows;
+    each block's shard statistics are all-gathered and combined into the full vocab's
+    (distributed.combine_shards) before its gradient is formed, every rank runs the same blocks,
+    and the ranks' parts of dX are summed once at the end. Each rank gets its dW / db shard."""
     check_model_scaling(cfg.logit_scale, cfg.final_logit_softcapping)
-    ids, _ = _prepare(hidden, weight, token_ids, bias, valid, cfg.temperature)   # checks + ids
+    if shard is not None:
+        weight, bias = shard.weight, shard.bias
+    ids, _ = _prepare(hidden, weight, token_ids, bias, valid, cfg.temperature,   # checks + ids
+                      vocab_size=None if shard is None else shard.vocab_size)
     lead = valid.shape                                                     # [B, T] or [N]
     seq = sequence_coupled(cfg, old_logprobs, sampling_logprobs) is not None   # blocks of whole rows
     # normalizer weights: aggregate and the entropy bonus are linear in their per-token input
@@ -228,7 +248,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
                    sr=flat(sampling_ratio), ref=flat(ref_logprobs), agg_w=flat(agg_w),
                    ent_w=flat(ent_w), samp=flat(sampling_logprobs))        # [N] each
     n = valid.numel()
-    budget = _budget_rows(hidden, weight, cfg)
+    budget = _budget_rows(hidden, weight, cfg, shard)
     if seq:   # blocks of k whole sequences of the padded [B, T]
         b_sz, t_sz = lead
         k = max(1, budget // _hint(t_sz))
@@ -257,11 +277,27 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
 
     need = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
     h2 = hidden.reshape(-1, hidden.shape[-1])                              # [N, H]
+    ids, flat_valid = ids.reshape(-1), valid.reshape(-1)                   # [N]
+    tp = {}
+    if shard is not None:
+        local = ids - shard.start
+        own = (local >= 0) & (local < weight.shape[0]) & flat_valid        # [N] this rank's targets
+        # -1 matches no column: the one-hot term of the dlogits is the owner rank's alone
+        ids = torch.where(own, local, -1)
+
+        def combine(idx, lp, ent, lse):   # this block's shard statistics -> the full vocab's
+            o = own.index_select(0, idx).to(lse.dtype)                      # [R']
+            st = torch.stack([torch.where(o > 0, lp, 0), lse, o] + ([ent] if want_entropy else []))
+            lp, ent_g, lse = _tp.combine_shards(_tp.gather_shards(st, shard), shard,
+                                                flat_valid.index_select(0, idx))
+            return lp, ent if ent_g is None else ent_g, lse
+
+        tp = dict(combine=combine, reduce_dx=lambda dx: _tp.all_reduce_sum(dx, shard.group))
     res = _op.fused_linear_logprobs(
-        h2, weight, ids.reshape(-1), bias, valid.reshape(-1), grad_fn, blocks=blocks,
+        h2, weight, ids, bias, flat_valid, grad_fn, blocks=blocks,
         block_rows=block_rows, by_block=seq, temperature=cfg.temperature, with_entropy=want_entropy,
         logit_scale=cfg.logit_scale, softcap=cfg.final_logit_softcapping, need_x=need[0],
-        need_w=need[1], need_b=need[2])
+        need_w=need[1], need_b=need[2], **tp)
     lp, ent, lse = (t.view(lead) for t in (res.logprobs, res.entropy, res.lse))
     tok = LinearLogprobs(lp, ent if want_entropy else None, lse)
     dx = None if res.d_hidden is None else res.d_hidden.view(hidden.shape)

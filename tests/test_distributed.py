@@ -28,6 +28,11 @@ RTOL, ATOL = 1e-10, 1e-12
 CFG = cg.GRPOConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, metrics="with_entropy")
 LEAN = cg.GRPOConfig(loss_type="grpo", beta=0.04, entropy_coef=0.01)  # Inductor: fewer kernels to compile
 SIZES = {2: (7, 12), 3: (5, 13, 4)}  # uneven shard sizes (vocab_start)
+# the fused-gradient mode, several row blocks (16 rows of a float64 CPU workspace at V <= 8 a rank)
+FUSED = cg.GRPOConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, metrics="with_entropy",
+                      gradient_mode="fused", fused_workspace_mib=16 * 8 * 8 / 2**20)
+FUSED_SEQ = cg.GRPOConfig(loss_type="grpo", importance_sampling_level="sequence", beta=0.04,
+                          gradient_mode="fused", fused_workspace_mib=16 * 8 * 8 / 2**20)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +150,8 @@ def _case_grpo_loss(rank, group, world, backend, sizes=None, vocab_start=False, 
     def ref(h, w, b):
         return cg.grpo_loss(h, w, *args, bias=b, **kw)
 
-    name = "grpo_loss" + ("_uneven" if vocab_start else "") + ("_packed" if packed else "")
+    name = ("grpo_loss" + ("_uneven" if vocab_start else "") + ("_packed" if packed else "")
+            + (f"_{cfg.gradient_mode}_{cfg.importance_sampling_level}" if cfg is not CFG else ""))
     _check(name, tp, ref, inp, rank, sizes, inp["bias"], lambda o: o.loss, backend)
 
 
@@ -169,9 +175,13 @@ def _case_uneven_errors(rank, group, world):
         cg.token_logprobs(inp["hidden"], w, ids, b, mask=inp["mask"], tp_group=group, vocab_start=start)
     with pytest.raises(ValueError, match="tile"):  # overlapping shards: every rank claims to start at 0
         cg.token_logprobs(inp["hidden"], w, inp["token_ids"], b, mask=inp["mask"], tp_group=group, vocab_start=0)
+    # the fused mode plans its row blocks from the global V, unknown with vocab_start
+    with pytest.raises(ValueError, match="gradient_mode='fused'.*vocab_start"):
+        cg.grpo_loss(inp["hidden"], w, inp["token_ids"], inp["advantages"], inp["mask"], inp["old_logprobs"],
+                     inp["ref_logprobs"], bias=b, tp_group=group, vocab_start=start, config=FUSED)
 
 
-def _case_dtensor(rank, group, world, backend):
+def _case_dtensor(rank, group, world, backend, cfg=CFG):
     """A Shard(0) DTensor weight/bias (V not divisible by R: torch.chunk's uneven split)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -183,7 +193,7 @@ def _case_dtensor(rank, group, world, backend):
     inp = _inputs(world, seed=4, V=V)
     args = (inp["token_ids"], inp["advantages"], inp["mask"], inp["old_logprobs"], inp["ref_logprobs"])
     h, w, b = _leaf(inp["hidden"]), _leaf(inp["weight"]), _leaf(inp["bias"])
-    ref = cg.grpo_loss(h, w, *args, bias=b, config=CFG)
+    ref = cg.grpo_loss(h, w, *args, bias=b, config=cfg)
     ref_grads = torch.autograd.grad(ref.loss, (h, w, b))
     h_t = _leaf(inp["hidden"])
     w_t = distribute_tensor(inp["weight"].detach(), mesh, [Shard(0)]).requires_grad_()
@@ -192,9 +202,9 @@ def _case_dtensor(rank, group, world, backend):
     if backend != "eager":
         torch._dynamo.reset()
         fn = torch.compile(cg.grpo_loss, backend=backend, fullgraph=True)
-    out = fn(h_t, w_t, *args, bias=b_t, config=CFG)
+    out = fn(h_t, w_t, *args, bias=b_t, config=cfg)
     dh, dw, db = torch.autograd.grad(out.loss, (h_t, w_t, b_t))
-    what = f"dtensor[{backend}, rank {rank}/{world}]"
+    what = f"dtensor[{backend}, {cfg.gradient_mode}, rank {rank}/{world}]"
     got, exp = _flat(out), _flat(ref)
     for k in exp:
         _close(got[k], exp[k], f"{what} {k}")
@@ -296,7 +306,14 @@ def _cases(world):
              ("grpo_loss", dict(backend="eager", sizes=s, vocab_start=True)),
              ("grpo_loss", dict(backend="aot_eager", sizes=s, vocab_start=True, packed=True)),
              ("no_grad_old", {}), ("uneven_errors", {}), ("dtensor", dict(backend="eager")),
-             ("subgroups", {}), ("fsdp2", {})]
+             ("subgroups", {}), ("fsdp2", {}),
+             # the fused-gradient mode: per-block statistics gathered, dX summed once
+             ("grpo_loss", dict(backend="eager", cfg=FUSED)),
+             ("grpo_loss", dict(backend="eager", cfg=FUSED, packed=True)),
+             ("grpo_loss", dict(backend="eager", cfg=FUSED_SEQ)),
+             ("dtensor", dict(backend="eager", cfg=FUSED))]
+    if world == 2:
+        cases += [("grpo_loss", dict(backend="aot_eager", cfg=FUSED))]
     if world == 2:
         cases += [("grpo_loss", dict(backend="aot_eager")), ("dtensor", dict(backend="aot_eager"))]
     return cases

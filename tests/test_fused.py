@@ -332,7 +332,7 @@ def test_trl_options_packed_equal_padded(name):
 def test_trl_options_fused_mode_selection():
     """top_entropy_quantile < 1 is never fused; sequence-coupled options on packed inputs neither."""
     inp = _option_inputs(True, True, B=3, T=5)
-    why = F.why_not_fused(inp["hidden"], inp["weight"], cg.GRPOConfig(top_entropy_quantile=0.2), None, False)
+    why = F.why_not_fused(inp["hidden"], inp["weight"], cg.GRPOConfig(top_entropy_quantile=0.2), None, None)
     assert "top_entropy_quantile" in why
     with pytest.raises(ValueError, match="gradient_mode='fused'.*top_entropy_quantile"):
         cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="fused", top_entropy_quantile=0.2))
@@ -341,9 +341,9 @@ def test_trl_options_fused_mode_selection():
         with pytest.raises(ValueError, match="gradient_mode='fused'.*packed"):
             cg.grpo_loss(**packed, cu_seqlens=cu, config=cg.GRPOConfig(gradient_mode="fused", **kw))
     # the sampler weight from given old log-probs is inputs-only: packed sequence_* modes stay fused
-    assert F.why_not_fused(packed["hidden"], inp["weight"], cg.GRPOConfig(), object(), False,
+    assert F.why_not_fused(packed["hidden"], inp["weight"], cg.GRPOConfig(), object(), None,
                            packed["old_logprobs"], packed["sampling_per_token_logps"]) is None
-    assert "sequence_" in F.why_not_fused(packed["hidden"], inp["weight"], cg.GRPOConfig(), object(), False,
+    assert "sequence_" in F.why_not_fused(packed["hidden"], inp["weight"], cg.GRPOConfig(), object(), None,
                                           None, packed["sampling_per_token_logps"])
 
 

@@ -120,7 +120,9 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                           block_rows, by_block: bool = False, temperature: float = 1.0,
                           with_entropy: bool = False, logit_scale: float = 1.0,
                           softcap: Optional[float] = None, need_x: bool = True,
-                          need_w: bool = True, need_b: bool = False) -> FusedResult:
+                          need_w: bool = True, need_b: bool = False,
+                          combine: Optional[Callable] = None,
+                          reduce_dx: Optional[Callable] = None) -> FusedResult:
     """hidden [N, H], weight [V, H], ids [N] in [0, V) (any value at padded rows), bias [V],
     row_mask [N] bool (None: every row valid), ``blocks`` G (a Python int) of ``block_rows`` R
     rows (G * R >= N; R may be symbolic). ``grad_fn(r0, idx, logprobs, entropy) -> (g_lp,
@@ -130,7 +132,14 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     of the caller's loss w.r.t. those rows' log-probs and entropies (g_ent ignored unless
     with_entropy). Returns the outputs in the original row order and the gradients of
     sum(g_lp * logprobs + g_ent * entropy) w.r.t. hidden, weight and bias (None where not
-    needed). Operands and outputs are detached: the caller attaches the gradients."""
+    needed). Operands and outputs are detached: the caller attaches the gradients.
+
+    A vocab shard (tensor parallelism: weight / bias are this rank's rows, ids local to them):
+    ``combine(idx, logprobs, entropy, lse) -> (logprobs, entropy, lse)`` turns each block's
+    shard statistics into the full vocab's before grad_fn and the backward see them (the
+    dlogits of a shard are those columns of the full dlogits once lse and entropy are global),
+    and ``reduce_dx(dx)`` sums the ranks' parts of dX at the end. Every rank must run the same
+    blocks (the same G and R)."""
     hidden, weight = hidden.detach(), weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
     n, h = hidden.shape
@@ -164,6 +173,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         lp_b, ent_b, lse_b = fused_block_forward(hidden, weight, ids_p, bias, perm, counts, ws,
                                                  zoff, xg, b, r0, rows, **scal)
         idx = perm.narrow(0, r0, rows)                                       # [R'] original rows
+        if combine is not None:
+            lp_b, ent_b, lse_b = combine(idx, lp_b, ent_b, lse_b)
         g_lp, g_ent = grad_fn(r0, idx, lp_b, ent_b)
         fused_block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse_b, ent_b,
                              g_lp.to(lse_b.dtype).contiguous(),
@@ -173,6 +184,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     # back to the original order (padded rows: 0, the value computed past each block's count)
     unperm = lambda t: torch.empty_like(t).index_copy_(0, perm, t)  # noqa: E731
     lp, ent, lse = (unperm(torch.cat(t)) for t in (lps, ents, lses))
+    if reduce_dx is not None and need_x:
+        dx = reduce_dx(dx)
     return FusedResult(lp, ent, lse, dx if need_x else None,
                        dw if need_w else None, db.to(bias.dtype) if need_b else None)
 
