@@ -8,6 +8,9 @@ shard W[r V/R : (r + 1) V/R]. Rows printed by rank 0, in one run:
 
   tp=R eager / compiled   grpo_loss(..., tp_group=WORLD) (the recompute op on each rank's shard,
                           one all-gather of per-token statistics, an all-reduce of dX)
+  tp=R fused eager / compiled   the same with GRPOConfig(gradient_mode="fused"): the fused-gradient
+                          row blocks on each shard, one all-gather of statistics a block, one
+                          all-reduce of dX
   tp=1 recompute / fused  grpo_loss on rank 0 alone with the full W (gradient_mode as named)
 
 with the median fwd+bwd time, the peak memory beyond inputs and grads on rank 0, and the TP
@@ -88,9 +91,12 @@ def main():
     ref = None
     fails = []
     compiled_tp = torch.compile(tp, fullgraph=True)
-    for name, fn in ((f"tp={world} eager", tp), (f"tp={world} compiled", compiled_tp)):
-        loss, dx, dw, peak = _run(fn, x.hidden, w_shard, x, cfg)
-        ms = _bench(lambda: _run(fn, x.hidden, w_shard, x, cfg))
+    fused = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused")
+    for name, fn, c in ((f"tp={world} eager", tp, cfg), (f"tp={world} compiled", compiled_tp, cfg),
+                        (f"tp={world} fused eager", tp, fused),
+                        (f"tp={world} fused compiled", compiled_tp, fused)):
+        loss, dx, dw, peak = _run(fn, x.hidden, w_shard, x, c)
+        ms = _bench(lambda: _run(fn, x.hidden, w_shard, x, c))
         rows.append((name, ms, peak, loss, dx, dw))
     dist.barrier()
     if rank == 0:
