@@ -143,8 +143,7 @@ class _CopyToTPRegion(torch.autograd.Function):
 
 def _gather_own_slot(st: Tensor, shard: VocabShard) -> Tensor:
     """[k, N] -> [R, k, N], every rank's statistics; only slot ``rank`` carries this rank's graph."""
-    g = _all_gather(st.detach().contiguous(), 0, shard.group)  # [R * k, N], no autograd
-    g = g.view(shard.world, *st.shape)
+    g = gather_shards(st.detach(), shard)  # [R, k, N], no autograd
     r = shard.rank
     return torch.cat([g[:r], st[None], g[r + 1:]])  # [R, k, N]
 
@@ -183,13 +182,17 @@ def tp_linear_logprobs(hidden: Tensor, shard: VocabShard, ids: Tensor, *, temper
     out = linear_logprobs(h, shard.weight, torch.where(own, local, 0), shard.bias, temperature=temperature,
                           fp32_lm_head=fp32_lm_head, with_entropy=with_entropy, row_mask=rm,
                           logit_scale=logit_scale, final_logit_softcapping=final_logit_softcapping)
-    rows = [torch.where(own, out.logprobs, 0), out.lse, own.to(out.lse.dtype)]
-    if with_entropy:
-        rows.append(out.entropy)
-    st = torch.stack(rows)                                                   # [k, N]
+    st = shard_stats(out.logprobs, out.lse, own, out.entropy if with_entropy else None)   # [k, N]
     st = st[None] if shard.group is None else _gather_own_slot(st, shard)    # [R, k, N]
     logprobs, entropy, lse = combine_shards(st, shard, rm)                   # [N] each
     return LinearLogprobs(logprobs.view(lead), None if entropy is None else entropy.view(lead), lse.view(lead))
+
+
+def shard_stats(lp: Tensor, lse: Tensor, own: Tensor, entropy: Optional[Tensor]) -> Tensor:
+    """[k, N] statistics of this rank's shard, the rows combine_shards reads: lp where the rank
+    owns the target (else 0), lse, own as 0/1, and the shard's entropy when given."""
+    rows = [torch.where(own, lp, 0), lse, own.to(lse.dtype)]
+    return torch.stack(rows + ([] if entropy is None else [entropy]))
 
 
 def combine_shards(st: Tensor, shard: VocabShard, rm: Optional[Tensor]
@@ -215,8 +218,7 @@ def combine_shards(st: Tensor, shard: VocabShard, rm: Optional[Tensor]
 
 
 def gather_shards(st: Tensor, shard: VocabShard) -> Tensor:
-    """[k, N] -> [R, k, N]: every rank's statistics, outside autograd (the fused-gradient path
-    forms its gradients itself)."""
+    """[k, N] -> [R, k, N]: every rank's statistics, one all-gather outside autograd."""
     if shard.group is None:
         return st[None]
     return _all_gather(st.contiguous(), 0, shard.group).view(shard.world, *st.shape)

@@ -68,8 +68,7 @@ def _plan_vocab(weight: Tensor, shard) -> int:
 
 def _budget_rows(hidden: Tensor, weight: Tensor, cfg, shard=None) -> int:
     """R of the workspace budget: fused_workspace_mib / (V * element size), whole tiles."""
-    row_bytes = _op.ws_cols(hidden, _plan_vocab(weight, shard)) * _op.ws_dtype(hidden, weight).itemsize
-    rows = int(cfg.fused_workspace_mib * 2**20) // row_bytes
+    rows = int(cfg.fused_workspace_mib * 2**20) // _op.ws_row_bytes(hidden, weight, _plan_vocab(weight, shard))
     align = ROW_ALIGN if rows >= ROW_ALIGN else MIN_ROWS
     return max(MIN_ROWS, rows // align * align)
 
@@ -286,8 +285,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         ids = torch.where(own, local, -1)
 
         def combine(idx, lp, ent, lse):   # this block's shard statistics -> the full vocab's
-            o = own.index_select(0, idx).to(lse.dtype)                      # [R']
-            st = torch.stack([torch.where(o > 0, lp, 0), lse, o] + ([ent] if want_entropy else []))
+            st = _tp.shard_stats(lp, lse, own.index_select(0, idx), ent if want_entropy else None)
             lp, ent_g, lse = _tp.combine_shards(_tp.gather_shards(st, shard), shard,
                                                 flat_valid.index_select(0, idx))
             return lp, ent if ent_g is None else ent_g, lse

@@ -50,6 +50,12 @@ DW_TILES = _tiles("LINEAR_LOGPROBS_DW_TILES", dict(GEMM_TILES))   # the dW step
 # The dlogits workspace [R, C] of this path. H100, qwen3-8b shape, 67% valid (bench_rows
 # --sweep): 16 MiB (C = 4096) 102.1 ms, 24 MiB 97.6 ms, 32 MiB 97.7 ms, peaks within 5 MiB.
 WS_BYTES = int(os.environ.get("LINEAR_LOGPROBS_ROWS_WS_MIB", "24")) << 20
+def step_tiles(itemsize: int) -> tuple[tuple, tuple]:
+    """(GEMM_TILES, DW_TILES) entries of the dX / dW steps for operands of `itemsize` bytes."""
+    size = min(8, max(2, itemsize))
+    return GEMM_TILES[size], DW_TILES[size]
+
+
 GROUP_M = 8       # row (or vocab) blocks a program group shares in L2 (see kernels._swizzle)
 GATHER_ROWS, GATHER_H = 16, 256
 
@@ -137,9 +143,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
              softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes, from the valid rows only."""
     bn, bv, bk, warps, stages = _dense.TILES
-    size = min(8, max(2, hidden.element_size()))
-    gm, gh, gk, gwarps, gstages = GEMM_TILES[size]
-    wc, wh, wk, wwarps, wstages = DW_TILES[size]
+    (gm, gh, gk, gwarps, gstages), (wc, wh, wk, wwarps, wstages) = step_tiles(hidden.element_size())
     x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, fp32_lm_head)
     n, h = x.shape
     v = w.shape[0]

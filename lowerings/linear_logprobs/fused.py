@@ -72,9 +72,10 @@ def ws_cols(hidden: Tensor, v: int) -> int:
     return triton.cdiv(v, 64) * 64 if _triton_body(hidden) else v
 
 
-def ws_row_bytes(hidden: Tensor, weight: Tensor) -> int:
-    """Bytes of one workspace row: what a caller's budget divides by to get R."""
-    return ws_cols(hidden, weight.shape[0]) * ws_dtype(hidden, weight).itemsize
+def ws_row_bytes(hidden: Tensor, weight: Tensor, v: Optional[int] = None) -> int:
+    """Bytes of one workspace row of v columns (weight's rows by default): what a caller's
+    budget divides by to get R."""
+    return ws_cols(hidden, weight.shape[0] if v is None else v) * ws_dtype(hidden, weight).itemsize
 
 
 def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:
@@ -85,8 +86,7 @@ def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:
     blocks). None off CUDA."""
     if hidden.device.type != "cuda":
         return None
-    size = min(8, max(2, ws_dtype(hidden, weight).itemsize))
-    bm, bh = _rows.GEMM_TILES[size][:2]
+    bm, bh = _rows.step_tiles(ws_dtype(hidden, weight).itemsize)[0][:2]
     return max(1, sm_count(hidden.device.index) // triton.cdiv(hidden.shape[-1], bh)) * bm
 
 

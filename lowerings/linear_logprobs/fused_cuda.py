@@ -102,9 +102,9 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         rows, v, ws.stride(0), zoff.stride(0), inv_temp, cap_post, HAS_CAP=softcap is not None,
         WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_dense.TILES[1], BLOCK_N=en,
         BLOCK_V=ev, num_warps=ewarps)
-    size = min(8, max(2, ws.element_size()))
+    gemm_tiles, dw_tiles = _rows.step_tiles(ws.element_size())
     if need_w:
-        wc, wh, wk, wwarps, wstages = _rows.DW_TILES[size]
+        wc, wh, wk, wwarps, wstages = dw_tiles
         n_cblocks, n_hblocks = triton.cdiv(v, wc), triton.cdiv(h, wh)
         tiles = dict(ACCUMULATE=b > 0, DOT_PREC=prec, USE_TMA=tma, BLOCK_C=wc, BLOCK_H=wh,
                      BLOCK_K=wk, GROUP_C=_rows.GROUP_M, num_warps=wwarps, num_stages=wstages)
@@ -116,7 +116,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         else:
             _dw_step_kernel[(n_cblocks * n_hblocks,)](*args, **tiles)
     if need_x:
-        gm, gh, gk, gwarps, gstages = _rows.GEMM_TILES[size]
+        gm, gh, gk, gwarps, gstages = gemm_tiles
         n_mblocks, n_hblocks = triton.cdiv(rows, gm), triton.cdiv(h, gh)
         _dx_step_kernel[(n_mblocks * n_hblocks,)](
             ws, w, dx, dx, perm.narrow(0, r0, rows), count, 0, rows, 0, v, v, h, ws.stride(0),
