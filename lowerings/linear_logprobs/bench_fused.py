@@ -37,7 +37,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--all-valid", action="store_true")
-    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "dlogits", "dw", "dx"])
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "dlogits", "dw", "dx", "fwd"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--cublas", action="store_true")
@@ -112,6 +112,13 @@ def main():
                 setattr(mod, name, old)
 
         want = lambda part: args.sweep in ("all", part)  # noqa: E731
+        from lowerings.linear_logprobs import cuda as dense
+        if want("fwd"):
+            variant(dense, "FWD_FLATTEN", not dense.FWD_FLATTEN, f"FWD_FLATTEN={not dense.FWD_FLATTEN}")
+            variant(dense, "TILES", (128, 256, 64, 8, 4), "TILES=(128, 256, 64, 8, 4)")
+        if want("dlogits"):
+            variant(fused_cuda, "DLOGITS_V_FASTEST", not fused_cuda.DLOGITS_V_FASTEST,
+                    f"DLOGITS_V_FASTEST={not fused_cuda.DLOGITS_V_FASTEST}")
         if want("dw"):
             variant(fused_cuda, "DW_PERSISTENT", not fused_cuda.DW_PERSISTENT,
                     f"DW_PERSISTENT={not fused_cuda.DW_PERSISTENT}")
@@ -123,6 +130,7 @@ def main():
         for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3)] * want("dx"):
             variant(cuda_rows, "GEMM_TILES", {**cuda_rows.GEMM_TILES, 2: tiles},
                     f"GEMM_TILES[bf16]={tiles}")
+        measure("default again (drift over the sweep)")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,9 @@ from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc
 # the interpreter tests (tiles of 16) and for tuning runs (LINEAR_LOGPROBS_TILES="128,128,64,8,3").
 TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_TILES", "128,256,64,8,3").split(","))
 GROUP_N = 16                # row blocks per program group (L2 reuse, see _swizzle)
+# The forward's vocab-tile loop flattened with its K loop (kernels._fwd_kernel FLATTEN);
+# LINEAR_LOGPROBS_FWD_FLATTEN=1 (tuning runs).
+FWD_FLATTEN = os.environ.get("LINEAR_LOGPROBS_FWD_FLATTEN", "0") == "1"
 FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see _fwd_splits for the pick
 CHUNK_V = 6144              # backward vocab columns a step: workspace R * CHUNK_V elements
 # Budget of the backward's fp32 dX accumulator, one row group of R = cdiv(N, G) rows (see
@@ -164,7 +167,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
         x, w, bias if bias is not None else x, ids, m, s, t, zt, ids, n, v, h, x.stride(0),
         w.stride(0), *_scalars(temperature, logit_scale, softcap), cols, n_blocks, splits, 0, n, m, m, 0, 0,
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy, HAS_COUNT=False, STORE_Z=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
-        BLOCK_K=bk, GROUP_N=GROUP_N, num_warps=warps, num_stages=stages)
+        BLOCK_K=bk, GROUP_N=GROUP_N, FLATTEN=FWD_FLATTEN, num_warps=warps, num_stages=stages)
     return _combine(m, s, t, zt, with_entropy)
 
 

@@ -112,7 +112,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
                 WITH_ENTROPY: tl.constexpr, HAS_COUNT: tl.constexpr,
                 DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-                STORE_Z: tl.constexpr):
+                STORE_Z: tl.constexpr, FLATTEN: tl.constexpr):
     """Statistics of rows [0, N) of x (ids alike) into column out_row0 + row of the [S, out_n]
     buffers. HAS_COUNT: only the first clamp(count - out_row0, 0, N) rows are valid (rows
     compacted valid-first, count on the device); programs past them exit at once.
@@ -120,7 +120,9 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     relative to the running row max after it, d = z - m_sh <= 0, in z's dtype (fp16 for 16-bit
     operands), and m_sh to zoff[row, tile] fp32 [N, n_ztiles]: z = d + zoff exactly where p
     is large (d near 0), and an error |d| * 2^-11 where p <= e^d is small (stored from the
-    MMA's registers: a TMA store through shared memory measured no faster, H100)."""
+    MMA's registers: a TMA store through shared memory measured no faster, H100).
+    FLATTEN: one flattened (vocab tile, K step) loop, so the pipeliner can issue the next
+    tile's operand loads during this tile's statistics epilogue (cuda.FWD_FLATTEN)."""
     pid_n, split = _swizzle(n_blocks, n_splits, GROUP_N)
     n_valid = _valid_rows(count_ptr, out_row0, N, HAS_COUNT)
     if pid_n * BLOCK_N >= n_valid:
@@ -136,7 +138,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     zt = tl.zeros((BLOCK_N,), tl.float32)
     # The first tile of each split has a valid column, so m is finite after it; tiles past V
     # (only in the last split, under BLOCK_V * splits columns in all) are fully masked.
-    for i in range(0, cols_per_split, BLOCK_V):
+    for i in tl.range(0, cols_per_split, BLOCK_V, flatten=FLATTEN):
         col0 = split * cols_per_split + i
         cols = col0 + tl.arange(0, BLOCK_V)
         col_mask = cols < V
@@ -246,15 +248,22 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
 def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
                           dbp_ptr, count_ptr, n_rows, V, stride_ws, n_ztiles, inv_temp, cap_post,
                           HAS_CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr,
-                          TILE_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+                          TILE_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                          V_FASTEST: tl.constexpr):
     """The fused-gradient path's dlogits, in place: for the n = clamp(count, 0, n_rows) valid
     rows of a block, z = d + zoff[row, col // TILE_V] from the stored logits tile (z, written by
     _fwd_kernel with STORE_Z), then ws[r, c] = dz as _dlogits_kernel forms it (no lse grad),
     in ws's dtype at the same address (z and ws are two dtype views of one buffer: each element
     is read before it is overwritten, by the same program). dbp[pid_n, c]: column sums for
-    d_bias. Rows past n are neither read nor written (the GEMM steps stop at n)."""
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    d_bias. Rows past n are neither read nor written (the GEMM steps stop at n). V_FASTEST: the
+    grid is (V tiles, row blocks), so programs launched together stream along rows rather than
+    down one column stripe."""
+    if V_FASTEST:
+        pid_v = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid_n = tl.program_id(0)
+        pid_v = tl.program_id(1)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = cols < V
     n_valid = _valid_rows(count_ptr, 0, n_rows, True)
