@@ -116,13 +116,10 @@ def main():
         if want("fwd"):
             variant(dense, "FWD_FLATTEN", not dense.FWD_FLATTEN, f"FWD_FLATTEN={not dense.FWD_FLATTEN}")
             variant(dense, "TILES", (128, 256, 64, 8, 4), "TILES=(128, 256, 64, 8, 4)")
-        if want("dlogits"):
-            variant(fused_cuda, "DLOGITS_V_FASTEST", not fused_cuda.DLOGITS_V_FASTEST,
-                    f"DLOGITS_V_FASTEST={not fused_cuda.DLOGITS_V_FASTEST}")
         if want("dw"):
             variant(fused_cuda, "DW_PERSISTENT", not fused_cuda.DW_PERSISTENT,
                     f"DW_PERSISTENT={not fused_cuda.DW_PERSISTENT}")
-        for tile in [(64, 256, 8), (32, 512, 8), (16, 256, 4), (64, 256, 4), (32, 256, 8)] * want("dlogits"):
+        for tile in [(64, 256, 8), (16, 256, 4), (32, 256, 4)] * want("dlogits"):
             variant(fused_cuda, "DLOGITS_TILE", tile, f"DLOGITS_TILE={tile}")
         for tiles in [(128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 4, 3)] * want("dw"):
             variant(cuda_rows, "DW_TILES", {**cuda_rows.DW_TILES, 2: tiles},

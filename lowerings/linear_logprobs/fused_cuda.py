@@ -29,12 +29,10 @@ from lowerings.linear_logprobs.kernels import (_dw_step_kernel, _dw_step_persist
 
 # The in-place dlogits pass: an elementwise [BLOCK_N, BLOCK_V] tile a program, (BLOCK_N,
 # BLOCK_V, num_warps); LINEAR_LOGPROBS_DLOGITS_TILE="64,256,8" overrides it (tuning runs). d_bias
-# partial sums are [cdiv(R, BLOCK_N), V] fp32 (only with a bias).
+# partial sums are [cdiv(R, BLOCK_N), V] fp32 (only with a bias). H100, qwen3-8b, 39% valid
+# (bench_fused --sweep dlogits): 1.73 ms a step at (32, 256, 8), 2.00 at (32, 256, 4).
 DLOGITS_TILE = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DLOGITS_TILE",
-                                                    "32,256,4").split(","))
-# The dlogits grid's order: (V tiles, row blocks) streams along rows;
-# LINEAR_LOGPROBS_DLOGITS_V_FASTEST=1 (tuning runs).
-DLOGITS_V_FASTEST = os.environ.get("LINEAR_LOGPROBS_DLOGITS_V_FASTEST", "0") == "1"
+                                                    "32,256,8").split(","))
 # The dW step as a persistent grid (kernels._dw_step_persistent_kernel): H100, qwen3-8b bench,
 # 39% valid (bench_fused --sweep dw): step 39.8 ms against 41.8 with one program per tile.
 # LINEAR_LOGPROBS_DW_PERSISTENT=0 takes the one-program-per-tile kernel (tuning runs).
@@ -101,12 +99,11 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     n_rb = triton.cdiv(rows, en)
     dbp = ws.new_empty((n_rb, v), dtype=torch.float32) if need_b else zoff       # [R'/BN, V]
     inv_temp, _, cap_post = _dense._scalars(temperature, logit_scale, softcap)
-    grid = (triton.cdiv(v, ev), n_rb) if DLOGITS_V_FASTEST else (n_rb, triton.cdiv(v, ev))
-    _fused_dlogits_kernel[grid](
+    _fused_dlogits_kernel[(n_rb, triton.cdiv(v, ev))](
         _z_view(ws), ws, zoff, ids_p.narrow(0, r0, rows), lse, ent, g_lp, g_ent, dbp, count,
         rows, v, ws.stride(0), zoff.stride(0), inv_temp, cap_post, HAS_CAP=softcap is not None,
         WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_dense.TILES[1], BLOCK_N=en,
-        BLOCK_V=ev, V_FASTEST=DLOGITS_V_FASTEST, num_warps=ewarps)
+        BLOCK_V=ev, num_warps=ewarps)
     gemm_tiles, dw_tiles = _rows.step_tiles(ws.element_size())
     if need_w:
         wc, wh, wk, wwarps, wstages = dw_tiles

@@ -248,22 +248,15 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
 def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
                           dbp_ptr, count_ptr, n_rows, V, stride_ws, n_ztiles, inv_temp, cap_post,
                           HAS_CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr,
-                          TILE_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                          V_FASTEST: tl.constexpr):
+                          TILE_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     """The fused-gradient path's dlogits, in place: for the n = clamp(count, 0, n_rows) valid
     rows of a block, z = d + zoff[row, col // TILE_V] from the stored logits tile (z, written by
     _fwd_kernel with STORE_Z), then ws[r, c] = dz as _dlogits_kernel forms it (no lse grad),
     in ws's dtype at the same address (z and ws are two dtype views of one buffer: each element
     is read before it is overwritten, by the same program). dbp[pid_n, c]: column sums for
-    d_bias. Rows past n are neither read nor written (the GEMM steps stop at n). V_FASTEST: the
-    grid is (V tiles, row blocks), so programs launched together stream along rows rather than
-    down one column stripe."""
-    if V_FASTEST:
-        pid_v = tl.program_id(0)
-        pid_n = tl.program_id(1)
-    else:
-        pid_n = tl.program_id(0)
-        pid_v = tl.program_id(1)
+    d_bias. Rows past n are neither read nor written (the GEMM steps stop at n)."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = cols < V
     n_valid = _valid_rows(count_ptr, 0, n_rows, True)
