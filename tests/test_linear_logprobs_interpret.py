@@ -319,9 +319,13 @@ def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,
 @pytest.mark.parametrize("blocks,block_rows,by_block,dlogits_tile", [
     (1, 40, False, (16, 16, 1)), (3, 16, False, (16, 16, 1)), (4, 10, True, (16, 16, 1)),
     (3, 16, False, (8, 32, 1))])   # dlogits tiles wider than the stored-max tiles: per-column maxima
-@pytest.mark.parametrize("persistent", [False, True])   # fused_cuda.DW_PERSISTENT
-def test_fused_blocks(monkeypatch, kind, blocks, block_rows, by_block, dlogits_tile, persistent):
+# fused_cuda.DW_PERSISTENT, and DX_SPLITS: 1 = one K loop; 8 = split over V where the dX grid is
+# small (here always: 4 "SMs" in the interpreter, _sms), partials summed by the reduce kernel
+@pytest.mark.parametrize("persistent,dx_splits", [(False, 1), (True, 1), (True, 8)])
+def test_fused_blocks(monkeypatch, kind, blocks, block_rows, by_block, dlogits_tile, persistent,
+                      dx_splits):
     monkeypatch.setattr(fck, "DW_PERSISTENT", persistent)
+    monkeypatch.setattr(fck, "DX_SPLITS", dx_splits)
     mask = MASKS[kind]
     x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=3)
     res, G_lp, G_ent, seen = _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,
@@ -375,3 +379,33 @@ def test_scale_kernel(monkeypatch, dtype, g):
         # the interpreter rounds fp32 -> bf16 toward zero (the GPU to nearest): one bf16 ulp
         tol = dict(rtol=2**-7, atol=0) if dtype == torch.bfloat16 and g != 1 else dict(rtol=0, atol=0)
         torch.testing.assert_close(t, w, **tol)
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from lowerings.linear_logprobs.kernels_fused import _dx_splits  # noqa: E402
+
+
+@triton.jit
+def _dx_splits_probe(args_ptr, out_ptr, S_MAX: tl.constexpr, BLOCK_M: tl.constexpr):
+    n_split, n_pad = _dx_splits(tl.load(args_ptr), tl.load(args_ptr + 1), tl.load(args_ptr + 2),
+                                tl.load(args_ptr + 3), S_MAX, BLOCK_M)
+    tl.store(out_ptr, n_split)
+    tl.store(out_ptr + 1, n_pad)
+
+
+@pytest.mark.parametrize("n,h_blocks,sms,max_rows,want", [
+    (2048, 16, 132, 3072, 1),   # a full qwen3-8b block on H100: 256 tiles already fill 97%
+    (271, 16, 132, 3072, 5),    # its tail: 48 tiles (36%) -> 240 (91%)
+    (425, 16, 132, 3072, 2),    # the long shape's tail: 64 tiles -> 128 (97%)
+    (1280, 9, 132, 5461, 4),    # gemma2-2b's blocks: 90 tiles (68%) -> 360 (91%)
+    (1280, 9, 132, 3640, 1),    # ... unless 4 x 1280 partial rows do not fit
+    (0, 16, 132, 3072, 1),      # an empty block
+])
+def test_dx_splits(n, h_blocks, sms, max_rows, want):
+    """The dX step's split count over V (kernels_fused._dx_splits), as its docstring states it."""
+    out = torch.zeros(2, dtype=torch.int32)
+    _dx_splits_probe[(1,)](torch.tensor([n, h_blocks, sms, max_rows], dtype=torch.int32), out,
+                           S_MAX=8, BLOCK_M=128)
+    assert out.tolist() == [want, triton.cdiv(n, 128) * 128]

@@ -18,7 +18,9 @@ the gradients back with the outputs:
 
 Workspace: ws [R, V] in the operands' 16-bit dtype (fp32 for fp32, fp64 on CPU for fp64),
 sized by the caller's ``block_rows`` (compiled_grpo: GRPOConfig.fused_workspace_mib), plus xg
-[R, H] (the block's hidden rows, gathered) and small per-row vectors. On CUDA z is stored as
+[R, H] (the block's hidden rows, gathered), small per-row vectors and, on CUDA, up to 48 MiB of
+fp32 partials for the dX step when it splits its K = V loop (a block whose dX grid would leave
+SMs idle: a short last block, or few H blocks; fused_cuda.DX_SPLITS). On CUDA z is stored as
 d = z - (running row max) in fp16 with the max per (row, 256-column tile) in fp32, which keeps
 z exact where p is large (fp16's 11 bits where bf16 would have 8); the dlogits are then
 formed in place in the input dtype (kernels._fused_dlogits_kernel). dW is rounded to its dtype
@@ -41,6 +43,7 @@ from torch import Tensor
 from lowerings.linear_logprobs import cpu as _cpu
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs import cuda_rows as _rows
+from lowerings.linear_logprobs import fused_cuda as _fcuda
 
 
 class FusedResult(NamedTuple):
@@ -159,6 +162,9 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     zoff = hidden.new_empty((r, n_tiles), dtype=torch.float32)               # [R, V / BV]
     xg = hidden.new_empty((r, h), dtype=cd)                                   # [R, H]
     dx = hidden.new_zeros((n, h)) if need_x else hidden.new_empty(0)         # [N, H]
+    # the dX step's split partials (fused_cuda.dx_split_rows): [P, H] fp32, CUDA only
+    p_rows = _fcuda.dx_split_rows(r, h) if cuda and need_x else 0
+    dxp = hidden.new_empty((p_rows, h), dtype=torch.float32)                 # [P, H]
     dw = weight.new_empty(weight.shape, dtype=w_dtype) if need_w else weight.new_empty(0)  # [V, H]
     db = hidden.new_zeros(v, dtype=torch.float32 if cd != torch.float64 else cd) if need_b \
         else hidden.new_empty(0)                                              # [V] acc
@@ -178,7 +184,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         g_lp, g_ent = grad_fn(r0, idx, lp_b, ent_b)
         fused_block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse_b, ent_b,
                              g_lp.to(lse_b.dtype).contiguous(),
-                             g_ent.to(lse_b.dtype).contiguous(), dx, dw, db, b, r0, rows,
+                             g_ent.to(lse_b.dtype).contiguous(), dx, dxp, dw, db, b, r0, rows,
                              need_x=need_x, need_w=need_w, need_b=need_b, **scal)
         lps.append(lp_b), ents.append(ent_b), lses.append(lse_b)
     # back to the original order (padded rows: 0, the value computed past each block's count)
@@ -202,7 +208,7 @@ def scale_(tensors: list[Tensor], g: Tensor) -> None:
     if not tensors or not _triton_body(tensors[0]):
         torch._foreach_mul_(tensors, g)
         return
-    from lowerings.linear_logprobs.kernels import _scale_kernel
+    from lowerings.linear_logprobs.kernels_fused import _scale_kernel
     g = g.detach().to(torch.float32).reshape(1)
     for t in tensors:
         assert t.is_contiguous()
@@ -221,9 +227,8 @@ def fused_block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Opt
     """Block b = rows [r0, r0 + rows) of the permuted order: xg <- its hidden rows, ws <- its
     logits, -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]."""
     if _triton_body(hidden):
-        from lowerings.linear_logprobs import fused_cuda
-        return fused_cuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg,
-                                        b, r0, rows, temperature, with_entropy, logit_scale, softcap)
+        return _fcuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0,
+                                    rows, temperature, with_entropy, logit_scale, softcap)
     idx = perm.narrow(0, r0, rows)
     x = xg.narrow(0, 0, rows)
     x.copy_(hidden.index_select(0, idx))                                     # [R', H]
@@ -242,19 +247,20 @@ def _(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0, rows, temp
 
 
 @torch.library.custom_op("compiled_grpo::fused_block_backward",
-                         mutates_args=("ws", "dx", "dw", "db"))
+                         mutates_args=("ws", "dx", "dxp", "dw", "db"))
 def fused_block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, ws: Tensor,
                          zoff: Tensor, xg: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
-                         g_ent: Tensor, dx: Tensor, dw: Tensor, db: Tensor, b: int, r0: int,
-                         rows: int, temperature: float, with_entropy: bool, logit_scale: float,
-                         softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool) -> None:
-    """ws <- dlogits of block b's valid rows; dx[perm rows] = ws @ W; dw (+)= ws.T @ xg (b > 0
-    adds); db += column sums. Incoming vectors [rows] in the block's order."""
+                         g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int,
+                         r0: int, rows: int, temperature: float, with_entropy: bool,
+                         logit_scale: float, softcap: Optional[float], need_x: bool, need_w: bool,
+                         need_b: bool) -> None:
+    """ws <- dlogits of block b's valid rows; dx[perm rows] = ws @ W (dxp: scratch of the
+    Triton body's split dX step); dw (+)= ws.T @ xg (b > 0 adds); db += column sums. Incoming
+    vectors [rows] in the block's order."""
     if _triton_body(weight):
-        from lowerings.linear_logprobs import fused_cuda
-        return fused_cuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp,
-                                         g_ent, dx, dw, db, b, r0, rows, temperature, with_entropy,
-                                         logit_scale, softcap, need_x, need_w, need_b)
+        return _fcuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp,
+                                     g_ent, dx, dxp, dw, db, b, r0, rows, temperature,
+                                     with_entropy, logit_scale, softcap, need_x, need_w, need_b)
     cd = ws.dtype
     z = ws.narrow(0, 0, rows)[:, : weight.shape[0]]                          # [R', V]
     y = None if softcap is None else z * (temperature / softcap)             # tanh(a s / c)
@@ -277,6 +283,6 @@ def fused_block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Te
 
 
 @fused_block_backward.register_fake
-def _(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp, g_ent, dx, dw, db, b, r0, rows,
-      temperature, with_entropy, logit_scale, softcap, need_x, need_w, need_b):
+def _(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp, g_ent, dx, dxp, dw, db, b, r0,
+      rows, temperature, with_entropy, logit_scale, softcap, need_x, need_w, need_b):
     return None

@@ -11,7 +11,9 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
   block_backward   _fused_dlogits_kernel ws[:n] <- dlogits (in place, input dtype)
                    _dw_step_persistent_kernel  dW (+)= ws[:n].T @ xg[:n]   (K loop stops at
                                         n; one program per SM walks the dW tiles)
-                   _dx_step_kernel      dX[perm[r0 + i]] = ws[i] @ W for i < n (rows past n exit)
+                   _dx_split_kernel     dX[perm[r0 + i]] = ws[i] @ W for i < n (rows past n exit),
+                                        the K = V loop split S ways when the grid is small
+                   _dx_split_reduce_kernel  (S > 1) the splits' fp32 partials summed into dX
 
 Every kernel stops at n, so a block's cost is that of its valid rows (2 + 4 = 6 n H V FLOPs).
 """
@@ -24,8 +26,10 @@ from torch import Tensor
 
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs import cuda_rows as _rows
-from lowerings.linear_logprobs.kernels import (_dw_step_kernel, _dw_step_persistent_kernel,
-                                               _dx_step_kernel, _fused_dlogits_kernel, _fwd_kernel)
+from lowerings.linear_logprobs.kernels import _dw_step_kernel, _fwd_kernel
+from lowerings.linear_logprobs.kernels_fused import (_dw_step_persistent_kernel,
+                                                     _dx_split_kernel, _dx_split_reduce_kernel,
+                                                     _fused_dlogits_kernel)
 
 # The in-place dlogits pass: an elementwise [BLOCK_N, BLOCK_V] tile a program, (BLOCK_N,
 # BLOCK_V, num_warps); LINEAR_LOGPROBS_DLOGITS_TILE="64,256,8" overrides it (tuning runs). d_bias
@@ -37,6 +41,21 @@ DLOGITS_TILE = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DLOGITS_TIL
 # 39% valid (bench_fused --sweep dw): step 39.8 ms against 41.8 with one program per tile.
 # LINEAR_LOGPROBS_DW_PERSISTENT=0 takes the one-program-per-tile kernel (tuning runs).
 DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
+# The dX step's most splits over V (kernels_fused._dx_splits picks S <= DX_SPLITS on the
+# device from the block's valid rows, for a grid of few programs: a block's short tail, or few
+# H blocks); 1 turns splitting off. The fp32 partials take at most DX_SPLIT_MIB
+# (LINEAR_LOGPROBS_DX_SPLIT_MIB): 48 MiB holds gemma2-2b's 1280-row blocks in 4 splits.
+DX_SPLITS = int(os.environ.get("LINEAR_LOGPROBS_DX_SPLITS", "8"))
+DX_SPLIT_BYTES = int(os.environ.get("LINEAR_LOGPROBS_DX_SPLIT_MIB", "48")) << 20
+REDUCE_TILE = (32, 256, 4)   # the partials' sum: (BLOCK_R, BLOCK_H, num_warps)
+
+
+def dx_split_rows(rows, h: int) -> int:
+    """Rows of the dX partials buffer [P, H] fp32 for blocks of `rows` rows (maybe symbolic):
+    DX_SPLIT_BYTES' worth, no more than DX_SPLITS blocks' worth; 0 without splitting."""
+    if DX_SPLITS <= 1:
+        return 0
+    return min(DX_SPLIT_BYTES // (4 * h), DX_SPLITS * (triton.cdiv(rows, 128) * 128))
 
 
 def _sms(device: torch.device) -> int:
@@ -83,8 +102,8 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
 
 def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, ws: Tensor,
                    zoff: Tensor, xg: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
-                   g_ent: Tensor, dx: Tensor, dw: Tensor, db: Tensor, b: int, r0: int, rows: int,
-                   temperature: float, with_entropy: bool, logit_scale: float,
+                   g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int, r0: int,
+                   rows: int, temperature: float, with_entropy: bool, logit_scale: float,
                    softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool) -> None:
     if rows == 0:
         if need_w and b == 0:
@@ -120,10 +139,16 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     if need_x:
         gm, gh, gk, gwarps, gstages = gemm_tiles
         n_mblocks, n_hblocks = triton.cdiv(rows, gm), triton.cdiv(h, gh)
-        _dx_step_kernel[(n_mblocks * n_hblocks,)](
-            ws, w, dx, dx, perm.narrow(0, r0, rows), count, 0, rows, 0, v, v, h, ws.stride(0),
-            w.stride(0), dx.stride(0), n_mblocks, n_hblocks, ACCUMULATE=False, STORE=True,
-            DOT_PREC=prec, USE_TMA=tma, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk, GROUP_M=_rows.GROUP_M,
-            num_warps=gwarps, num_stages=gstages)
+        perm_b, sms, s_max = perm.narrow(0, r0, rows), _sms(ws.device), max(1, DX_SPLITS)
+        split = (n_hblocks, sms, dxp.shape[0])   # what both kernels derive S from
+        _dx_split_kernel[(n_mblocks * n_hblocks * s_max,)](
+            ws, w, dxp, dx, perm_b, count, rows, v, h, ws.stride(0), w.stride(0), dx.stride(0),
+            *split, S_MAX=s_max, DOT_PREC=prec, USE_TMA=tma, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk,
+            GROUP_M=_rows.GROUP_M, num_warps=gwarps, num_stages=gstages)
+        if s_max > 1:
+            rr, rh, rwarps = REDUCE_TILE
+            _dx_split_reduce_kernel[(triton.cdiv(rows, rr), triton.cdiv(h, rh))](
+                dxp, dx, perm_b, count, rows, h, dx.stride(0), *split, S_MAX=s_max, BLOCK_M=gm,
+                BLOCK_R=rr, BLOCK_H=rh, num_warps=rwarps)
     if need_b:
         db.add_(dbp.sum(0))

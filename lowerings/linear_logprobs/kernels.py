@@ -245,55 +245,6 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
 
 
 @triton.jit
-def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
-                          dbp_ptr, count_ptr, n_rows, V, stride_ws, n_ztiles, inv_temp, cap_post,
-                          HAS_CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr,
-                          TILE_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The fused-gradient path's dlogits, in place: for the n = clamp(count, 0, n_rows) valid
-    rows of a block, z = d + zoff[row, col // TILE_V] from the stored logits tile (z, written by
-    _fwd_kernel with STORE_Z), then ws[r, c] = dz as _dlogits_kernel forms it (no lse grad),
-    in ws's dtype at the same address (z and ws are two dtype views of one buffer: each element
-    is read before it is overwritten, by the same program). dbp[pid_n, c]: column sums for
-    d_bias. Rows past n are neither read nor written (the GEMM steps stop at n)."""
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = cols < V
-    n_valid = _valid_rows(count_ptr, 0, n_rows, True)
-    if pid_n * BLOCK_N >= n_valid:
-        if NEED_DB:
-            tl.store(dbp_ptr + pid_n.to(tl.int64) * V + cols, tl.zeros((BLOCK_V,), tl.float32),
-                     mask=col_mask)
-        return
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < n_valid
-    mask = row_mask[:, None] & col_mask[None, :]
-    offs = rows.to(tl.int64)[:, None] * stride_ws + cols[None, :]
-    d = tl.load(z_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    if TILE_V % BLOCK_V == 0:   # one stored max per row in this tile: a [BLOCK_N] load
-        off = tl.load(zoff_ptr + rows.to(tl.int64) * n_ztiles + (pid_v * BLOCK_V) // TILE_V,
-                      mask=row_mask, other=0.0)
-        z = d + off[:, None]
-    else:
-        off = tl.load(zoff_ptr + rows.to(tl.int64)[:, None] * n_ztiles + (cols // TILE_V)[None, :],
-                      mask=mask, other=0.0)
-        z = d + off
-    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
-    if HAS_CAP:   # tanh(a s / c) = z / cap_post (z = c y / T)
-        y = z / tl.cast(cap_post, tl.float32)
-    else:
-        y = z
-    dz = _dz_tile(z, y, cols, ids, lse, g_lp, g_lp, gent_ptr, ent_ptr, rows, row_mask, inv_temp,
-                  HAS_CAP, WITH_ENTROPY)
-    dz = tl.where(mask, dz, 0.0)
-    tl.store(ws_ptr + offs, dz.to(ws_ptr.dtype.element_ty), mask=mask)
-    if NEED_DB:
-        tl.store(dbp_ptr + pid_n.to(tl.int64) * V + cols, tl.sum(dz, 0), mask=col_mask)
-
-
-@triton.jit
 def _desc(ptr, rows, cols, stride, USE_TMA: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """A [rows, cols] row-major operand (row stride `stride`) read in [BR, BC] tiles that are
     zero outside it: a TMA descriptor of that shape (its zero fill does the masking) or the
@@ -413,40 +364,3 @@ def _gather_rows_kernel(x_ptr, perm_ptr, count_ptr, out_ptr, row0, n_rows, H, st
     mask = (r < n_valid)[:, None] & (hs < H)[None, :]
     vals = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + hs[None, :], mask=mask)
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + hs[None, :], vals, mask=mask)
-
-
-@triton.jit
-def _scale_kernel(t_ptr, g_ptr, n, BLOCK: tl.constexpr):
-    """t[:n] *= g in fp32 (g a device scalar). g == 1, the seed of loss.backward(), leaves t as
-    it is: every program reads g and exits, so the common case makes no pass over t."""
-    g = tl.load(g_ptr).to(tl.float32)
-    if g == 1.0:
-        return
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    t = tl.load(t_ptr + offs, mask=mask).to(tl.float32)
-    tl.store(t_ptr + offs, (t * g).to(t_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H,
-                               stride_ws, stride_x, stride_dw, n_cblocks, n_hblocks, n_programs,
-                               ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
-                               USE_TMA: tl.constexpr, BLOCK_C: tl.constexpr,
-                               BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                               GROUP_C: tl.constexpr):
-    """_dw_step_kernel as a persistent grid of n_programs (one per SM): each walks output tiles
-    tile_id = pid, pid + n_programs, ... through one flattened (tile, K step) loop, so Triton's
-    pipeliner issues the next tile's first operand loads while this tile's dW read-modify-write
-    drains (the short K = n <= R loop of a block leaves a non-persistent tile's epilogue and
-    prologue exposed: ~15% of the step at R = 2048). Same arithmetic, same rounding."""
-    n_valid = _valid_rows(count_ptr, row0, n_rows, True)
-    if ACCUMULATE:
-        if n_valid == 0:
-            return
-    a_src = _desc(ws_ptr, tl.maximum(n_valid, 1), cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
-    b_src = _desc(x_ptr, tl.maximum(n_valid, 1), H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
-    for tile_id in tl.range(tl.program_id(0), n_cblocks * n_hblocks, n_programs, flatten=True):
-        pid_c, pid_h = _swizzle_id(tile_id, n_cblocks, n_hblocks, GROUP_C)
-        _dw_tile(a_src, b_src, dw_ptr, pid_c, pid_h, n_valid, v0, cols, H, stride_ws, stride_x,
-                 stride_dw, ACCUMULATE, DOT_PREC, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)

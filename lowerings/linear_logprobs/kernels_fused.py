@@ -1,0 +1,187 @@
+"""The @triton.jit kernels of the fused-gradient block steps (launchers: fused_cuda.py; the
+helpers they share with the recompute path's kernels are in kernels.py).
+
+Legend: R' rows of a block (its n valid ones first, n on the device), H hidden, V vocab,
+S the dX step's split count over V.
+"""
+import triton
+import triton.language as tl
+
+from lowerings.linear_logprobs.kernels import (_desc, _dw_tile, _dz_tile, _swizzle_id, _tile,
+                                               _valid_rows)
+
+
+@triton.jit
+def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
+                          dbp_ptr, count_ptr, n_rows, V, stride_ws, n_ztiles, inv_temp, cap_post,
+                          HAS_CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr,
+                          TILE_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The fused-gradient path's dlogits, in place: for the n = clamp(count, 0, n_rows) valid
+    rows of a block, z = d + zoff[row, col // TILE_V] from the stored logits tile (z, written by
+    _fwd_kernel with STORE_Z), then ws[r, c] = dz as _dlogits_kernel forms it (no lse grad),
+    in ws's dtype at the same address (z and ws are two dtype views of one buffer: each element
+    is read before it is overwritten, by the same program). dbp[pid_n, c]: column sums for
+    d_bias. Rows past n are neither read nor written (the GEMM steps stop at n)."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < V
+    n_valid = _valid_rows(count_ptr, 0, n_rows, True)
+    if pid_n * BLOCK_N >= n_valid:
+        if NEED_DB:
+            tl.store(dbp_ptr + pid_n.to(tl.int64) * V + cols, tl.zeros((BLOCK_V,), tl.float32),
+                     mask=col_mask)
+        return
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_valid
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * stride_ws + cols[None, :]
+    d = tl.load(z_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    if TILE_V % BLOCK_V == 0:   # one stored max per row in this tile: a [BLOCK_N] load
+        off = tl.load(zoff_ptr + rows.to(tl.int64) * n_ztiles + (pid_v * BLOCK_V) // TILE_V,
+                      mask=row_mask, other=0.0)
+        z = d + off[:, None]
+    else:
+        off = tl.load(zoff_ptr + rows.to(tl.int64)[:, None] * n_ztiles + (cols // TILE_V)[None, :],
+                      mask=mask, other=0.0)
+        z = d + off
+    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
+    if HAS_CAP:   # tanh(a s / c) = z / cap_post (z = c y / T)
+        y = z / tl.cast(cap_post, tl.float32)
+    else:
+        y = z
+    dz = _dz_tile(z, y, cols, ids, lse, g_lp, g_lp, gent_ptr, ent_ptr, rows, row_mask, inv_temp,
+                  HAS_CAP, WITH_ENTROPY)
+    dz = tl.where(mask, dz, 0.0)
+    tl.store(ws_ptr + offs, dz.to(ws_ptr.dtype.element_ty), mask=mask)
+    if NEED_DB:
+        tl.store(dbp_ptr + pid_n.to(tl.int64) * V + cols, tl.sum(dz, 0), mask=col_mask)
+
+
+@triton.jit
+def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H,
+                               stride_ws, stride_x, stride_dw, n_cblocks, n_hblocks, n_programs,
+                               ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
+                               USE_TMA: tl.constexpr, BLOCK_C: tl.constexpr,
+                               BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                               GROUP_C: tl.constexpr):
+    """_dw_step_kernel as a persistent grid of n_programs (one per SM): each walks output tiles
+    tile_id = pid, pid + n_programs, ... through one flattened (tile, K step) loop, so Triton's
+    pipeliner issues the next tile's first operand loads while this tile's dW read-modify-write
+    drains (the short K = n <= R loop of a block leaves a non-persistent tile's epilogue and
+    prologue exposed: ~15% of the step at R = 2048). Same arithmetic, same rounding."""
+    n_valid = _valid_rows(count_ptr, row0, n_rows, True)
+    if ACCUMULATE:
+        if n_valid == 0:
+            return
+    a_src = _desc(ws_ptr, tl.maximum(n_valid, 1), cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
+    b_src = _desc(x_ptr, tl.maximum(n_valid, 1), H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
+    for tile_id in tl.range(tl.program_id(0), n_cblocks * n_hblocks, n_programs, flatten=True):
+        pid_c, pid_h = _swizzle_id(tile_id, n_cblocks, n_hblocks, GROUP_C)
+        _dw_tile(a_src, b_src, dw_ptr, pid_c, pid_h, n_valid, v0, cols, H, stride_ws, stride_x,
+                 stride_dw, ACCUMULATE, DOT_PREC, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)
+
+
+@triton.jit
+def _scale_kernel(t_ptr, g_ptr, n, BLOCK: tl.constexpr):
+    """t[:n] *= g in fp32 (g a device scalar). g == 1, the seed of loss.backward(), leaves t as
+    it is: every program reads g and exits, so the common case makes no pass over t."""
+    g = tl.load(g_ptr).to(tl.float32)
+    if g == 1.0:
+        return
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    t = tl.load(t_ptr + offs, mask=mask).to(tl.float32)
+    tl.store(t_ptr + offs, (t * g).to(t_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dx_splits(n_valid, n_hblocks, n_sms, max_rows, S_MAX: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(S, n_pad): the dX step's split count over V for a block of n_valid rows, read on the
+    device. Its T = cdiv(n_valid, BLOCK_M) * n_hblocks output tiles, each a K = V loop, fill
+    T / (cdiv(T, SMs) * SMs) of the waves they take; S splits make T * S shorter programs. S > 1
+    is taken when it fills at least 9/8 as much (split-K costs an fp32 partial pass) and its
+    partials fit: S * n_pad <= max_rows (n_pad = the block's rows rounded up to BLOCK_M). A
+    full 2048-row qwen3-8b block (T = 256 on 132 SMs: 97%) keeps S = 1; its 271-row tail
+    (T = 48: 36%) takes S = 5 (91%)."""
+    n_pad = tl.cdiv(n_valid, BLOCK_M) * BLOCK_M
+    tiles = (n_pad // BLOCK_M) * n_hblocks
+    best = tl.full((), 1, tl.int32) + 0 * tiles
+    best_num = tiles                       # fill of S = best: best_num / (best_den * SMs)
+    best_den = tl.cdiv(tiles, n_sms)
+    for s in tl.static_range(2, S_MAX + 1):
+        num = tiles * s
+        den = tl.cdiv(num, n_sms)
+        take = (num * best_den * 8 > best_num * den * 9) & (s * n_pad <= max_rows)
+        best = tl.where(take, s, best)
+        best_num = tl.where(take, num, best_num)
+        best_den = tl.where(take, den, best_den)
+    return best, n_pad
+
+
+@triton.jit
+def _dx_split_kernel(ws_ptr, w_ptr, part_ptr, dx_ptr, perm_ptr, count_ptr, n_rows, V, H,
+                     stride_ws, stride_w, stride_dx, n_hblocks, n_sms, max_rows,
+                     S_MAX: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """dX[perm[i]] = ws[i] @ W for the block's n valid rows i, its K = V loop split S ways
+    (_dx_splits). Program pid < S * T takes split pid // T of output tile pid % T (swizzled as
+    the one-split step), the rest exit: the grid is the static cdiv(R', BLOCK_M) * H blocks *
+    S_MAX. S = 1 stores dX directly; S > 1 stores fp32 partials part[s * n_pad + i] [., H] that
+    _dx_split_reduce_kernel sums in split order (deterministic for a given n)."""
+    n_valid = _valid_rows(count_ptr, 0, n_rows, True)
+    n_split, n_pad = _dx_splits(n_valid, n_hblocks, n_sms, max_rows, S_MAX, BLOCK_M)
+    n_mblocks = n_pad // BLOCK_M
+    tiles = n_mblocks * n_hblocks
+    pid = tl.program_id(0)
+    if pid >= tiles * n_split:
+        return
+    split = pid // tiles
+    pid_m, pid_h = _swizzle_id(pid % tiles, n_mblocks, n_hblocks, GROUP_M)
+    # split s covers columns [s * kc, (s + 1) * kc), whole BLOCK_K steps (the last one to V)
+    kc = tl.cdiv(tl.cdiv(V, n_split), BLOCK_K) * BLOCK_K
+    k_lo = split * kc
+    k_hi = tl.minimum(k_lo + kc, V)
+    a_src = _desc(ws_ptr, n_valid, V, stride_ws, USE_TMA, BLOCK_M, BLOCK_K)
+    b_src = _desc(w_ptr, V, H, stride_w, USE_TMA, BLOCK_K, BLOCK_H)
+    acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        a = _tile(a_src, pid_m * BLOCK_M, k0, n_valid, V, stride_ws, USE_TMA, BLOCK_M, BLOCK_K)
+        b = _tile(b_src, k0, pid_h * BLOCK_H, V, H, stride_w, USE_TMA, BLOCK_K, BLOCK_H)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rows < n_valid)[:, None] & (hs < H)[None, :]
+    if n_split == 1:
+        dst = tl.load(perm_ptr + rows, mask=rows < n_valid, other=0)
+        tl.store(dx_ptr + dst.to(tl.int64)[:, None] * stride_dx + hs[None, :],
+                 acc.to(dx_ptr.dtype.element_ty), mask=mask)
+    else:
+        prow = (split * n_pad + rows).to(tl.int64)
+        tl.store(part_ptr + prow[:, None] * H + hs[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _dx_split_reduce_kernel(part_ptr, dx_ptr, perm_ptr, count_ptr, n_rows, H, stride_dx,
+                            n_hblocks, n_sms, max_rows, S_MAX: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """dX[perm[i]] = sum over s < S of part[s * n_pad + i] (fp32, in split order, rounded once)
+    for i < n; nothing when the block's S is 1 (its split kernel stored dX itself). n_hblocks
+    and BLOCK_M are the split kernel's, so both read the same S."""
+    n_valid = _valid_rows(count_ptr, 0, n_rows, True)
+    n_split, n_pad = _dx_splits(n_valid, n_hblocks, n_sms, max_rows, S_MAX, BLOCK_M)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if (n_split == 1) | (tl.program_id(0) * BLOCK_R >= n_valid):
+        return
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (r < n_valid)[:, None] & (hs < H)[None, :]
+    acc = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+    for s in range(0, n_split):
+        prow = (s * n_pad + r).to(tl.int64)
+        acc += tl.load(part_ptr + prow[:, None] * H + hs[None, :], mask=mask, other=0.0)
+    dst = tl.load(perm_ptr + r, mask=r < n_valid, other=0)
+    tl.store(dx_ptr + dst.to(tl.int64)[:, None] * stride_dx + hs[None, :],
+             acc.to(dx_ptr.dtype.element_ty), mask=mask)
