@@ -9,6 +9,7 @@ the [N, V] logits.
     cuda_rows.py  the row-masked CUDA path (padding skipped on the device)
     fused.py, fused_cuda.py  the fused-gradient block steps (grpo_loss's default on CUDA):
                logits once, the caller's per-token gradient, dlogits in place, dX / dW
+    kernels_fused.py  their own @triton.jit kernels (dlogits in place, persistent dW, split dX)
     bench_op.py  `python -m lowerings.linear_logprobs.bench_op`: the op alone, per-kernel times
     bench_rows.py, bench_fused.py  the same for the row-masked and the fused path
 """
