@@ -316,15 +316,25 @@ def _dw_step_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H,
     costs no FLOP. fp32 accumulator, one rounding to dW's dtype per group (as the cuBLAS
     beta = 1 step of the dense path); a group with no valid row leaves dW as it is."""
     pid_c, pid_h = _swizzle(n_cblocks, n_hblocks, GROUP_C)
-    n_valid = _valid_rows(count_ptr, row0, n_rows, True)
+    n_valid, a_src, b_src = _dw_operands(ws_ptr, x_ptr, count_ptr, row0, n_rows, cols, H,
+                                         stride_ws, stride_x, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)
     if ACCUMULATE:
         if n_valid == 0:
             return
-    # a descriptor of >= 1 row (a tensor map has no empty dims); the K loop reads none then
-    a_src = _desc(ws_ptr, tl.maximum(n_valid, 1), cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
-    b_src = _desc(x_ptr, tl.maximum(n_valid, 1), H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
     _dw_tile(a_src, b_src, dw_ptr, pid_c, pid_h, n_valid, v0, cols, H, stride_ws, stride_x,
              stride_dw, ACCUMULATE, DOT_PREC, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)
+
+
+@triton.jit
+def _dw_operands(ws_ptr, x_ptr, count_ptr, row0, n_rows, cols, H, stride_ws, stride_x,
+                 USE_TMA: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """(n, a_src, b_src) of the dW steps: the group's valid rows and its ws / xg operands
+    (_desc) of max(n, 1) rows (a tensor map has no empty dims; the K loop reads none then)."""
+    n_valid = _valid_rows(count_ptr, row0, n_rows, True)
+    a_src = _desc(ws_ptr, tl.maximum(n_valid, 1), cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
+    b_src = _desc(x_ptr, tl.maximum(n_valid, 1), H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
+    return n_valid, a_src, b_src
 
 
 @triton.jit

@@ -7,8 +7,8 @@ S the dX step's split count over V.
 import triton
 import triton.language as tl
 
-from lowerings.linear_logprobs.kernels import (_desc, _dw_tile, _dz_tile, _swizzle_id, _tile,
-                                               _valid_rows)
+from lowerings.linear_logprobs.kernels import (_desc, _dw_operands, _dw_tile, _dz_tile,
+                                               _swizzle_id, _tile, _valid_rows)
 
 
 @triton.jit
@@ -72,12 +72,11 @@ def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v
     pipeliner issues the next tile's first operand loads while this tile's dW read-modify-write
     drains (the short K = n <= R loop of a block leaves a non-persistent tile's epilogue and
     prologue exposed: ~15% of the step at R = 2048). Same arithmetic, same rounding."""
-    n_valid = _valid_rows(count_ptr, row0, n_rows, True)
+    n_valid, a_src, b_src = _dw_operands(ws_ptr, x_ptr, count_ptr, row0, n_rows, cols, H,
+                                         stride_ws, stride_x, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)
     if ACCUMULATE:
         if n_valid == 0:
             return
-    a_src = _desc(ws_ptr, tl.maximum(n_valid, 1), cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
-    b_src = _desc(x_ptr, tl.maximum(n_valid, 1), H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
     for tile_id in tl.range(tl.program_id(0), n_cblocks * n_hblocks, n_programs, flatten=True):
         pid_c, pid_h = _swizzle_id(tile_id, n_cblocks, n_hblocks, GROUP_C)
         _dw_tile(a_src, b_src, dw_ptr, pid_c, pid_h, n_valid, v0, cols, H, stride_ws, stride_x,
