@@ -344,6 +344,21 @@ def test_fused_blocks(monkeypatch, kind, blocks, block_rows, by_block, dlogits_t
     assert torch.equal(res.d_hidden[~mask], torch.zeros_like(res.d_hidden[~mask]))
 
 
+@pytest.mark.parametrize("kind", ["right_padded", "all_valid"])
+def test_fused_dx_many_splits(monkeypatch, kind):
+    """One 16 x 16 dX tile a block on 4 interpreter "SMs": the split rule takes S = 4, so each
+    row's dX is the sum of four fp32 partials over V (_dx_split_reduce_kernel)."""
+    monkeypatch.setattr(fck, "DX_SPLITS", 8)
+    mask = MASKS[kind]
+    x, w, ids, _ = make(40, 16, 75, torch.float32, False, seed=4)
+    res, G_lp, G_ent, _ = _fused_run(monkeypatch, x, w, ids, None, mask, 3, 16, False,
+                                     with_entropy=True)
+    xr = x.double().requires_grad_()
+    out = golden(xr, w, ids, None, 1.0)
+    ((out[0] * G_lp + out[1] * G_ent) * mask).sum().backward()
+    torch.testing.assert_close(res.d_hidden.double(), xr.grad, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("scale,cap", [(1.0, None), (1.7, 3.0)])
 def test_fused_half_precision(monkeypatch, scale, cap):
     """16-bit operands: z kept as fp16 d = z - max; error vs the float64 golden of the same
