@@ -1,14 +1,16 @@
 """GPU profile of grpo_loss's fused-gradient path (fused.py, fused_cuda.py) on the bench's inputs.
 
-    python -m lowerings.linear_logprobs.bench_fused [--shape qwen3-8b] [--all-valid] [--sweep]
-        [--compile] [--recompute] [--cublas]
+    python -m lowerings.linear_logprobs.bench_fused [--shape qwen3-8b] [--all-valid]
+        [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile] [--recompute] [--cublas]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run, peak memory beyond inputs and grads, and the CUDA time of each kernel family of one
 step (torch.profiler). --all-valid: every position valid (the all-positions target). --compile:
 the loss under torch.compile(fullgraph=True) (what the loss's own kernels add there). --sweep:
-the same for a few dW / dX step tiles, and dlogits tiles (the
-LINEAR_LOGPROBS_* tile variables are read at import, so the sweep patches the module tables).
+the same for variants of one step or all (fwd: FWD_FLATTEN off, a 4-stage tile; dlogits tiles;
+dw: one program per tile, tiles; dx: DX_SPLITS=1, tiles), then the default again (the drift of
+the GPU's clock over the sweep). The LINEAR_LOGPROBS_* variables are read at import, so the
+sweep patches the module values.
 --recompute: the same profile of gradient_mode="recompute" (its _fwd_kernel stores no logits:
 the forward's cost of keeping them). --cublas: what cuBLAS takes for one full block's three
 GEMMs (logits, dX, dW with beta = 1 as the fused dW step accumulates), scaled to the valid rows:
@@ -121,9 +123,12 @@ def main():
                     f"DW_PERSISTENT={not fused_cuda.DW_PERSISTENT}")
         for tile in [(64, 256, 8), (16, 256, 4), (32, 256, 4)] * want("dlogits"):
             variant(fused_cuda, "DLOGITS_TILE", tile, f"DLOGITS_TILE={tile}")
-        for tiles in [(128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 4, 3)] * want("dw"):
+        for tiles in [(128, 256, 64, 8, 4), (128, 256, 128, 8, 2), (256, 128, 64, 8, 3),
+                      (128, 128, 64, 4, 3)] * want("dw"):
             variant(cuda_rows, "DW_TILES", {**cuda_rows.DW_TILES, 2: tiles},
                     f"DW_TILES[bf16]={tiles}")
+        if want("dx"):
+            variant(fused_cuda, "DX_SPLITS", 1, "DX_SPLITS=1")
         for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3)] * want("dx"):
             variant(cuda_rows, "GEMM_TILES", {**cuda_rows.GEMM_TILES, 2: tiles},
                     f"GEMM_TILES[bf16]={tiles}")
