@@ -12,6 +12,8 @@ the [N, V] logits.
     kernels_fused.py  their own @triton.jit kernels (dlogits in place, persistent dW, split dX)
     bench_op.py  `python -m lowerings.linear_logprobs.bench_op`: the op alone, per-kernel times
     bench_rows.py, bench_fused.py  the same for the row-masked and the fused path
+    aot_check.py `python -m lowerings.linear_logprobs.aot_check`: every CUDA kernel compiled for
+               sm_90 at its launch tiles, on any machine (no GPU): builds and fits, or not
 """
 from lowerings.linear_logprobs.op import (LinearLogprobs, _linear_logprobs_backward_op,
                                           _linear_logprobs_op, linear_logprobs)

@@ -1,0 +1,124 @@
+"""Compile the CUDA kernels for Hopper (sm_90) on any machine, with no GPU: Triton's own
+ahead-of-time path (triton.compile of an ASTSource for a GPUTarget, down to a cubin through the
+ptxas that the triton wheel ships).
+
+    python -m lowerings.linear_logprobs.aot_check
+
+Each kernel is built at the tiles and flags its launcher uses for bf16 operands with TMA (the
+module values, so a retuned table is what gets checked), with the divisibility-by-16 that
+Triton's launcher assumes for aligned pointers and strides, and must fit the 227 KiB of shared
+memory a Hopper block may take. This catches what the CPU interpreter tests cannot: a kernel
+that does not lower (an unsupported op, a layout or descriptor the compiler rejects) or does not
+fit, before any device time is spent. It says nothing about speed or about results on the GPU.
+TRITON_INTERPRET must be unset (the interpreter replaces the kernels; tests/test_aot_hopper.py
+runs this in a subprocess).
+"""
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from lowerings.linear_logprobs import cuda as dense
+from lowerings.linear_logprobs import cuda_rows as rows
+from lowerings.linear_logprobs import fused as fused
+from lowerings.linear_logprobs import fused_cuda as fc
+from lowerings.linear_logprobs import kernels as k
+from lowerings.linear_logprobs import kernels_fused as kf
+
+TARGET = GPUTarget("cuda", 90, 32)
+SMEM_LIMIT = 232448                  # bytes of shared memory a block may opt into on H100 / H200
+FP32_PTRS = {"m_ptr", "s_ptr", "t_ptr", "zt_ptr", "zoff_ptr", "lse_ptr", "ent_ptr", "glp_ptr",
+             "gent_ptr", "glse_ptr", "dbp_ptr", "part_ptr", "g_ptr", "acc_ptr"}
+PTR_TYPES = {"count_ptr": "*i32", "perm_ptr": "*i64", "ids_ptr": "*i64", "z_ptr": "*fp16"}
+FLOATS = {"inv_temp", "cap_pre", "cap_post"}
+# scalars the launchers pass that are multiples of 16 for aligned inputs (V padded to 64 for ws)
+ALIGNED = {"H", "stride_x", "stride_w", "stride_ws", "stride_dx", "stride_dw", "stride_z",
+           "stride_out", "n_rows"}
+
+
+def _signature(fn, consts: dict) -> tuple[dict, dict]:
+    """(signature, attrs) of a kernel: pointer dtypes by argument name (bf16 operands), fp32 for
+    the logit-transform scalars, i32 for the other scalars; tt.divisibility 16 on pointers and
+    on the ALIGNED scalars."""
+    sig, attrs = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            continue
+        if p.name.endswith("_ptr"):
+            sig[p.name] = PTR_TYPES.get(p.name, "*fp32" if p.name in FP32_PTRS else "*bf16")
+        else:
+            sig[p.name] = "fp32" if p.name in FLOATS else "i32"
+        if p.name.endswith("_ptr") or p.name in ALIGNED:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts]
+    assert not missing, f"{fn.__name__}: constexprs {missing} not given"
+    return sig, attrs
+
+
+def cases():
+    """(label, kernel, constexprs, num_warps, num_stages) of each launch configuration."""
+    bn, bv, bk, warps, stages = dense.TILES
+    gemm, dw = rows.step_tiles(2)
+    logit = dict(HAS_BIAS=False, HAS_CAP=False, WITH_ENTROPY=True, DOT_PREC="tf32", USE_TMA=True,
+                 BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=dense.GROUP_N)
+    yield ("forward, fused (STORE_Z)", k._fwd_kernel,
+           dict(logit, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN), warps, stages)
+    yield ("forward, recompute", k._fwd_kernel,
+           dict(logit, HAS_COUNT=False, STORE_Z=False, FLATTEN=dense.FWD_FLATTEN), warps, stages)
+    yield ("forward, softcapped", k._fwd_kernel,
+           dict(logit, HAS_CAP=True, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN),
+           warps, stages)
+    yield ("dlogits, recompute", k._dlogits_kernel,
+           dict(logit, NEED_DB=False, HAS_COUNT=True), warps, stages)
+    en, ev, ewarps = fc.DLOGITS_TILE
+    yield ("dlogits, fused in place", kf._fused_dlogits_kernel,
+           dict(HAS_CAP=False, WITH_ENTROPY=True, NEED_DB=False, TILE_V=bv, BLOCK_N=en,
+                BLOCK_V=ev), ewarps, 1)
+    wc, wh, wk, wwarps, wstages = dw
+    for acc_init in (False, True):
+        dw_c = dict(ACCUMULATE=True, ACC_INIT=acc_init, DOT_PREC="tf32", USE_TMA=True,
+                    BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk, GROUP_C=rows.GROUP_M)
+        yield (f"dW step, persistent, ACC_INIT={acc_init}", kf._dw_step_persistent_kernel, dw_c,
+               wwarps, wstages)
+        yield (f"dW step, ACC_INIT={acc_init}", k._dw_step_kernel, dw_c, wwarps, wstages)
+    gm, gh, gk, gwarps, gstages = gemm
+    tiles = dict(DOT_PREC="tf32", USE_TMA=True, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk)
+    yield ("dX step, recompute", k._dx_step_kernel,
+           dict(tiles, ACCUMULATE=True, STORE=True, GROUP_M=rows.GROUP_M), gwarps, gstages)
+    yield ("dX step, split over V", kf._dx_split_kernel,
+           dict(tiles, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M), gwarps, gstages)
+    rr, rh, rwarps = fc.REDUCE_TILE
+    yield ("dX split partials' sum", kf._dx_split_reduce_kernel,
+           dict(S_MAX=max(1, fc.DX_SPLITS), BLOCK_M=gm, BLOCK_R=rr, BLOCK_H=rh), rwarps, 1)
+    yield ("row gather", k._gather_rows_kernel,
+           dict(BLOCK_R=rows.GATHER_ROWS, BLOCK_H=rows.GATHER_H), 4, 1)
+    yield ("gradient scaling", kf._scale_kernel, dict(BLOCK=fused.SCALE_BLOCK), 8, 1)
+
+
+def check(label: str, fn, consts: dict, num_warps: int, num_stages: int) -> int:
+    """Shared-memory bytes of the compiled kernel; raises if it does not compile or fit."""
+    sig, attrs = _signature(fn, consts)
+    c = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    if c.metadata.shared > SMEM_LIMIT:
+        raise RuntimeError(f"{label}: {c.metadata.shared} bytes of shared memory > {SMEM_LIMIT}")
+    return c.metadata.shared
+
+
+def main() -> int:
+    failed = 0
+    for label, fn, consts, num_warps, num_stages in cases():
+        try:
+            smem = check(label, fn, consts, num_warps, num_stages)
+            print(f"ok    {label:40s} {fn.__name__:28s} {smem / 1024:6.1f} KiB shared", flush=True)
+        except Exception as e:   # report every kernel, then fail
+            failed += 1
+            print(f"FAIL  {label:40s} {fn.__name__:28s} {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:300] if str(e) else ''}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
