@@ -7,15 +7,21 @@ ptxas that the triton wheel ships).
 Each kernel is built at the tiles and flags its launcher uses for bf16 operands with TMA (the
 module values, so a retuned table is what gets checked), with the divisibility-by-16 that
 Triton's launcher assumes for aligned pointers and strides, and must fit the 227 KiB of shared
-memory a Hopper block may take. This catches what the CPU interpreter tests cannot: a kernel
-that does not lower (an unsupported op, a layout or descriptor the compiler rejects) or does not
-fit, before any device time is spent. It says nothing about speed or about results on the GPU.
+memory a Hopper block may take; ptxas's register and spill counts are printed beside it. This
+catches what the CPU interpreter tests cannot: a kernel that does not lower (an unsupported op,
+a layout or descriptor the compiler rejects) or does not fit, before any device time is spent.
+It says nothing about speed or about results on the GPU.
 TRITON_INTERPRET must be unset (the interpreter replaces the kernels; tests/test_aot_hopper.py
 runs this in a subprocess).
 """
+import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -65,6 +71,9 @@ def cases():
                  BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=dense.GROUP_N)
     yield ("forward, fused (STORE_Z)", k._fwd_kernel,
            dict(logit, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN), warps, stages)
+    yield ("forward, fused, no entropy", k._fwd_kernel,
+           dict(logit, WITH_ENTROPY=False, HAS_COUNT=True, STORE_Z=True,
+                FLATTEN=dense.FWD_FLATTEN), warps, stages)
     yield ("forward, recompute", k._fwd_kernel,
            dict(logit, HAS_COUNT=False, STORE_Z=False, FLATTEN=dense.FWD_FLATTEN), warps, stages)
     yield ("forward, softcapped", k._fwd_kernel,
@@ -97,22 +106,39 @@ def cases():
     yield ("gradient scaling", kf._scale_kernel, dict(BLOCK=fused.SCALE_BLOCK), 8, 1)
 
 
-def check(label: str, fn, consts: dict, num_warps: int, num_stages: int) -> int:
-    """Shared-memory bytes of the compiled kernel; raises if it does not compile or fit."""
+def _ptxas_usage(ptx: str) -> str:
+    """Registers and spill bytes a thread (ptxas -v on the kernel's PTX; informational: spills
+    inside a loop cost local-memory traffic every iteration)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", path, "-o",
+                            os.devnull], capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    return (f"{regs.group(1) if regs else '?'} regs, spills "
+            f"{'/'.join(spill.groups()) if spill else '?'} B st/ld")
+
+
+def check(label: str, fn, consts: dict, num_warps: int, num_stages: int) -> tuple[int, str]:
+    """(shared-memory bytes, ptxas usage) of the compiled kernel; raises if it does not
+    compile or fit."""
     sig, attrs = _signature(fn, consts)
     c = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
                        options=dict(num_warps=num_warps, num_stages=num_stages))
     if c.metadata.shared > SMEM_LIMIT:
         raise RuntimeError(f"{label}: {c.metadata.shared} bytes of shared memory > {SMEM_LIMIT}")
-    return c.metadata.shared
+    return c.metadata.shared, _ptxas_usage(c.asm["ptx"])
 
 
 def main() -> int:
     failed = 0
     for label, fn, consts, num_warps, num_stages in cases():
         try:
-            smem = check(label, fn, consts, num_warps, num_stages)
-            print(f"ok    {label:40s} {fn.__name__:28s} {smem / 1024:6.1f} KiB shared", flush=True)
+            smem, usage = check(label, fn, consts, num_warps, num_stages)
+            print(f"ok    {label:38s} {fn.__name__:27s} {smem / 1024:5.1f} KiB shared, {usage}",
+                  flush=True)
         except Exception as e:   # report every kernel, then fail
             failed += 1
             print(f"FAIL  {label:40s} {fn.__name__:28s} {type(e).__name__}: "

@@ -163,7 +163,11 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
         m = m_new
         if STORE_Z:
             zmask = row_mask[:, None] & col_mask[None, :]
-            tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
+            # int64 only for the row block's start, int32 offsets inside it (BLOCK_N * stride_z
+            # < 2^31, fused_cuda asserts it): per-element int64 addresses spilled 1.2 KB of
+            # registers a thread (ptxas, sm_90, bf16 tiles), these ~0.2 KB
+            z_blk = z_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_z
+            tl.store(z_blk + (tl.arange(0, BLOCK_N)[:, None] * stride_z + cols[None, :]),
                      d.to(z_ptr.dtype.element_ty), mask=zmask)
             # (a tile wholly past V, in the last split, has no slot: its index is n_ztiles)
             tl.store(zoff_ptr + rows.to(tl.int64) * n_ztiles + col0 // BLOCK_V, m_sh,
