@@ -158,18 +158,14 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
             # t = sum e * (z - m), rescaled to the new max: alpha * (t + (m - m_new) * s)
             shift = tl.where(s > 0, (m - m_new) * s, 0.0)  # s = 0 before the first tile
             # 0 log 0 = 0: e = 0 on masked columns and at -inf logits (banned tokens), where d
-            # is -inf: clamped to a finite d, e * d is 0 there (a select on e > 0 held a
-            # predicate tile: 916 -> 232 bytes of spill stores a thread, ptxas sm_90)
+            # is -inf: clamped to a finite d, e * d is 0 there (a select on e > 0 spilled the
+            # fused forward: 440 bytes a thread, none now; aot_check, sm_90)
             t = alpha * (t + shift) + tl.sum(e * tl.maximum(d, -3.0e38), 1)
         s = s * alpha + tl.sum(e, 1)
         m = m_new
         if STORE_Z:
             zmask = row_mask[:, None] & col_mask[None, :]
-            # int64 only for the row block's start, int32 offsets inside it (BLOCK_N * stride_z
-            # < 2^31, fused_cuda asserts it): per-element int64 addresses spilled 1.2 KB of
-            # registers a thread (ptxas, sm_90, bf16 tiles), these ~0.2 KB
-            z_blk = z_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_z
-            tl.store(z_blk + (tl.arange(0, BLOCK_N)[:, None] * stride_z + cols[None, :]),
+            tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
                      d.to(z_ptr.dtype.element_ty), mask=zmask)
             # (a tile wholly past V, in the last split, has no slot: its index is n_ztiles)
             tl.store(zoff_ptr + rows.to(tl.int64) * n_ztiles + col0 // BLOCK_V, m_sh,
