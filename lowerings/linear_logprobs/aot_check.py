@@ -84,9 +84,10 @@ def cases():
     yield ("dlogits, recompute", k._dlogits_kernel,
            dict(logit, NEED_DB=False, HAS_COUNT=True), warps, stages)
     en, ev, ewarps = fc.DLOGITS_TILE
-    yield ("dlogits, fused in place", kf._fused_dlogits_kernel,
-           dict(HAS_CAP=False, WITH_ENTROPY=True, NEED_DB=False, TILE_V=bv, BLOCK_N=en,
-                BLOCK_V=ev), ewarps, 1)
+    for cap in (False, True):
+        yield (f"dlogits, fused in place, HAS_CAP={cap}", kf._fused_dlogits_kernel,
+               dict(HAS_CAP=cap, WITH_ENTROPY=True, NEED_DB=False, TILE_V=bv, BLOCK_N=en,
+                    BLOCK_V=ev), ewarps, 1)
     wc, wh, wk, wwarps, wstages = dw
     for acc_init in (False, True):
         dw_c = dict(ACCUMULATE=True, ACC_INIT=acc_init, DOT_PREC="tf32", USE_TMA=True,
