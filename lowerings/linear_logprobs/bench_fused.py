@@ -7,10 +7,10 @@ Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of 
 the same run, peak memory beyond inputs and grads, and the CUDA time of each kernel family of one
 step (torch.profiler). --all-valid: every position valid (the all-positions target). --compile:
 the loss under torch.compile(fullgraph=True) (what the loss's own kernels add there). --sweep:
-the same for variants of one step or all (fwd: FWD_FLATTEN off, a 4-stage tile; dlogits tiles;
-dw: one program per tile, DW_ACC_INIT, tiles; dx: DX_SPLITS=1, tiles), then the default again (the drift of
-the GPU's clock over the sweep). The LINEAR_LOGPROBS_* variables are read at import, so the
-sweep patches the module values.
+the same for variants of one step or all (fwd: FWD_FLATTEN off, a 4-stage tile; dlogits
+tiles; dw: one program per tile, DW_ACC_INIT, tiles; dx: DX_SPLITS=1, tiles), then the default
+again (the drift of the GPU's clock over the sweep). The LINEAR_LOGPROBS_* variables are read
+when the modules load, so the sweep patches the module values.
 --recompute: the same profile of gradient_mode="recompute" (its _fwd_kernel stores no logits:
 the forward's cost of keeping them). --cublas: what cuBLAS takes for one full block's three
 GEMMs (logits, dX, dW with beta = 1 as the fused dW step accumulates), scaled to the valid rows:
@@ -25,6 +25,7 @@ import triton.testing
 import compiled_grpo as cg
 from bench.shapes import SHAPES, make_inputs
 from compiled_grpo import fused as cg_fused
+from lowerings.linear_logprobs import cuda as dense
 from lowerings.linear_logprobs import cuda_rows, fused_cuda
 
 
@@ -39,7 +40,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--all-valid", action="store_true")
-    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "dlogits", "dw", "dx", "fwd"])
+    ap.add_argument("--sweep", nargs="?", const="all",
+                    choices=["all", "fwd", "dlogits", "dw", "dx"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--cublas", action="store_true")
@@ -114,9 +116,9 @@ def main():
                 setattr(mod, name, old)
 
         want = lambda part: args.sweep in ("all", part)  # noqa: E731
-        from lowerings.linear_logprobs import cuda as dense
         if want("fwd"):
-            variant(dense, "FWD_FLATTEN", not dense.FWD_FLATTEN, f"FWD_FLATTEN={not dense.FWD_FLATTEN}")
+            variant(dense, "FWD_FLATTEN", not dense.FWD_FLATTEN,
+                    f"FWD_FLATTEN={not dense.FWD_FLATTEN}")
             variant(dense, "TILES", (128, 256, 64, 8, 4), "TILES=(128, 256, 64, 8, 4)")
         if want("dw"):
             variant(fused_cuda, "DW_PERSISTENT", not fused_cuda.DW_PERSISTENT,

@@ -163,7 +163,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     xg = hidden.new_empty((r, h), dtype=cd)                                   # [R, H]
     dx = hidden.new_zeros((n, h)) if need_x else hidden.new_empty(0)         # [N, H]
     # the dX step's split partials (fused_cuda.dx_split_rows): [P, H] fp32, CUDA only
-    p_rows = _fcuda.dx_split_rows(r, h) if cuda and need_x else 0
+    p_rows = _fcuda.dx_split_rows(r, h, cd.itemsize) if cuda and need_x else 0
     dxp = hidden.new_empty((p_rows, h), dtype=torch.float32)                 # [P, H]
     dw = weight.new_empty(weight.shape, dtype=w_dtype) if need_w else weight.new_empty(0)  # [V, H]
     db = hidden.new_zeros(v, dtype=torch.float32 if cd != torch.float64 else cd) if need_b \

@@ -50,12 +50,14 @@ DX_SPLIT_BYTES = int(os.environ.get("LINEAR_LOGPROBS_DX_SPLIT_MIB", "48")) << 20
 REDUCE_TILE = (32, 256, 4)   # the partials' sum: (BLOCK_R, BLOCK_H, num_warps)
 
 
-def dx_split_rows(rows, h: int) -> int:
-    """Rows of the dX partials buffer [P, H] fp32 for blocks of `rows` rows (maybe symbolic):
-    DX_SPLIT_BYTES' worth, no more than DX_SPLITS blocks' worth; 0 without splitting."""
+def dx_split_rows(rows, h: int, itemsize: int) -> int:
+    """Rows of the dX partials buffer [P, H] fp32 for blocks of `rows` rows (maybe symbolic) of
+    `itemsize`-byte operands: DX_SPLIT_BYTES' worth, no more than DX_SPLITS blocks' worth (rows
+    padded to the dX step's BLOCK_M, as _dx_splits pads them); 0 without splitting."""
     if DX_SPLITS <= 1:
         return 0
-    return min(DX_SPLIT_BYTES // (4 * h), DX_SPLITS * (triton.cdiv(rows, 128) * 128))
+    bm = _rows.step_tiles(itemsize)[0][0]
+    return min(DX_SPLIT_BYTES // (4 * h), DX_SPLITS * (triton.cdiv(rows, bm) * bm))
 
 
 def _sms(device: torch.device) -> int:
@@ -128,8 +130,8 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         wc, wh, wk, wwarps, wstages = dw_tiles
         n_cblocks, n_hblocks = triton.cdiv(v, wc), triton.cdiv(h, wh)
         tiles = dict(ACCUMULATE=b > 0, ACC_INIT=_rows.DW_ACC_INIT, DOT_PREC=prec, USE_TMA=tma,
-                     BLOCK_C=wc, BLOCK_H=wh,
-                     BLOCK_K=wk, GROUP_C=_rows.GROUP_M, num_warps=wwarps, num_stages=wstages)
+                     BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk, GROUP_C=_rows.GROUP_M, num_warps=wwarps,
+                     num_stages=wstages)
         args = (ws, xg, dw, count, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0),
                 n_cblocks, n_hblocks)
         if DW_PERSISTENT:

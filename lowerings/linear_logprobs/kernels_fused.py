@@ -107,7 +107,7 @@ def _dx_splits(n_valid, n_hblocks, n_sms, max_rows, S_MAX: tl.constexpr, BLOCK_M
     (T = 48: 36%) takes S = 5 (91%)."""
     n_pad = tl.cdiv(n_valid, BLOCK_M) * BLOCK_M
     tiles = (n_pad // BLOCK_M) * n_hblocks
-    best = tl.full((), 1, tl.int32) + 0 * tiles
+    best = tiles * 0 + 1                   # S = 1, as a device scalar like tiles
     best_num = tiles                       # fill of S = best: best_num / (best_den * SMs)
     best_den = tl.cdiv(tiles, n_sms)
     for s in tl.static_range(2, S_MAX + 1):
