@@ -1,0 +1,143 @@
+"""The Triton kernels of the fused-gradient block steps (fused.py with fused_cuda.py's kernels)
+under TRITON_INTERPRET=1, on CPU tensors (the setting, tiles and golden: interpret.py): the logits
+tile stored as d = z - running max (fp16 for 16-bit operands) plus per-tile maxima, dlogits formed
+in place, the Triton dW / dX steps stopping at each block's count. Checked against the float64
+golden of sum(G_lp * logprobs + G_ent * entropy) over the valid rows."""
+import pytest
+import torch
+from interpret import DTYPE_16, MASKS, golden, make, small_tiles  # noqa: F401 (autouse fixture)
+
+import lowerings.linear_logprobs.cuda_rows as rk
+import lowerings.linear_logprobs.fused as fk
+import lowerings.linear_logprobs.fused_cuda as fck
+import triton
+import triton.language as tl
+from lowerings.linear_logprobs.kernels_fused import _dx_splits
+
+
+def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,
+               dlogits_tile=(16, 16, 1), **kw):
+    monkeypatch.setattr(rk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(rk, "DW_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(fck, "DLOGITS_TILE", dlogits_tile)
+    monkeypatch.setattr(fk, "_triton_body", lambda t: True)
+    g = torch.Generator().manual_seed(11)
+    G_lp, G_ent = torch.randn(x.shape[0], generator=g), torch.randn(x.shape[0], generator=g)
+    seen = []
+
+    def grad_fn(r0, idx, lp, ent):
+        seen.append(idx.clone())
+        return G_lp[idx], G_ent[idx]
+
+    res = fk.fused_linear_logprobs(x, w, ids, b, mask, grad_fn, blocks=blocks,
+                                   block_rows=block_rows, by_block=by_block, need_b=b is not None,
+                                   **kw)
+    return res, G_lp, G_ent, torch.cat(seen)
+
+
+@pytest.mark.parametrize("kind", ["right_padded", "scattered", "all_valid", "all_padded"])
+@pytest.mark.parametrize("blocks,block_rows,by_block,dlogits_tile", [
+    (1, 40, False, (16, 16, 1)), (3, 16, False, (16, 16, 1)), (4, 10, True, (16, 16, 1)),
+    (3, 16, False, (8, 32, 1))])   # dlogits tiles wider than the stored-max tiles: per-column maxima
+# fused_cuda.DW_PERSISTENT; DX_SPLITS: 1 = one K loop, 8 = split over V where the dX grid is
+# small (here always: 4 "SMs" in the interpreter, _sms), partials summed by the reduce kernel;
+# cuda_rows.DW_ACC_INIT: dW's old value as the accumulator's start
+@pytest.mark.parametrize("persistent,dx_splits,acc_init", [
+    (False, 1, False), (True, 1, False), (True, 8, False), (False, 1, True), (True, 8, True)])
+def test_fused_blocks(monkeypatch, kind, blocks, block_rows, by_block, dlogits_tile, persistent,
+                      dx_splits, acc_init):
+    monkeypatch.setattr(fck, "DW_PERSISTENT", persistent)
+    monkeypatch.setattr(fck, "DX_SPLITS", dx_splits)
+    monkeypatch.setattr(rk, "DW_ACC_INIT", acc_init)
+    mask = MASKS[kind]
+    x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=3)
+    res, G_lp, G_ent, seen = _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,
+                                        dlogits_tile, temperature=0.7, with_entropy=True)
+    assert sorted(seen.tolist()) == list(range(40))          # every row handed to grad_fn once
+    if by_block:   # whole blocks of original rows
+        assert all(set(seen[i * 10:(i + 1) * 10].tolist()) == set(range(i * 10, (i + 1) * 10)) for i in range(4))
+    m = mask.double()
+    for got, ref in zip(res[:3], golden(x, w, ids, b, 0.7)):
+        torch.testing.assert_close(got.double(), ref * m, rtol=1e-5, atol=1e-4)
+    xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
+    out = golden(xr, wr, ids, br, 0.7)
+    ((out[0] * G_lp + out[1] * G_ent) * m).sum().backward()
+    for got, ref in ((res.d_hidden, xr.grad), (res.d_weight, wr.grad), (res.d_bias, br.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(res.d_hidden[~mask], torch.zeros_like(res.d_hidden[~mask]))
+
+
+@pytest.mark.parametrize("kind", ["right_padded", "all_valid"])
+def test_fused_dx_many_splits(monkeypatch, kind):
+    """One 16 x 16 dX tile a block on 4 interpreter "SMs": the split rule takes S = 4, so each
+    row's dX is the sum of four fp32 partials over V (_dx_split_reduce_kernel)."""
+    monkeypatch.setattr(fck, "DX_SPLITS", 8)
+    mask = MASKS[kind]
+    x, w, ids, _ = make(40, 16, 75, torch.float32, False, seed=4)
+    res, G_lp, G_ent, _ = _fused_run(monkeypatch, x, w, ids, None, mask, 3, 16, False,
+                                     with_entropy=True)
+    xr = x.double().requires_grad_()
+    out = golden(xr, w, ids, None, 1.0)
+    ((out[0] * G_lp + out[1] * G_ent) * mask).sum().backward()
+    torch.testing.assert_close(res.d_hidden.double(), xr.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scale,cap", [(1.0, None), (1.7, 3.0)])
+def test_fused_half_precision(monkeypatch, scale, cap):
+    """16-bit operands: z kept as fp16 d = z - max; error vs the float64 golden of the same
+    (rounded) inputs within that of the recompute path's bf16 dlogits (~1e-2 relative)."""
+    mask = MASKS["scattered"]
+    x, w, ids, _ = make(40, 32, 75, DTYPE_16, False, seed=9)
+    res, G_lp, G_ent, _ = _fused_run(monkeypatch, x, w, ids, None, mask, 3, 16, False,
+                                     with_entropy=True, logit_scale=scale, softcap=cap)
+    assert res.d_hidden.dtype == DTYPE_16 and res.d_weight.dtype == DTYPE_16 and res.d_bias is None
+    torch.testing.assert_close(res.logprobs.double(), golden(x, w, ids, None, 1.0, scale, cap)[0] * mask,
+                               rtol=0, atol=1e-4)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    out = golden(xr, wr, ids, None, 1.0, scale, cap)
+    ((out[0] * G_lp + out[1] * G_ent) * mask).sum().backward()
+    for got, ref in ((res.d_hidden, xr.grad), (res.d_weight, wr.grad)):
+        err = (got.double() - ref).norm() / ref.norm()
+        assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("g", [0.37, 1.0, -2.5])
+def test_scale_kernel(monkeypatch, dtype, g):
+    """fused.scale_'s Triton body: t *= g in fp32 math, rounded once; g == 1 writes nothing."""
+    monkeypatch.setattr(fk, "SCALE_BLOCK", 64)
+    monkeypatch.setattr(fk, "_triton_body", lambda t: True)
+    gen = torch.Generator().manual_seed(5)
+    ts = [torch.randn(n, generator=gen).to(dtype) for n in (200, 64, 1)]
+    want = [(t.float() * g).to(dtype) for t in ts]
+    ptrs = [t.data_ptr() for t in ts]
+    fk.scale_(ts, torch.tensor(g))
+    for t, w, p in zip(ts, want, ptrs):
+        assert t.data_ptr() == p
+        # the interpreter rounds fp32 -> bf16 toward zero (the GPU to nearest): one bf16 ulp
+        tol = dict(rtol=2**-7, atol=0) if dtype == torch.bfloat16 and g != 1 else dict(rtol=0, atol=0)
+        torch.testing.assert_close(t, w, **tol)
+
+
+@triton.jit
+def _dx_splits_probe(args_ptr, out_ptr, S_MAX: tl.constexpr, BLOCK_M: tl.constexpr):
+    n_split, n_pad = _dx_splits(tl.load(args_ptr), tl.load(args_ptr + 1), tl.load(args_ptr + 2),
+                                tl.load(args_ptr + 3), S_MAX, BLOCK_M)
+    tl.store(out_ptr, n_split)
+    tl.store(out_ptr + 1, n_pad)
+
+
+@pytest.mark.parametrize("n,h_blocks,sms,max_rows,want", [
+    (2048, 16, 132, 3072, 1),   # a full qwen3-8b block on H100: 256 tiles already fill 97%
+    (271, 16, 132, 3072, 5),    # its tail: 48 tiles (36%) -> 240 (91%)
+    (425, 16, 132, 3072, 2),    # the long shape's tail: 64 tiles -> 128 (97%)
+    (1280, 9, 132, 5461, 4),    # gemma2-2b's blocks: 90 tiles (68%) -> 360 (91%)
+    (1280, 9, 132, 3640, 1),    # ... unless 4 x 1280 partial rows do not fit
+    (0, 16, 132, 3072, 1),      # an empty block
+])
+def test_dx_splits(n, h_blocks, sms, max_rows, want):
+    """The dX step's split count over V (kernels_fused._dx_splits), as its docstring states it."""
+    out = torch.zeros(2, dtype=torch.int32)
+    _dx_splits_probe[(1,)](torch.tensor([n, h_blocks, sms, max_rows], dtype=torch.int32), out,
+                           S_MAX=8, BLOCK_M=128)
+    assert out.tolist() == [want, triton.cdiv(n, 128) * 128]
