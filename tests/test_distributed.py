@@ -339,3 +339,19 @@ def test_vocab_start_needs_a_group():
     with pytest.raises(ValueError, match="tp_group"):
         cg.grpo_loss(inp["hidden"], inp["weight"], inp["token_ids"], inp["advantages"], inp["mask"], vocab_start=0)
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 CUDA GPUs and NCCL (the device tool's nvidia-h200-x2)")
+@pytest.mark.parametrize("shape", ["cpu-small", "qwen3-8b"])
+def test_nccl_tp(shape):
+    """bench/tp.py over NCCL on 2 GPUs (NVLink multicast off): recompute and fused TP, eager and
+    compiled, against one GPU with the full weight; the script exits 1 on a disagreement."""
+    import subprocess
+    import sys
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "bench.tp", "--shape", shape], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0 and "TP CHECK: PASS" in run.stdout, run.stdout[-4000:] + run.stderr[-4000:]
