@@ -6,11 +6,12 @@ Every rank builds the bench's inputs for the shape (same seed: identical hidden,
 old/ref log-probs and the full lm_head W [V, H]) on its own GPU and keeps its contiguous vocab
 shard W[r V/R : (r + 1) V/R]. Rows printed by rank 0, in one run:
 
-  tp=R eager / compiled   grpo_loss(..., tp_group=WORLD) (the recompute op on each rank's shard,
-                          one all-gather of per-token statistics, an all-reduce of dX)
-  tp=R fused eager / compiled   the same with GRPOConfig(gradient_mode="fused"): the fused-gradient
-                          row blocks on each shard, one all-gather of statistics a block, one
-                          all-reduce of dX
+  tp=R eager / compiled   grpo_loss(..., tp_group=WORLD) with gradient_mode="recompute" (the
+                          recompute op on each rank's shard, one all-gather of per-token
+                          statistics, an all-reduce of dX)
+  tp=R fused eager / compiled   the same with gradient_mode="fused" ("auto"'s pick on CUDA): the
+                          fused-gradient row blocks on each shard, one all-gather of statistics
+                          a block, one all-reduce of dX
   tp=1 recompute / fused  grpo_loss on rank 0 alone with the full W (gradient_mode as named)
 
 with the median fwd+bwd time, the peak memory beyond inputs and grads on rank 0, and the TP
@@ -84,7 +85,7 @@ def main():
     lo, hi = rank * V // world, (rank + 1) * V // world
     w_full = x.weight.detach()
     w_shard = w_full[lo:hi].contiguous()
-    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04)
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="recompute")
     group = dist.group.WORLD
     tp = lambda *a, **k: cg.grpo_loss(*a, tp_group=group, **k)  # noqa: E731
     rows = []

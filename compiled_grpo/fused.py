@@ -117,9 +117,8 @@ def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, shard, old_logp
 
 def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, shard, old_logprobs=None,
               sampling_logprobs=None) -> bool:
-    """gradient_mode 'recompute' never, 'auto' on CUDA when exact and a gradient is wanted (not
-    for tensor-parallel heads: their fused path is gloo-tested but not yet measured on NCCL),
-    'fused' whenever a gradient is wanted (any device: the CPU body serves the tests), raising
+    """gradient_mode 'recompute' never, 'auto' on CUDA when exact and a gradient is wanted
+    (tensor-parallel heads included: NCCL-measured, bench/tp.py), 'fused' whenever a gradient is wanted (any device: the CPU body serves the tests), raising
     when it cannot be exact."""
     if cfg.gradient_mode == "recompute":
         return False
@@ -127,7 +126,7 @@ def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, shard, old_lo
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not wants_grad:   # nothing to fuse: the forward alone
         return False
-    if cfg.gradient_mode == "auto" and (shard is not None or not _auto_device_ok(hidden)):
+    if cfg.gradient_mode == "auto" and not _auto_device_ok(hidden):
         # CPU: the recompute body streams 16 MiB tiles; the fused body's block holds several
         # [R, V] float32 temporaries (logits, p, dlogits) for no FLOP saving that matters there
         return False
