@@ -40,15 +40,12 @@ def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,
     (1, 40, False, (16, 16, 1)), (3, 16, False, (16, 16, 1)), (4, 10, True, (16, 16, 1)),
     (3, 16, False, (8, 32, 1))])   # dlogits tiles wider than the stored-max tiles: per-column maxima
 # fused_cuda.DW_PERSISTENT; DX_SPLITS: 1 = one K loop, 8 = split over V where the dX grid is
-# small (here always: 4 "SMs" in the interpreter, _sms), partials summed by the reduce kernel;
-# cuda_rows.DW_ACC_INIT: dW's old value as the accumulator's start
-@pytest.mark.parametrize("persistent,dx_splits,acc_init", [
-    (False, 1, False), (True, 1, False), (True, 8, False), (False, 1, True), (True, 8, True)])
+# small (here always: 4 "SMs" in the interpreter, _sms), partials summed by the reduce kernel
+@pytest.mark.parametrize("persistent,dx_splits", [(False, 1), (True, 1), (True, 8)])
 def test_fused_blocks(monkeypatch, kind, blocks, block_rows, by_block, dlogits_tile, persistent,
-                      dx_splits, acc_init):
+                      dx_splits):
     monkeypatch.setattr(fck, "DW_PERSISTENT", persistent)
     monkeypatch.setattr(fck, "DX_SPLITS", dx_splits)
-    monkeypatch.setattr(rk, "DW_ACC_INIT", acc_init)
     mask = MASKS[kind]
     x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=3)
     res, G_lp, G_ent, seen = _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,

@@ -8,7 +8,7 @@ the same run, peak memory beyond inputs and grads, and the CUDA time of each ker
 step (torch.profiler). --all-valid: every position valid (the all-positions target). --compile:
 the loss under torch.compile(fullgraph=True) (what the loss's own kernels add there). --sweep:
 the same for variants of one step or all (fwd: FWD_FLATTEN off, a 4-stage tile; dlogits
-tiles; dw: one program per tile, DW_ACC_INIT, tiles; dx: DX_SPLITS=1, tiles), then the default
+tiles; dw: one program per tile, tiles; dx: DX_SPLITS=1, tiles), then the default
 again (the drift of the GPU's clock over the sweep). The LINEAR_LOGPROBS_* variables are read
 when the modules load, so the sweep patches the module values.
 --recompute: the same profile of gradient_mode="recompute" (its _fwd_kernel stores no logits:
@@ -123,8 +123,6 @@ def main():
         if want("dw"):
             variant(fused_cuda, "DW_PERSISTENT", not fused_cuda.DW_PERSISTENT,
                     f"DW_PERSISTENT={not fused_cuda.DW_PERSISTENT}")
-            variant(cuda_rows, "DW_ACC_INIT", not cuda_rows.DW_ACC_INIT,
-                    f"DW_ACC_INIT={not cuda_rows.DW_ACC_INIT}")
         for tile in [(64, 256, 8), (16, 256, 4), (32, 256, 4)] * want("dlogits"):
             variant(fused_cuda, "DLOGITS_TILE", tile, f"DLOGITS_TILE={tile}")
         for tiles in [(128, 256, 64, 8, 4), (128, 256, 128, 8, 2), (256, 128, 64, 8, 3),

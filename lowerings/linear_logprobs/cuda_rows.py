@@ -56,9 +56,6 @@ def step_tiles(itemsize: int) -> tuple[tuple, tuple]:
     return GEMM_TILES[size], DW_TILES[size]
 
 
-# The dW steps start a tile's accumulator from dW's old value (kernels._dw_tile ACC_INIT) rather
-# than adding it after the K loop; LINEAR_LOGPROBS_DW_ACC_INIT=1 (tuning runs: not measured yet).
-DW_ACC_INIT = os.environ.get("LINEAR_LOGPROBS_DW_ACC_INIT", "0") == "1"
 GROUP_M = 8       # row (or vocab) blocks a program group shares in L2 (see kernels._swizzle)
 GATHER_ROWS, GATHER_H = 16, 256
 
@@ -181,7 +178,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 n_cblocks, n_hblocks = triton.cdiv(cols, wc), triton.cdiv(h, wh)
                 wrap(_dw_step_kernel)[(n_cblocks * n_hblocks,)](
                     ws, xg, dw, count, r0, rows, v0, cols, h, ws.stride(0), xg.stride(0),
-                    dw.stride(0), n_cblocks, n_hblocks, ACCUMULATE=g > 0, ACC_INIT=DW_ACC_INIT,
+                    dw.stride(0), n_cblocks, n_hblocks, ACCUMULATE=g > 0,
                     DOT_PREC=prec, USE_TMA=tma, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
                     GROUP_C=GROUP_M, num_warps=wwarps, num_stages=wstages)
             if need_x:

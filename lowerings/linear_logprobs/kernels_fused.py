@@ -63,8 +63,8 @@ def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, gl
 @triton.jit
 def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H,
                                stride_ws, stride_x, stride_dw, n_cblocks, n_hblocks, n_programs,
-                               ACCUMULATE: tl.constexpr, ACC_INIT: tl.constexpr,
-                               DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_C: tl.constexpr,
+                               ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
+                               USE_TMA: tl.constexpr, BLOCK_C: tl.constexpr,
                                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                                GROUP_C: tl.constexpr):
     """_dw_step_kernel as a persistent grid of n_programs (one per SM): each walks output tiles
@@ -80,7 +80,7 @@ def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v
     for tile_id in tl.range(tl.program_id(0), n_cblocks * n_hblocks, n_programs, flatten=True):
         pid_c, pid_h = _swizzle_id(tile_id, n_cblocks, n_hblocks, GROUP_C)
         _dw_tile(a_src, b_src, dw_ptr, pid_c, pid_h, n_valid, v0, cols, H, stride_ws, stride_x,
-                 stride_dw, ACCUMULATE, ACC_INIT, DOT_PREC, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)
+                 stride_dw, ACCUMULATE, DOT_PREC, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)
 
 
 @triton.jit
