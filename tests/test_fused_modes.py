@@ -1,0 +1,111 @@
+"""grpo_loss's choice between the fused-gradient and recompute modes (compiled_grpo/fused.py):
+which mode "auto" picks (CPU, CUDA, tensor-parallel heads, sequence-coupled losses on packed
+inputs, a sequence longer than the workspace), the errors of gradient_mode="fused" where it
+cannot be exact, and the row-block plan the workspace budget sets."""
+import pytest
+import torch
+
+import compiled_grpo as cg
+from compiled_grpo import fused as F
+from helpers import make_inputs
+
+V = 37   # make_inputs' vocabulary
+
+
+def _mib(rows: int) -> float:
+    """fused_workspace_mib holding `rows` float64 rows of V logits (CPU workspace)."""
+    return rows * V * 8 / 2**20
+
+
+def test_mode_selection(monkeypatch):
+    calls = []
+    real = F.fused_logprobs
+    monkeypatch.setattr(F, "fused_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    inp = make_inputs(B=3, T=5, seed=8)
+    cg.grpo_loss(**inp)                                           # auto on CPU: recompute
+    assert len(calls) == 0
+    cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="fused"))
+    assert len(calls) == 1
+    with torch.no_grad():                                         # no gradient: nothing to fuse
+        cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="fused"))
+    assert len(calls) == 1
+    frozen = dict(inp, hidden=inp["hidden"].detach(), weight=inp["weight"].detach())
+    cg.grpo_loss(**frozen)
+    assert len(calls) == 1
+    # GSPO on packed inputs: auto falls back to recompute, fused says why
+    cu = torch.tensor([0, 5, 9, 15])
+    packed = {k: (v.detach().reshape(15, -1).squeeze(-1) if k not in ("weight", "advantages") else v)
+              for k, v in inp.items()}
+    packed["hidden"] = inp["hidden"].detach().reshape(15, -1).requires_grad_()
+    seq = dict(importance_sampling_level="sequence")
+    monkeypatch.setattr(F, "_auto_device_ok", lambda t: True)   # "auto" as on CUDA
+    cg.grpo_loss(**inp)
+    assert len(calls) == 2
+    cg.grpo_loss(**packed, cu_seqlens=cu, config=cg.GRPOConfig(**seq))
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="gradient_mode='fused'.*packed"):
+        cg.grpo_loss(**packed, cu_seqlens=cu, config=cg.GRPOConfig(gradient_mode="fused", **seq))
+    # a sequence longer than the workspace's rows (at least 16): GSPO cannot hold it in one block
+    long = make_inputs(B=2, T=20, seed=8)
+    cg.grpo_loss(**long, config=cg.GRPOConfig(fused_workspace_mib=1e-6, **seq))
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="fused_workspace_mib"):
+        cg.grpo_loss(**long, config=cg.GRPOConfig(gradient_mode="fused", fused_workspace_mib=1e-6, **seq))
+    with pytest.raises(ValueError, match="gradient_mode"):
+        cg.GRPOConfig(gradient_mode="fast")
+    with pytest.raises(ValueError, match="fused_workspace_mib"):
+        cg.GRPOConfig(fused_workspace_mib=0)
+
+
+def test_mode_selection_tp(monkeypatch):
+    """Vocab-parallel heads: "auto" fuses them as on one GPU (even split / DTensor: global V known
+    on every rank); vocab_start's uneven shards leave V unknown: auto recomputes, fused raises."""
+    from compiled_grpo.distributed import VocabShard
+    inp = make_inputs(B=2, T=4, V=12, seed=8)
+    h, w = inp["hidden"], inp["weight"][:6]
+    cfg = cg.GRPOConfig(beta=0.04)
+    even = VocabShard(w, None, None, 0, 2, 0, 12)
+    uneven = even._replace(vocab_size=None)
+    monkeypatch.setattr(F, "_auto_device_ok", lambda t: True)   # "auto" as on CUDA
+    assert F.use_fused(h, w, None, cfg, None, even)
+    assert not F.use_fused(h, w, None, cfg, None, uneven)
+    with pytest.raises(ValueError, match="vocab_start"):
+        F.use_fused(h, w, None, cg.GRPOConfig(gradient_mode="fused"), None, uneven)
+    monkeypatch.setattr(F, "_auto_device_ok", lambda t: False)  # CPU: recompute
+    assert not F.use_fused(h, w, None, cfg, None, even)
+
+
+@pytest.mark.parametrize("mib,blocks", [(640.0, 1), (_mib(16), 3), (_mib(32), 2)])
+def test_block_plan(mib, blocks, monkeypatch):
+    """The workspace budget sets the block count: N = 45 rows, 16-row granularity."""
+    seen = []
+    real = F._op.fused_linear_logprobs
+    monkeypatch.setattr(F._op, "fused_linear_logprobs",
+                        lambda *a, **k: seen.append((k["blocks"], k["block_rows"])) or real(*a, **k))
+    inp = make_inputs(B=5, T=9, seed=9)
+    cg.grpo_loss(**inp, config=cg.GRPOConfig(fused_workspace_mib=mib, gradient_mode="fused")).loss.backward()
+    assert seen[0][0] == blocks and seen[0][0] * seen[0][1] >= 45
+
+
+def test_block_plan_whole_waves(monkeypatch):
+    """With several blocks, block rows are whole dX waves (fused.wave_rows, CUDA only: faked
+    here as 24 rows) where the budget (32 rows) holds one; the result is unchanged."""
+    seen = []
+    real = F._op.fused_linear_logprobs
+    monkeypatch.setattr(F._op, "fused_linear_logprobs",
+                        lambda *a, **k: seen.append((k["blocks"], k["block_rows"])) or real(*a, **k))
+    inp = make_inputs(B=5, T=9, seed=9)
+    cfg = dict(fused_workspace_mib=_mib(40), beta=0.04)
+    want = cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="recompute", **cfg)).loss
+    monkeypatch.setattr(F._op, "wave_rows", lambda h, w: 24)
+    got = cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="fused", **cfg)).loss
+    assert seen == [(2, 24)]
+    torch.testing.assert_close(got, want)
+
+
+def test_sm_count_is_a_compile_time_constant(monkeypatch):
+    """fused.sm_count (wave_rows' SM count) is called, not traced, inside a fullgraph compile."""
+    props = type("Props", (), {"multi_processor_count": 132})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    fn = torch.compile(lambda x: x * F._op.sm_count(0), fullgraph=True, backend="eager")
+    assert fn(torch.ones(2)).tolist() == [132.0, 132.0]
