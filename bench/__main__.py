@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                 return
             row["ratio_to_floor"] = ms / floor_ms if floor_ms else None
             # floor_valid from this run; if it failed, the all-token floor scaled by N_valid/N
-            valid_floor = floor_valid_ms or (floor_ms * n_valid / x.token_ids.numel() if floor_ms else None)
+            valid_floor = floor_valid_ms or (floor_ms * n_valid / info["N"] if floor_ms else None)
             row["ratio_to_valid_floor"] = ms / valid_floor if valid_floor else None
             row["tflops"] = valid_flops / (ms * 1e-3) / 1e12
 

@@ -32,7 +32,9 @@ import time
 
 import torch
 
-from bench.providers import TRL_CHUNK_SIZE, Params, _cg_config, dapo_loss, naive_logprobs
+from bench.dapo import Params, dapo_loss, naive_logprobs
+from bench.peers import TRL_CHUNK_SIZE
+from bench.providers import _cg_config
 from bench.report import run_header
 
 

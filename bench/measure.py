@@ -20,7 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
-from bench.providers import Params, Provider, naive_logprobs, dapo_loss
+from bench.dapo import Params, dapo_loss, naive_logprobs
+from bench.providers import Provider
 from bench.shapes import Shape, StepInputs
 
 MiB = float(1 << 20)

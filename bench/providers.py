@@ -1,4 +1,6 @@
-"""Every way of computing one GRPO (DAPO, beta>0) loss forward+backward that the bench compares.
+"""Every way of computing one GRPO (DAPO, beta>0) loss forward+backward that the bench compares:
+the registry (PROVIDERS), the GEMM floors, the naive user code and compiled_grpo's own providers.
+The peers' providers live in bench/peers.py, the bench's DAPO math in bench/dapo.py.
 
 Legend: B sequences, T tokens, H hidden, V vocab, N = B*T.
 
@@ -18,20 +20,13 @@ from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 
-from bench.shapes import StepInputs, cap_logits
+from bench.dapo import Params, _args, _import, _resetting, compact, naive_loss
+from bench.peers import _cce, _liger, _liger_cute, _liger_cute_check, _trl_chunked
+from bench.shapes import StepInputs
 
 
 def _any_inputs(x: StepInputs) -> Optional[str]:
     return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Params:
-    """The loss configuration every provider is given: DAPO with a k3 KL term to the reference."""
-    beta: float = 0.04
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    temperature: float = 1.0
 
 
 Step = Callable[[], Optional[torch.Tensor]]
@@ -46,55 +41,7 @@ class Provider:
     accepts: Callable[[StepInputs], Optional[str]] = _any_inputs  # reason it cannot take these inputs
 
 
-# ---- the "TRL-style user code" being compared: deliberately not compiled_grpo's code ----------
-
-def naive_logprobs(hidden, weight, token_ids, temperature: float, softcap: Optional[float] = None):
-    """Per-token log-probs the way RL trainers write it: full logits, log_softmax, gather.
-
-    Holds [B, T, V] bf16 logits, their fp32 copy and the fp32 log_softmax (and as many again in
-    backward): 10 bytes per logit forward, the memory the fused providers avoid.
-    """
-    logits = hidden @ weight.T  # [B, T, V] bf16
-    logits = cap_logits(logits.float(), softcap) / temperature  # [B, T, V] fp32 (HF: cap, then T)
-    return torch.log_softmax(logits, dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T]
-
-
-def dapo_per_token(logp, old_logp, ref_logp, advantages, p: Params):
-    """TRL 1.16 `_compute_loss`, loss_type="dapo", token-level IS, k3 KL; no clamps.
-
-    coef = exp(logp - old); loss_t = -min(coef*A, clip(coef, 1-eps_low, 1+eps_high)*A)
-                                     + beta * (exp(ref - logp) - (ref - logp) - 1)
-    """
-    coef_1 = torch.exp(logp - old_logp)  # [B, T]
-    coef_2 = torch.clamp(coef_1, 1 - p.epsilon_low, 1 + p.epsilon_high)  # [B, T]
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [B, 1] or per token [B, T]
-    per_token = -torch.min(coef_1 * adv, coef_2 * adv)  # [B, T]
-    if p.beta != 0.0:
-        d = ref_logp - logp  # [B, T]
-        per_token = per_token + p.beta * (torch.exp(d) - d - 1)
-    return per_token
-
-
-def dapo_loss(logp, old_logp, ref_logp, advantages, mask, p: Params):
-    """DAPO normalizer: sum over all completion tokens / their count (one process)."""
-    per_token = dapo_per_token(logp, old_logp, ref_logp, advantages, p)  # [B, T]
-    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def naive_loss(hidden, weight, token_ids, advantages, mask, old_logp, ref_logp, p: Params,
-               softcap: Optional[float] = None):
-    logp = naive_logprobs(hidden, weight, token_ids, p.temperature, softcap)  # [B, T] fp32
-    return dapo_loss(logp, old_logp, ref_logp, advantages, mask, p)
-
-
 # ---- availability checks --------------------------------------------------------------------
-
-def _import(name: str):
-    try:
-        return importlib.import_module(name), None
-    except Exception as e:  # ImportError, or a package that fails at import on this machine
-        return None, f"{name} not importable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
-
 
 def _always(device):
     return None
@@ -117,19 +64,6 @@ def _need(mod: str, cuda_only: bool = False):
     return check
 
 
-def _resetting() -> contextlib.AbstractContextManager:
-    """Fresh Dynamo state around a provider: each compiles its own static-shape graph, as a fresh
-    process would, and no recompile-limit or dynamic-shape decision leaks across shapes."""
-    @contextlib.contextmanager
-    def cm():
-        torch._dynamo.reset()
-        try:
-            yield
-        finally:
-            torch._dynamo.reset()
-    return cm()
-
-
 @contextlib.contextmanager
 def _no_compile_caches():
     """A cache hit skips a pre-grad pass (and its counter): compile from scratch so the `note`
@@ -144,16 +78,6 @@ def _no_compile_caches():
         yield
 
 
-def _args(x: StepInputs):
-    """The padded [B, T] argument list. A packed batch is one sequence [1, N] of its tokens with
-    per-token advantages: the same DAPO loss (per-token terms, one normalizer over all tokens), so
-    the per-token providers (naive, CCE) run on exactly the packed tokens."""
-    if not x.packed:
-        return (x.hidden, x.weight, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs)
-    return (x.hidden.unsqueeze(0), x.weight, x.token_ids[None], x.token_advantages[None], x.mask[None],
-            x.old_logprobs[None], x.ref_logprobs[None])
-
-
 def _no_softcap(x: StepInputs) -> Optional[str]:
     """Peers without a final_logit_softcapping option would compute another model's loss."""
     return "no final_logit_softcapping option" if x.softcap is not None else None
@@ -165,40 +89,6 @@ def _padded_only_no_softcap(x: StepInputs) -> Optional[str]:
 
 def _padded_only(x: StepInputs) -> Optional[str]:
     return "packed input: takes per-sequence advantages [B] over padded [B, T] rows" if x.packed else None
-
-
-@dataclasses.dataclass
-class _Valid:
-    """The valid tokens, compacted outside the op: rows (None: all rows are valid, packed input)
-    indexes the flattened [B*T] positions; the per-token tensors are already compacted [N_valid]
-    (no grad flows to them). hidden(x) gathers the differentiable rows inside the step, so the
-    backward's scatter of dX into [B, T, H] is part of the timed work."""
-    rows: Optional[torch.Tensor]  # [N_valid] int64
-    token_ids: torch.Tensor  # [N_valid]
-    advantages: torch.Tensor  # [N_valid] fp32
-    old_logprobs: torch.Tensor  # [N_valid]
-    ref_logprobs: torch.Tensor  # [N_valid]
-    ones: torch.Tensor  # [N_valid] fp32, the all-valid mask
-
-    def hidden(self, x: StepInputs) -> torch.Tensor:  # [N_valid, H]
-        h = x.hidden.view(-1, x.hidden.shape[-1])
-        return h if self.rows is None else h.index_select(0, self.rows)
-
-
-def compact(x: StepInputs) -> _Valid:
-    """hidden[mask], ids[mask], ... with the index computed once here (one host sync, outside the
-    timed step: how TRL's trainer and padding-free pipelines hand tokens to a fused head)."""
-    if x.packed:
-        return _Valid(None, x.token_ids, x.token_advantages, x.old_logprobs, x.ref_logprobs, x.mask)
-    rows = x.mask.reshape(-1).nonzero().squeeze(1)  # [N_valid]
-    adv = x.advantages[:, None].expand_as(x.mask).reshape(-1)
-    return _Valid(rows, x.token_ids.reshape(-1)[rows], adv[rows], x.old_logprobs.reshape(-1)[rows],
-                  x.ref_logprobs.reshape(-1)[rows], torch.ones_like(rows, dtype=torch.float32))
-
-
-def _valid_dapo(logp: torch.Tensor, v: _Valid, p: Params) -> torch.Tensor:
-    """The bench's DAPO math (dapo_loss) on compacted per-token log-probs [N_valid]."""
-    return dapo_loss(logp[None], v.old_logprobs[None], v.ref_logprobs[None], v.advantages[None], v.ones[None], p)
 
 
 # ---- providers --------------------------------------------------------------------------------
@@ -325,112 +215,6 @@ def _compiled_grpo_valid(x, p):
     def step():
         loss = cg.grpo_loss(v.hidden(x)[None], x.weight, v.token_ids[None], v.advantages[None], v.ones[None],
                             v.old_logprobs[None], v.ref_logprobs[None], config=cfg).loss
-        loss.backward()
-        return loss.detach()
-    yield step
-
-
-TRL_CHUNK_SIZE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16 (vocab tile width)
-
-
-@contextlib.contextmanager
-def _trl_chunked(x, p):
-    """TRL 1.16 `trl.kernels.ChunkedLogProbFunction` (cuBLAS projection tiles of 4096 tokens x
-    32768 vocab, a Triton online-logsumexp fold, backward recomputes: 8*N*H*V, fp32 grad
-    accumulators) on the valid tokens, as TRL's fused LM head calls it; then the bench's DAPO math.
-    Its backward imports trl.trainer.utils (DeepSpeed ZeRO-3 gather context), which pulls in
-    `datasets`; where that import fails, a stub with the same no-op context (what it is outside
-    ZeRO-3) stands in, and the note says so."""
-    import sys
-    import types
-    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-    note = ""
-    try:
-        from trl.trainer import utils as trl_utils
-        chunk = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", TRL_CHUNK_SIZE)
-        note = getattr(trl_utils, "bench_stub_note", "")
-    except Exception as e:
-        while e.__cause__ is not None:  # the lazy module wraps the real ImportError
-            e = e.__cause__
-        stub = types.ModuleType("trl.trainer.utils")
-        stub.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
-        chunk = TRL_CHUNK_SIZE
-        note = stub.bench_stub_note = (f"trl.trainer.utils stubbed ({type(e).__name__}: "
-                                       f"{str(e).splitlines()[0][:80] if str(e) else ''})")
-        sys.modules["trl.trainer.utils"] = stub
-    v = compact(x)
-
-    def step():
-        logp = ChunkedLogProbFunction.apply(v.hidden(x), x.weight, None, v.token_ids, p.temperature, chunk,
-                                            x.softcap, 1.0, ())[0]  # [N_valid] fp32
-        loss = _valid_dapo(logp, v, p)
-        loss.backward()
-        return loss.detach()
-    step.note = note
-    yield step
-
-
-def _liger_cute_check(device):
-    why = _import("liger_kernel.ops.fused_linear_scaled_cross_entropy")[1]
-    if why is None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
-        # sm_90 dispatches to the CuTe-DSL kernels unconditionally: without nvidia-cutlass-dsl it raises
-        why = _import("liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90")[1]
-    return why
-
-
-@contextlib.contextmanager
-def _liger_cute(x, p):
-    """Liger 0.8.5 `LigerFusedLinearScaledCrossEntropyFunction` (per-token fp32 NLL, no reduction
-    inside; CuTe-DSL WGMMA kernels on sm_90, one persistent backward kernel, recompute: 8*N*H*V;
-    elsewhere a 512-token torch fallback, named in the note) on the valid tokens, negated into
-    log-probs, then the bench's DAPO math."""
-    from liger_kernel.ops import fused_linear_scaled_cross_entropy as fsce
-    v = compact(x)
-    impl = fsce._resolve_implementation(x.hidden.device) if hasattr(fsce, "_resolve_implementation") else None
-
-    def step():
-        nll = fsce.LigerFusedLinearScaledCrossEntropyFunction.apply(v.hidden(x), x.weight, v.token_ids,
-                                                                    p.temperature)
-        loss = _valid_dapo(-nll.float(), v, p)
-        loss.backward()
-        return loss.detach()
-    step.note = f"impl {getattr(impl, '__name__', '?')}"
-    yield step
-
-
-@contextlib.contextmanager
-def _liger(x, p):
-    """Liger-Kernel 0.8.5 chunked_loss GRPO: sequence chunks x 4096-wide vocab tiles, the whole
-    backward (8*N*H*V) runs inside forward. compiled=True is its default (torch.compile of the loss
-    math); on CPU we pass False, because compiling per chunk on CPU costs more than the bench."""
-    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-    mod = LigerFusedLinearGRPOLoss(
-        beta=p.beta, compiled=x.hidden.device.type == "cuda", use_ref_model=True, chunk_size=1,
-        epsilon_low=p.epsilon_low, epsilon_high=p.epsilon_high, loss_type="dapo",
-        temperature=p.temperature)
-    with _resetting():
-        def step():
-            loss, _metrics = mod(x.hidden, x.weight, x.token_ids, x.mask, x.advantages,
-                                 ref_per_token_logps=x.ref_logprobs,
-                                 old_per_token_logps=x.old_logprobs)
-            loss.backward()
-            return loss.detach()
-        yield step
-
-
-@contextlib.contextmanager
-def _cce(x, p):
-    """Apple Cut Cross-Entropy per-token NLL (reduction="none"), negated into log-probs, then the
-    same PyTorch DAPO math as the naive providers. CCE has no temperature argument: logits/T is
-    computed as (h/T) @ W.T. Its default gradient filter (filter_eps="high") is left on, as users
-    run it; the agreement columns show what it costs in accuracy."""
-    from cut_cross_entropy import linear_cross_entropy
-
-    def step():
-        hidden, weight, ids, adv, mask, old, ref = _args(x)
-        h = hidden if p.temperature == 1.0 else hidden / p.temperature
-        logp = -linear_cross_entropy(h, weight, ids, reduction="none").float()  # [B, T]
-        loss = dapo_loss(logp, old, ref, adv, mask, p)
         loss.backward()
         return loss.detach()
     yield step
