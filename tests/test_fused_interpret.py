@@ -100,9 +100,11 @@ def test_fused_half_precision(monkeypatch, scale, cap):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("g", [0.37, 1.0, -2.5])
-def test_scale_kernel(monkeypatch, dtype, g):
+@pytest.mark.parametrize("per_sm", [0, 4])   # one program striding over every chunk; one a chunk
+def test_scale_kernel(monkeypatch, dtype, g, per_sm):
     """fused.scale_'s Triton body: t *= g in fp32 math, rounded once; g == 1 writes nothing."""
     monkeypatch.setattr(fk, "SCALE_BLOCK", 64)
+    monkeypatch.setattr(fk, "SCALE_PER_SM", per_sm)
     monkeypatch.setattr(fk, "_triton_body", lambda t: True)
     gen = torch.Generator().manual_seed(5)
     ts = [torch.randn(n, generator=gen).to(dtype) for n in (200, 64, 1)]
