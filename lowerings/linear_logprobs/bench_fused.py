@@ -2,6 +2,7 @@
 
     python -m lowerings.linear_logprobs.bench_fused [--shape qwen3-8b] [--all-valid]
         [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile] [--recompute] [--cublas]
+        [--workspace-mib MIB ...]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run, peak memory beyond inputs and grads, and the CUDA time of each kernel family of one
@@ -14,10 +15,13 @@ when the modules load, so the sweep patches the module values.
 --recompute: the same profile of gradient_mode="recompute" (its _fwd_kernel stores no logits:
 the forward's cost of keeping them). --cublas: what cuBLAS takes for one full block's three
 GEMMs (logits, dX, dW with beta = 1 as the fused dW step accumulates), scaled to the valid rows:
-the mark the Triton steps are held to.
+the mark the Triton steps are held to. --workspace-mib: the default step again with each
+GRPOConfig.fused_workspace_mib (larger row blocks: fewer dW read-modify-writes and longer GEMMs,
+for more memory; the speed / memory trade-off of the 768 MiB bound).
 """
 import argparse
 import collections
+import dataclasses
 
 import torch
 import triton.testing
@@ -45,6 +49,7 @@ def main():
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--cublas", action="store_true")
+    ap.add_argument("--workspace-mib", type=float, nargs="+", default=[])
     args = ap.parse_args()
     x = make_inputs(SHAPES[args.shape], torch.device("cuda"))
     mask = torch.ones_like(x.mask) if args.all_valid else x.mask
@@ -104,6 +109,12 @@ def main():
             print(f"    {t:8.2f} ms  {name}")
 
     measure(cfg.gradient_mode + (" compiled" if args.compile else ""))
+    default_cfg = cfg
+    for mib in args.workspace_mib:
+        cfg = dataclasses.replace(default_cfg, fused_workspace_mib=mib)   # loss_fn reads cfg
+        rows = cg_fused._budget_rows(h2, w, cfg)
+        measure(f"fused_workspace_mib={mib:g} (budget {rows} rows)")
+    cfg = default_cfg
     if args.sweep:
         def variant(mod, name, value, tag):
             old = getattr(mod, name)
