@@ -77,6 +77,23 @@ def _auto_device_ok(hidden: Tensor) -> bool:
     return hidden.device.type == "cuda"
 
 
+def _guard_location_bug() -> bool:
+    """True on torch versions (2.11) whose Dynamo cannot print a shape guard that has no source
+    location (torch._guards.SLoc.__str__ of framework_loc=None raises AttributeError; fixed by
+    2.13). Compiling the whole-sequence fused blocks on CUDA with dynamic shapes creates such a
+    guard (InternalTorchDynamoError "'NoneType' object has no attribute 'filename'", H200,
+    torch 2.11, tests/test_dynamic.py), so "auto" recomputes those losses inside torch.compile
+    there. Checked once, at import (outside any trace)."""
+    try:
+        str(torch._guards.SLoc(None, None))
+        return False
+    except Exception:
+        return True
+
+
+_GUARD_LOCATION_BUG = _guard_location_bug()
+
+
 def sequence_coupled(cfg, old_logprobs=None, sampling_logprobs=None) -> Optional[str]:
     """What, if anything, makes a token's loss depend on its whole sequence's CURRENT log-probs
     (so a row block must hold whole sequences, as for GSPO), else None."""
@@ -130,6 +147,9 @@ def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, shard, old_lo
         # CPU: the recompute body streams 16 MiB tiles; the fused body's block holds several
         # [R, V] float32 temporaries (logits, p, dlogits) for no FLOP saving that matters there
         return False
+    if (cfg.gradient_mode == "auto" and _GUARD_LOCATION_BUG and torch.compiler.is_compiling()
+            and sequence_coupled(cfg, old_logprobs, sampling_logprobs) is not None):
+        return False   # see _guard_location_bug
     why = why_not_fused(hidden, weight, cfg, segments, shard, old_logprobs, sampling_logprobs)
     if why is not None and cfg.gradient_mode == "fused":
         raise ValueError(f"GRPOConfig.gradient_mode='fused' cannot be exact here: {why}; use 'auto' or "
@@ -263,8 +283,8 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
 
     t_len = lead[1] if seq else None
     # token-level blocks only: with whole-sequence blocks (GSPO, vespo, ...) Dynamo 2.11 fails to
-    # compile the gradient (InternalTorchDynamoError in tests/test_packed.py on CUDA), so those
-    # keep the eager torch.func path
+    # compile the gradient (InternalTorchDynamoError in tests/test_packed.py on CUDA: the guard
+    # printing bug of _guard_location_bug), so those keep the eager torch.func path
     compiled = (_BLOCK_GRADS_COMPILED and not seq and _auto_device_ok(hidden)
                 and not torch.compiler.is_compiling())
 

@@ -109,3 +109,32 @@ def test_sm_count_is_a_compile_time_constant(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
     fn = torch.compile(lambda x: x * F._op.sm_count(0), fullgraph=True, backend="eager")
     assert fn(torch.ones(2)).tolist() == [132.0, 132.0]
+
+
+def test_auto_recomputes_sequence_losses_under_compile_on_torch_with_the_guard_bug(monkeypatch):
+    """torch 2.11 cannot print a shape guard without a source location, which the whole-sequence
+    fused blocks create under torch.compile on CUDA (fused._guard_location_bug): there "auto"
+    recomputes GSPO inside a compiled step; eager GSPO and compiled token-level losses still fuse.
+    "fused" asked for explicitly is not overridden."""
+    calls = []
+    real = F.fused_logprobs
+    monkeypatch.setattr(F, "fused_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(F, "_auto_device_ok", lambda t: True)   # "auto" as on CUDA
+    monkeypatch.setattr(F, "_GUARD_LOCATION_BUG", True)
+    inp = make_inputs(B=3, T=5, seed=8)
+    gspo = cg.GRPOConfig(importance_sampling_level="sequence")
+    torch._dynamo.reset()
+    compiled = torch.compile(cg.grpo_loss, backend="eager", fullgraph=True)
+    want = cg.grpo_loss(**inp, config=gspo).loss        # eager: fused
+    assert len(calls) == 1
+    got = compiled(**inp, config=gspo).loss             # compiled: recompute
+    assert len(calls) == 1
+    torch.testing.assert_close(got, want)
+    compiled(**inp, config=cg.GRPOConfig())             # token-level: fused under compile
+    assert len(calls) == 2
+    compiled(**inp, config=cg.GRPOConfig(importance_sampling_level="sequence", gradient_mode="fused"))
+    assert len(calls) == 3
+    monkeypatch.setattr(F, "_GUARD_LOCATION_BUG", False)
+    torch._dynamo.reset()
+    torch.compile(cg.grpo_loss, backend="eager", fullgraph=True)(**inp, config=gspo)
+    assert len(calls) == 4

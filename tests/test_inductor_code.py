@@ -11,9 +11,14 @@ chunks: 7 x 128 + 113), so the chunk logits show up as bounded (21, 128) buffers
 CUDA: the op's Triton kernels (`_fwd_kernel`, `_dlogits_kernel`) appear in the generated code;
 the backward's dlogits workspace is N x CHUNK_V (CHUNK_V lowered to 128 as well).
 
+These checks pin gradient_mode="recompute" (the op whose kernels they name; "auto" picks the
+fused-gradient mode on CUDA). The fused mode is checked too: its custom ops hold their [R, V]
+workspace outside the Inductor code, which then holds no [N, V] buffer either.
+
 The FX-graph and AOTAutograd caches are disabled here: the chunk width is a module global read
 at trace time, which no cache key includes, and a cache hit would skip code generation.
 """
+import dataclasses
 import re
 from contextlib import ExitStack
 
@@ -29,7 +34,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 B, T, H, V = 3, 7, 16, 1009
 N = B * T
 CHUNK = 128
-CFG = cg.GRPOConfig(loss_type="grpo", beta=0.04, metrics="with_entropy", entropy_coef=0.01)
+CFG = cg.GRPOConfig(loss_type="grpo", beta=0.04, metrics="with_entropy", entropy_coef=0.01,
+                    gradient_mode="recompute")
 
 
 def _no_caches():
@@ -56,20 +62,20 @@ def _inputs(device):
     return out
 
 
-def _forward_and_backward_code(device):
+def _forward_and_backward_code(device, cfg=CFG):
     torch._dynamo.reset()
     inp = _inputs(device)
     compiled = torch.compile(cg.grpo_loss, backend="inductor", fullgraph=True)
 
     def step():
-        out = compiled(**inp, config=CFG)
+        out = compiled(**inp, config=cfg)
         out.loss.backward()
         return out
 
     with _no_caches():
         out, codes = run_and_get_code(step)
     ref = cg.grpo_loss(**{k: (v.detach().requires_grad_() if v.requires_grad else v) for k, v in inp.items()},
-                       config=CFG)
+                       config=cfg)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-4, atol=1e-5)
     assert len(codes) == 2, f"expected a forward and a backward source, got {len(codes)}"
     return codes
@@ -108,6 +114,16 @@ def test_no_tokens_by_vocab_buffer_forward_or_backward(device, small_chunks):
         assert "_fwd_kernel" in fwd, "the op's forward Triton kernel is not in the forward code"
         assert "_dlogits_kernel" in bwd, "the op's backward Triton kernel is not in the backward code"
         assert "_fwd_kernel" not in bwd
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_mode_has_no_tokens_by_vocab_buffer(device, small_chunks):
+    fwd, bwd = _forward_and_backward_code(device, dataclasses.replace(CFG, gradient_mode="fused"))
+    for which, code in (("forward", fwd), ("backward", bwd)):
+        assert str(N * V) not in code, f"{which}: a buffer of N*V={N * V} elements"
+        for shape in (f"({N}, {V})", f"({V}, {N})", f"({B}, {T}, {V})"):
+            assert shape not in code, f"{which}: a {shape} buffer"
+    assert "_fwd_kernel" not in bwd and "_dlogits_kernel" not in bwd   # the backward only scales
 
 
 # Guards lowerings commit 853ab2f: when the CPU body is decomposed into the joint graph, CSE of the
