@@ -52,6 +52,7 @@ from lowerings.linear_logprobs.cpu import _hint
 ROW_ALIGN = 128          # block rows: a whole number of the kernels' 128-row tiles ...
 MIN_ROWS = 16            # ... or of 16 when the workspace budget is smaller (tests, tiny heads)
 MAX_BLOCKS = 64          # bound on the unrolled loop (compiled graph size); past it R grows
+COMPILED_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # block counts inside torch.compile
 
 
 def _cdiv(a, b):
@@ -71,6 +72,20 @@ def _budget_rows(hidden: Tensor, weight: Tensor, cfg, shard=None) -> int:
     rows = int(cfg.fused_workspace_mib * 2**20) // _op.ws_row_bytes(hidden, weight, _plan_vocab(weight, shard))
     align = ROW_ALIGN if rows >= ROW_ALIGN else MIN_ROWS
     return max(MIN_ROWS, rows // align * align)
+
+
+def _compiled_blocks(units, per_block: int) -> Optional[int]:
+    """Inside torch.compile: the smallest G of COMPILED_BLOCKS (steps of ~1.5x) whose G blocks of
+    per_block rows (or whole sequences) hold ``units``, None past MAX_BLOCKS. Under dynamic shapes
+    each comparison is a shape guard, so the graph recompiles only when the size crosses one of
+    these steps: the eager count, cdiv(units, per_block), would recompile at every multiple of
+    the budget (8 row counts of qwen3-8b's 2048-row blocks already reach Dynamo's recompile
+    limit, past which the loss runs uncompiled). The blocks past the last valid row are empty:
+    their kernels exit on the device count."""
+    for g in COMPILED_BLOCKS:
+        if g * per_block >= units:
+            return g
+    return None
 
 
 def _auto_device_ok(hidden: Tensor) -> bool:
@@ -267,19 +282,26 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
                    ent_w=flat(ent_w), samp=flat(sampling_logprobs))        # [N] each
     n = valid.numel()
     budget = _budget_rows(hidden, weight, cfg, shard)
+    compiling = torch.compiler.is_compiling()
     if seq:   # blocks of k whole sequences of the padded [B, T]
         b_sz, t_sz = lead
         k = max(1, budget // _hint(t_sz))
-        blocks = max(1, _cdiv(_hint(b_sz), k))
+        blocks = _compiled_blocks(b_sz, k) if compiling else None
+        if blocks is None:
+            blocks = min(MAX_BLOCKS, max(1, _cdiv(_hint(b_sz), k)))
         block_rows = _cdiv(b_sz, blocks) * t_sz
     else:   # several blocks: whole dX waves where the budget holds one (see wave_rows)
         align = ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS
         wave = _op.wave_rows(hidden, weight)
         if wave is not None and budget >= wave and _hint(n) > budget:
             align = wave
-            budget = budget // align * align
-        blocks = min(MAX_BLOCKS, max(1, _cdiv(_hint(n), budget)))
-        block_rows = _cdiv(_cdiv(n, blocks), align) * align
+        budget = budget // align * align
+        blocks = _compiled_blocks(n, budget) if compiling else None
+        if blocks is not None:   # static R and G: static block shapes under dynamic N
+            block_rows = budget
+        else:
+            blocks = min(MAX_BLOCKS, max(1, _cdiv(_hint(n), budget)))
+            block_rows = _cdiv(_cdiv(n, blocks), align) * align
 
     t_len = lead[1] if seq else None
     # token-level blocks only: with whole-sequence blocks (GSPO, vespo, ...) Dynamo 2.11 fails to

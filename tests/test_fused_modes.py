@@ -138,3 +138,27 @@ def test_auto_recomputes_sequence_losses_under_compile_on_torch_with_the_guard_b
     torch._dynamo.reset()
     torch.compile(cg.grpo_loss, backend="eager", fullgraph=True)(**inp, config=gspo)
     assert len(calls) == 4
+
+
+def test_compiled_block_counts_step_so_dynamic_sizes_rarely_recompile():
+    """Inside torch.compile the block count is the smallest of fused.COMPILED_BLOCKS (~1.5x steps)
+    that holds the rows: ten row counts needing 1..10 blocks of 16 rows compile 7 graphs (counts
+    1, 2, 3, 4, 6, 8, 12), where the exact count would compile 10 and pass Dynamo's recompile
+    limit of 8. Loss and grads equal eager's exact plan at every size."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    cfg = cg.GRPOConfig(beta=0.04, gradient_mode="fused", fused_workspace_mib=_mib(16))
+    cnt = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda **kw: cg.grpo_loss(**kw, config=cfg).loss, backend=cnt, fullgraph=True)
+    for i, T in enumerate((6, 12, 20, 28, 36, 44, 52, 60, 68, 76)):       # N = 2T: 1..10 blocks
+        inp = make_inputs(B=2, T=T, seed=20 + i)
+        for k in ("hidden", "token_ids", "mask", "old_logprobs", "ref_logprobs"):
+            torch._dynamo.mark_dynamic(inp[k], 1)
+        loss = fn(**inp)
+        got = torch.autograd.grad(loss, (inp["hidden"], inp["weight"]))
+        ref = cg.grpo_loss(**inp, config=cfg).loss
+        want = torch.autograd.grad(ref, (inp["hidden"], inp["weight"]))
+        torch.testing.assert_close(loss, ref)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    assert cnt.frame_count == 7

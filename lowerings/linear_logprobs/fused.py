@@ -104,8 +104,9 @@ def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tup
     Global order (by_block False): all valid rows first (a stable sort), so blocks are full
     until the last valid row and later blocks are empty. by_block: each block of R original
     rows keeps its rows, valid ones first (for losses whose gradient needs whole sequences:
-    a block then holds whole sequences)."""
-    if by_block:
+    a block then holds whole sequences). One block is the global order either way (and a
+    by_block index of arange(N) // N trips Inductor's CPU scatter codegen)."""
+    if by_block and blocks > 1:
         n = row_mask.shape[0]
         block = torch.arange(n, device=row_mask.device) // block_rows      # [N]
         perm = torch.argsort(block * 2 + (~row_mask).to(torch.int64), stable=True)
@@ -153,7 +154,12 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     if _triton_body(hidden):   # one common dtype for the kernels, cast once (mixed heads)
         hidden, weight = _dense._prepare(hidden, weight, False)[:2]
     perm, counts = order_rows(row_mask, block_rows, blocks, by_block)
-    ids_p = ids.index_select(0, perm).contiguous()                          # [N] permuted
+    if not by_block:
+        # every block R slots: the slots past N (G R >= N) read row 0 and, past every block's
+        # count, are never used; with a static R and G the blocks' shapes are static under
+        # dynamic N (no guard on each block's rows)
+        perm = torch.cat([perm, perm.new_zeros(blocks * block_rows - n)])   # [G R]
+    ids_p = ids.index_select(0, perm).contiguous()                          # [N] or [G R]
     cd = ws_dtype(hidden, weight)
     cuda = _triton_body(hidden)
     r = block_rows
@@ -174,8 +180,11 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     for b in range(blocks):
         # builtin min: plain ints stay ints (torch.sym_min of two ints is a graph break under
         # Dynamo), SymInts become sym_min
-        r0 = min(b * r, n)
-        rows = min((b + 1) * r, n) - r0
+        if by_block:
+            r0 = min(b * r, n)
+            rows = min((b + 1) * r, n) - r0
+        else:
+            r0, rows = b * r, r
         lp_b, ent_b, lse_b = fused_block_forward(hidden, weight, ids_p, bias, perm, counts, ws,
                                                  zoff, xg, b, r0, rows, **scal)
         idx = perm.narrow(0, r0, rows)                                       # [R'] original rows
@@ -188,8 +197,13 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                              need_x=need_x, need_w=need_w, need_b=need_b, **scal)
         lps.append(lp_b), ents.append(ent_b), lses.append(lse_b)
     # back to the original order (padded rows: 0, the value computed past each block's count)
-    unperm = lambda t: torch.empty_like(t).index_copy_(0, perm, t)  # noqa: E731
-    lp, ent, lse = (unperm(torch.cat(t)) for t in (lps, ents, lses))
+    perm_n = perm.narrow(0, 0, n)
+
+    def unperm(parts):   # the blocks' slots -> [N] rows
+        t = torch.cat(parts).narrow(0, 0, n)
+        return torch.empty_like(t).index_copy_(0, perm_n, t)
+
+    lp, ent, lse = (unperm(t) for t in (lps, ents, lses))
     if reduce_dx is not None and need_x:
         dx = reduce_dx(dx)
     return FusedResult(lp, ent, lse, dx if need_x else None,
@@ -276,7 +290,8 @@ def fused_block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Te
     if need_x:
         w = weight.to(cd)
         w = torch.where(torch.isinf(w), 0, w)
-        dx.index_copy_(0, perm.narrow(0, r0, rows), (dz @ w).to(dx.dtype))
+        k = max(0, min(rows, dx.shape[0] - r0))   # the block's slots that are rows of dx
+        dx.index_copy_(0, perm.narrow(0, r0, k), (dz[:k] @ w).to(dx.dtype))
     if need_w:
         part = dz.T @ x                                                      # [V, H]
         dw.copy_(part) if b == 0 else dw.add_(part.to(dw.dtype))
