@@ -48,8 +48,9 @@ class GRPOConfig:
     640 MiB, R = 2048 rows at V = 151936 bf16, plus up to 48 MiB of fp32 partials for the dX
     step's split over V on CUDA); ``"recompute"`` is the composable op of
     token_logprobs (8NHV, logits recomputed in the backward, ~64 MiB); ``"auto"`` (default) is
-    "fused" on CUDA whenever a gradient is wanted and fused is exact (not under tensor
-    parallelism, and GSPO only on padded inputs with a whole sequence per block), else
+    "fused" on CUDA whenever a gradient is wanted and fused is exact (tensor-parallel heads too,
+    but not ``vocab_start``'s uneven shards; GSPO only on padded inputs with a whole sequence per
+    block), else
     "recompute" (always on CPU, whose chunked recompute body needs far less memory). In fused mode
     only ``loss`` carries a gradient: per_token_loss, logprobs and entropy come back detached.
 

@@ -102,7 +102,7 @@ def _guard_location_bug() -> bool:
     try:
         str(torch._guards.SLoc(None, None))
         return False
-    except Exception:
+    except AttributeError:
         return True
 
 
@@ -150,8 +150,8 @@ def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, shard, old_logp
 def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, shard, old_logprobs=None,
               sampling_logprobs=None) -> bool:
     """gradient_mode 'recompute' never, 'auto' on CUDA when exact and a gradient is wanted
-    (tensor-parallel heads included: NCCL-measured, bench/tp.py), 'fused' whenever a gradient is wanted (any device: the CPU body serves the tests), raising
-    when it cannot be exact."""
+    (tensor-parallel heads included: NCCL-measured, bench/tp.py), 'fused' whenever a gradient
+    is wanted (any device: the CPU body serves the tests), raising when it cannot be exact."""
     if cfg.gradient_mode == "recompute":
         return False
     wants_grad = torch.is_grad_enabled() and any(
@@ -288,7 +288,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         k = max(1, budget // _hint(t_sz))
         blocks = _compiled_blocks(b_sz, k) if compiling else None
         if blocks is None:
-            blocks = min(MAX_BLOCKS, max(1, _cdiv(_hint(b_sz), k)))
+            blocks = max(1, _cdiv(_hint(b_sz), k))
         block_rows = _cdiv(b_sz, blocks) * t_sz
     else:   # several blocks: whole dX waves where the budget holds one (see wave_rows)
         align = ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS

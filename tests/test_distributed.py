@@ -9,6 +9,8 @@ Eager, and compiled (fullgraph, one frame) with aot_eager; Inductor on 2 ranks b
 (COMPILED_GRPO_TEST_TP_INDUCTOR=1: its CPU compile costs 45-70 s a run on 2 cores).
 """
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -313,9 +315,8 @@ def _cases(world):
              ("grpo_loss", dict(backend="eager", cfg=FUSED_SEQ)),
              ("dtensor", dict(backend="eager", cfg=FUSED))]
     if world == 2:
-        cases += [("grpo_loss", dict(backend="aot_eager", cfg=FUSED))]
-    if world == 2:
-        cases += [("grpo_loss", dict(backend="aot_eager")), ("dtensor", dict(backend="aot_eager"))]
+        cases += [("grpo_loss", dict(backend="aot_eager", cfg=FUSED)), ("grpo_loss", dict(backend="aot_eager")),
+                  ("dtensor", dict(backend="aot_eager"))]
     return cases
 
 
@@ -340,15 +341,12 @@ def test_vocab_start_needs_a_group():
         cg.grpo_loss(inp["hidden"], inp["weight"], inp["token_ids"], inp["advantages"], inp["mask"], vocab_start=0)
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
                     reason="needs 2 CUDA GPUs and NCCL (the device tool's nvidia-h200-x2)")
 @pytest.mark.parametrize("shape", ["cpu-small", "qwen3-8b"])
 def test_nccl_tp(shape):
     """bench/tp.py over NCCL on 2 GPUs (NVLink multicast off): recompute and fused TP, eager and
     compiled, against one GPU with the full weight; the script exits 1 on a disagreement."""
-    import subprocess
-    import sys
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -50,6 +50,8 @@ DW_TILES = _tiles("LINEAR_LOGPROBS_DW_TILES", dict(GEMM_TILES))   # the dW step
 # The dlogits workspace [R, C] of this path. H100, qwen3-8b shape, 67% valid (bench_rows
 # --sweep): 16 MiB (C = 4096) 102.1 ms, 24 MiB 97.6 ms, 32 MiB 97.7 ms, peaks within 5 MiB.
 WS_BYTES = int(os.environ.get("LINEAR_LOGPROBS_ROWS_WS_MIB", "24")) << 20
+
+
 def step_tiles(itemsize: int) -> tuple[tuple, tuple]:
     """(GEMM_TILES, DW_TILES) entries of the dX / dW steps for operands of `itemsize` bytes."""
     size = min(8, max(2, itemsize))
@@ -178,9 +180,9 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 n_cblocks, n_hblocks = triton.cdiv(cols, wc), triton.cdiv(h, wh)
                 wrap(_dw_step_kernel)[(n_cblocks * n_hblocks,)](
                     ws, xg, dw, count, r0, rows, v0, cols, h, ws.stride(0), xg.stride(0),
-                    dw.stride(0), n_cblocks, n_hblocks, ACCUMULATE=g > 0,
-                    DOT_PREC=prec, USE_TMA=tma, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
-                    GROUP_C=GROUP_M, num_warps=wwarps, num_stages=wstages)
+                    dw.stride(0), n_cblocks, n_hblocks, ACCUMULATE=g > 0, DOT_PREC=prec,
+                    USE_TMA=tma, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk, GROUP_C=GROUP_M,
+                    num_warps=wwarps, num_stages=wstages)
             if need_x:
                 n_mblocks, n_hblocks = triton.cdiv(rows, gm), triton.cdiv(h, gh)
                 wrap(_dx_step_kernel)[(n_mblocks * n_hblocks,)](

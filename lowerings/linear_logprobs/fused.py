@@ -227,8 +227,8 @@ def scale_(tensors: list[Tensor], g: Tensor) -> None:
     g = g.detach().to(torch.float32).reshape(1)
     for t in tensors:
         assert t.is_contiguous()
-        sms = sm_count(t.device.index) if t.is_cuda else 4     # CPU: the interpreter tests
-        grid = max(1, min(triton.cdiv(t.numel(), SCALE_BLOCK), SCALE_PER_SM * sms))
+        programs = SCALE_PER_SM * _fcuda._sms(t.device)
+        grid = max(1, min(triton.cdiv(t.numel(), SCALE_BLOCK), programs))
         _scale_kernel[(grid,)](t, g, t.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
 
 
