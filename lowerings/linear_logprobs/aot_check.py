@@ -89,10 +89,12 @@ def cases():
                dict(HAS_CAP=cap, WITH_ENTROPY=True, NEED_DB=False, TILE_V=bv, BLOCK_N=en,
                     BLOCK_V=ev), ewarps, 1)
     wc, wh, wk, wwarps, wstages = dw
-    dw_c = dict(ACCUMULATE=True, DOT_PREC="tf32", USE_TMA=True, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
-                GROUP_C=rows.GROUP_M)
-    yield ("dW step, persistent", kf._dw_step_persistent_kernel, dw_c, wwarps, wstages)
-    yield ("dW step", k._dw_step_kernel, dw_c, wwarps, wstages)
+    for out in (False, True):
+        dw_c = dict(ACCUMULATE=True, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=out, BLOCK_C=wc,
+                    BLOCK_H=wh, BLOCK_K=wk, GROUP_C=rows.GROUP_M)
+        yield (f"dW step, persistent, TMA_OUT={out}", kf._dw_step_persistent_kernel, dw_c, wwarps,
+               wstages)
+        yield (f"dW step, TMA_OUT={out}", k._dw_step_kernel, dw_c, wwarps, wstages)
     gm, gh, gk, gwarps, gstages = gemm
     tiles = dict(DOT_PREC="tf32", USE_TMA=True, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk)
     yield ("dX step, recompute", k._dx_step_kernel,

@@ -134,6 +134,7 @@ def main():
         if want("dw"):
             variant(fused_cuda, "DW_PERSISTENT", not fused_cuda.DW_PERSISTENT,
                     f"DW_PERSISTENT={not fused_cuda.DW_PERSISTENT}")
+            variant(dense, "DW_TMA_OUT", not dense.DW_TMA_OUT, f"DW_TMA_OUT={not dense.DW_TMA_OUT}")
         for tile in [(64, 256, 8), (16, 256, 4), (32, 256, 4)] * want("dlogits"):
             variant(fused_cuda, "DLOGITS_TILE", tile, f"DLOGITS_TILE={tile}")
         for tiles in [(128, 256, 64, 8, 4), (128, 256, 128, 8, 2), (256, 128, 64, 8, 3),

@@ -95,6 +95,9 @@ MAX_ROW_GROUPS = 16
 # (a cache hit otherwise replays the kernels of the earlier setting; that is what once made TMA
 # look no faster under compile).
 TMA = os.environ.get("LINEAR_LOGPROBS_TMA", "1")
+# The dW steps' epilogue through TMA (kernels._dw_tile, TMA_OUT): the old dW is added by the L2
+# (a bulk reduce-add) instead of loaded by the program. "0" keeps the load-add-store epilogue.
+DW_TMA_OUT = os.environ.get("LINEAR_LOGPROBS_DW_TMA_OUT", "1") == "1"
 
 
 def _prepare(hidden: Tensor, weight: Tensor, fp32_lm_head: bool):
@@ -131,12 +134,23 @@ def _use_tma(x: Tensor, w: Tensor) -> bool:
     target = triton.runtime.driver.active.get_current_target()
     if target.backend != "cuda" or not isinstance(target.arch, int) or target.arch < 90:
         return False
-    for t in (x, w):
-        off = t.storage_offset()
-        if not isinstance(off, int) or off % 8 or t.stride(1) != 1 or t.stride(0) % 8:
-            return False
+    if not (_tma_aligned(x) and _tma_aligned(w)):
+        return False
     _ensure_allocator()   # also while tracing: the thread that compiles is the one that runs
     return True
+
+
+def _tma_aligned(t: Tensor) -> bool:
+    """A 2-D 16-bit tensor a tensor map can address: unit column stride, 16-byte aligned row
+    stride and storage offset (a symbolic offset: no, adding no guard)."""
+    off = t.storage_offset()
+    return isinstance(off, int) and off % 8 == 0 and t.stride(1) == 1 and t.stride(0) % 8 == 0
+
+
+def _dw_tma_out(tma: bool, dw: Tensor) -> bool:
+    """The dW steps write dW through a tensor map (kernels._dw_tile's TMA_OUT: bulk stores and
+    L2 reduce-adds) when the operands take TMA and dW is addressable (DW_TMA_OUT)."""
+    return tma and DW_TMA_OUT and dw.element_size() == 2 and _tma_aligned(dw)
 
 
 def _scalars(temperature: float, logit_scale: float, softcap: Optional[float]) -> tuple:

@@ -129,8 +129,9 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     if need_w:
         wc, wh, wk, wwarps, wstages = dw_tiles
         n_cblocks, n_hblocks = triton.cdiv(v, wc), triton.cdiv(h, wh)
-        tiles = dict(ACCUMULATE=b > 0, DOT_PREC=prec, USE_TMA=tma, BLOCK_C=wc, BLOCK_H=wh,
-                     BLOCK_K=wk, GROUP_C=_rows.GROUP_M, num_warps=wwarps, num_stages=wstages)
+        tiles = dict(ACCUMULATE=b > 0, DOT_PREC=prec, USE_TMA=tma,
+                     TMA_OUT=_dense._dw_tma_out(tma, dw), BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
+                     GROUP_C=_rows.GROUP_M, num_warps=wwarps, num_stages=wstages)
         args = (ws, xg, dw, count, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0),
                 n_cblocks, n_hblocks)
         if DW_PERSISTENT:

@@ -7,8 +7,8 @@ S the dX step's split count over V.
 import triton
 import triton.language as tl
 
-from lowerings.linear_logprobs.kernels import (_desc, _dw_operands, _dw_tile, _dz_tile,
-                                               _swizzle_id, _tile, _valid_rows)
+from lowerings.linear_logprobs.kernels import (_desc, _dw_operands, _dw_out, _dw_tile,
+                                               _dz_tile, _swizzle_id, _tile, _valid_rows)
 
 
 @triton.jit
@@ -64,9 +64,9 @@ def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, gl
 def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H,
                                stride_ws, stride_x, stride_dw, n_cblocks, n_hblocks, n_programs,
                                ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
-                               USE_TMA: tl.constexpr, BLOCK_C: tl.constexpr,
-                               BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                               GROUP_C: tl.constexpr):
+                               USE_TMA: tl.constexpr, TMA_OUT: tl.constexpr,
+                               BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                               BLOCK_K: tl.constexpr, GROUP_C: tl.constexpr):
     """_dw_step_kernel as a persistent grid of n_programs (one per SM): each walks output tiles
     tile_id = pid, pid + n_programs, ... through one flattened (tile, K step) loop, so Triton's
     pipeliner issues the next tile's first operand loads while this tile's dW read-modify-write
@@ -77,10 +77,12 @@ def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v
     if ACCUMULATE:
         if n_valid == 0:
             return
+    dw_dst = _dw_out(dw_ptr, v0, cols, H, stride_dw, TMA_OUT, BLOCK_C, BLOCK_H)
     for tile_id in tl.range(tl.program_id(0), n_cblocks * n_hblocks, n_programs, flatten=True):
         pid_c, pid_h = _swizzle_id(tile_id, n_cblocks, n_hblocks, GROUP_C)
-        _dw_tile(a_src, b_src, dw_ptr, pid_c, pid_h, n_valid, v0, cols, H, stride_ws, stride_x,
-                 stride_dw, ACCUMULATE, DOT_PREC, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)
+        _dw_tile(a_src, b_src, dw_ptr, dw_dst, pid_c, pid_h, n_valid, v0, cols, H, stride_ws,
+                 stride_x, stride_dw, ACCUMULATE, DOT_PREC, USE_TMA, TMA_OUT, BLOCK_C, BLOCK_H,
+                 BLOCK_K)
 
 
 @triton.jit
