@@ -366,6 +366,41 @@ def test_cuda_rows_backward_trace_in_place_and_symbolic_n():
     _run_trace(_CUDA_ROWS_TRACE)
 
 
+# Both dW step kernels with the TMA epilogue and ACCUMULATE: their only real write to dW is a
+# descriptor reduce-add, which torch's TTIR mutation analysis does not list (kernels._dw_out).
+_DW_TMA_OUT_TRACE = _TRACE_PRELUDE + r'''
+from torch.library import wrap_triton
+from lowerings.linear_logprobs.kernels import _dw_step_kernel
+from lowerings.linear_logprobs.kernels_fused import _dw_step_persistent_kernel
+tiles = dict(ACCUMULATE=True, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=True, BLOCK_C=128,
+             BLOCK_H=128, BLOCK_K=64, GROUP_C=8)
+for kernel, extra in ((_dw_step_kernel, ()), (_dw_step_persistent_kernel, (4,))):
+    def step(ws, xg, dw, count):
+        dw = dw.clone()     # the trace then has no input mutation to replay outside fake mode
+        wrap_triton(kernel)[(4,)](ws, xg, dw, count, 0, 256, 0, 512, 256, 512, 256, 256, 4, 2,
+                                  *extra, **tiles)
+        return dw
+    graphs.clear()
+    with mode:
+        args = (torch.empty(256, 512, device="cuda", dtype=torch.bfloat16),
+                torch.empty(256, 256, device="cuda", dtype=torch.bfloat16),
+                torch.empty(512, 256, device="cuda", dtype=torch.bfloat16),
+                torch.empty(1, device="cuda", dtype=torch.int32))
+        aot_function(step, lambda gm, a: graphs.append(gm) or gm)(*args)
+    out = next(n for n in graphs[0].graph.nodes if n.op == "output").args[0][0]
+    # dW comes back out of the kernel node (a mutation seen), not as the untouched input
+    assert out.op == "call_function" and out.args[0].target is \
+        torch.ops.higher_order.triton_kernel_wrapper_functional, graphs[0].code
+print("OK")
+'''
+
+
+def test_dw_tma_epilogue_reads_as_mutating_dw():
+    """The dW steps' TMA epilogue (reduce-add into dW) is seen by Inductor as writing dW, so a
+    compiled graph keeps the launch (both the grid and the persistent kernel)."""
+    _run_trace(_DW_TMA_OUT_TRACE)
+
+
 def test_backward_hidden_without_grad_and_no_bias():
     """d_hidden and d_bias both unneeded: the backward op's two [0] outputs must be distinct
     tensors (a custom op's outputs may not alias), on the CPU body as on CUDA."""

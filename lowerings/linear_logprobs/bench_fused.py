@@ -130,7 +130,11 @@ def main():
         if want("fwd"):
             variant(dense, "FWD_FLATTEN", not dense.FWD_FLATTEN,
                     f"FWD_FLATTEN={not dense.FWD_FLATTEN}")
-            variant(dense, "TILES", (128, 256, 64, 8, 4), "TILES=(128, 256, 64, 8, 4)")
+            # (128, 128, ., 4, .): two programs a SM, one's statistics epilogue beside the
+            # other's MMAs (the scheduler's ping-pong)
+            for tiles in ((128, 256, 64, 8, 4), (128, 128, 64, 4, 3), (128, 128, 64, 4, 4),
+                          (128, 128, 64, 8, 3)):
+                variant(dense, "TILES", tiles, f"TILES={tiles}")
         if want("dw"):
             variant(fused_cuda, "DW_PERSISTENT", not fused_cuda.DW_PERSISTENT,
                     f"DW_PERSISTENT={not fused_cuda.DW_PERSISTENT}")
@@ -143,7 +147,7 @@ def main():
                     f"DW_TILES[bf16]={tiles}")
         if want("dx"):
             variant(fused_cuda, "DX_SPLITS", 1, "DX_SPLITS=1")
-        for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3)] * want("dx"):
+        for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3), (128, 128, 64, 4, 4)] * want("dx"):
             variant(cuda_rows, "GEMM_TILES", {**cuda_rows.GEMM_TILES, 2: tiles},
                     f"GEMM_TILES[bf16]={tiles}")
         measure("default again (drift over the sweep)")

@@ -337,6 +337,12 @@ def _dw_out(dw_ptr, v0, cols, H, stride_dw, TMA_OUT: tl.constexpr, BLOCK_C: tl.c
     """Where the dW steps write dW[v0 : v0 + cols]: a TMA descriptor of those rows (TMA_OUT)
     or the pointer itself (_dw_tile's masked stores)."""
     if TMA_OUT:
+        # Never runs (cols >= 0): a pointer store to dW for torch's TTIR mutation analysis
+        # (triton_kernel_wrap.analyze_kernel_access), whose write ops list tt.descriptor_store
+        # but not tt.descriptor_reduce. Without it a step whose only write is the reduce-add
+        # reads as not mutating dW, and Inductor drops the launch from a compiled graph.
+        if cols < 0:
+            tl.store(dw_ptr, 0.0)
         return tl.make_tensor_descriptor(dw_ptr + tl.cast(v0, tl.int64) * stride_dw,
                                          shape=[cols, H], strides=[stride_dw, 1],
                                          block_shape=[BLOCK_C, BLOCK_H])
