@@ -367,11 +367,10 @@ def test_cuda_rows_backward_trace_in_place_and_symbolic_n():
 
 
 # Both dW step kernels with the TMA epilogue and ACCUMULATE: their only real write to dW is a
-# descriptor reduce-add, which torch's TTIR mutation analysis does not list (kernels._dw_out).
+# descriptor reduce-add, which torch's TTIR mutation analysis does not list (kernels_dw._dw_out).
 _DW_TMA_OUT_TRACE = _TRACE_PRELUDE + r'''
 from torch.library import wrap_triton
-from lowerings.linear_logprobs.kernels import _dw_step_kernel
-from lowerings.linear_logprobs.kernels_fused import _dw_step_persistent_kernel
+from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel, _dw_step_persistent_kernel
 tiles = dict(ACCUMULATE=True, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=True, BLOCK_C=128,
              BLOCK_H=128, BLOCK_K=64, GROUP_C=8)
 for kernel, extra in ((_dw_step_kernel, ()), (_dw_step_persistent_kernel, (4,))):

@@ -30,6 +30,7 @@ from lowerings.linear_logprobs import cuda_rows as rows
 from lowerings.linear_logprobs import fused as fused
 from lowerings.linear_logprobs import fused_cuda as fc
 from lowerings.linear_logprobs import kernels as k
+from lowerings.linear_logprobs import kernels_dw as kdw
 from lowerings.linear_logprobs import kernels_fused as kf
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -92,9 +93,9 @@ def cases():
     for out in (False, True):
         dw_c = dict(ACCUMULATE=True, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=out, BLOCK_C=wc,
                     BLOCK_H=wh, BLOCK_K=wk, GROUP_C=rows.GROUP_M)
-        yield (f"dW step, persistent, TMA_OUT={out}", kf._dw_step_persistent_kernel, dw_c, wwarps,
+        yield (f"dW step, persistent, TMA_OUT={out}", kdw._dw_step_persistent_kernel, dw_c, wwarps,
                wstages)
-        yield (f"dW step, TMA_OUT={out}", k._dw_step_kernel, dw_c, wwarps, wstages)
+        yield (f"dW step, TMA_OUT={out}", kdw._dw_step_kernel, dw_c, wwarps, wstages)
     gm, gh, gk, gwarps, gstages = gemm
     tiles = dict(DOT_PREC="tf32", USE_TMA=True, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk)
     yield ("dX step, recompute", k._dx_step_kernel,

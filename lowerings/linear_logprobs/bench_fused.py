@@ -147,7 +147,8 @@ def main():
                     f"DW_TILES[bf16]={tiles}")
         if want("dx"):
             variant(fused_cuda, "DX_SPLITS", 1, "DX_SPLITS=1")
-        for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3), (128, 128, 64, 4, 4)] * want("dx"):
+        dx_tiles = [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3), (128, 128, 64, 4, 4)]
+        for tiles in dx_tiles * want("dx"):
             variant(cuda_rows, "GEMM_TILES", {**cuda_rows.GEMM_TILES, 2: tiles},
                     f"GEMM_TILES[bf16]={tiles}")
         measure("default again (drift over the sweep)")

@@ -95,7 +95,7 @@ MAX_ROW_GROUPS = 16
 # (a cache hit otherwise replays the kernels of the earlier setting; that is what once made TMA
 # look no faster under compile).
 TMA = os.environ.get("LINEAR_LOGPROBS_TMA", "1")
-# The dW steps' epilogue through TMA (kernels._dw_tile, TMA_OUT): the old dW is added by the L2
+# The dW steps' epilogue through TMA (kernels_dw._dw_tile, TMA_OUT): the old dW is added by the L2
 # (a bulk reduce-add) instead of loaded by the program. "0" keeps the load-add-store epilogue.
 DW_TMA_OUT = os.environ.get("LINEAR_LOGPROBS_DW_TMA_OUT", "1") == "1"
 
@@ -148,7 +148,7 @@ def _tma_aligned(t: Tensor) -> bool:
 
 
 def _dw_tma_out(tma: bool, dw: Tensor) -> bool:
-    """The dW steps write dW through a tensor map (kernels._dw_tile's TMA_OUT: bulk stores and
+    """The dW steps write dW through a tensor map (kernels_dw._dw_tile's TMA_OUT: bulk stores and
     L2 reduce-adds) when the operands take TMA and dW is addressable (DW_TMA_OUT)."""
     return tma and DW_TMA_OUT and dw.element_size() == 2 and _tma_aligned(dw)
 

@@ -33,8 +33,9 @@ import triton
 from torch import Tensor
 
 from lowerings.linear_logprobs import cuda as _dense
-from lowerings.linear_logprobs.kernels import (_dlogits_kernel, _dw_step_kernel, _dx_step_kernel,
-                                               _fwd_kernel, _gather_rows_kernel)
+from lowerings.linear_logprobs.kernels import (_dlogits_kernel, _dx_step_kernel, _fwd_kernel,
+                                               _gather_rows_kernel)
+from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel
 
 # Tiles of the two GEMM steps, (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages) by operand
 # size in bytes; LINEAR_LOGPROBS_GEMM_TILES="128,256,64,8,3" overrides them (tuning runs, and
@@ -181,8 +182,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 wrap(_dw_step_kernel)[(n_cblocks * n_hblocks,)](
                     ws, xg, dw, count, r0, rows, v0, cols, h, ws.stride(0), xg.stride(0),
                     dw.stride(0), n_cblocks, n_hblocks, ACCUMULATE=g > 0, DOT_PREC=prec,
-                    USE_TMA=tma, TMA_OUT=_dense._dw_tma_out(tma, dw), BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk, GROUP_C=GROUP_M,
-                    num_warps=wwarps, num_stages=wstages)
+                    USE_TMA=tma, TMA_OUT=_dense._dw_tma_out(tma, dw), BLOCK_C=wc, BLOCK_H=wh,
+                    BLOCK_K=wk, GROUP_C=GROUP_M, num_warps=wwarps, num_stages=wstages)
             if need_x:
                 n_mblocks, n_hblocks = triton.cdiv(rows, gm), triton.cdiv(h, gh)
                 wrap(_dx_step_kernel)[(n_mblocks * n_hblocks,)](

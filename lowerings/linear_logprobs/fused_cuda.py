@@ -26,9 +26,9 @@ from torch import Tensor
 
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs import cuda_rows as _rows
-from lowerings.linear_logprobs.kernels import _dw_step_kernel, _fwd_kernel
-from lowerings.linear_logprobs.kernels_fused import (_dw_step_persistent_kernel,
-                                                     _dx_split_kernel, _dx_split_reduce_kernel,
+from lowerings.linear_logprobs.kernels import _fwd_kernel
+from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel, _dw_step_persistent_kernel
+from lowerings.linear_logprobs.kernels_fused import (_dx_split_kernel, _dx_split_reduce_kernel,
                                                      _fused_dlogits_kernel)
 
 # The in-place dlogits pass: an elementwise [BLOCK_N, BLOCK_V] tile a program, (BLOCK_N,
@@ -37,7 +37,7 @@ from lowerings.linear_logprobs.kernels_fused import (_dw_step_persistent_kernel,
 # (bench_fused --sweep dlogits): 1.73 ms a step at (32, 256, 8), 2.00 at (32, 256, 4).
 DLOGITS_TILE = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DLOGITS_TILE",
                                                     "32,256,8").split(","))
-# The dW step as a persistent grid (kernels._dw_step_persistent_kernel): H100, qwen3-8b bench,
+# The dW step as a persistent grid (kernels_dw._dw_step_persistent_kernel): H100, qwen3-8b bench,
 # 39% valid (bench_fused --sweep dw): step 39.8 ms against 41.8 with one program per tile.
 # LINEAR_LOGPROBS_DW_PERSISTENT=0 takes the one-program-per-tile kernel (tuning runs).
 DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"

@@ -1,5 +1,6 @@
 """The @triton.jit kernels of the fused-gradient block steps (launchers: fused_cuda.py; the
-helpers they share with the recompute path's kernels are in kernels.py).
+helpers they share with the recompute path's kernels are in kernels.py, the dW step in
+kernels_dw.py).
 
 Legend: R' rows of a block (its n valid ones first, n on the device), H hidden, V vocab,
 S the dX step's split count over V.
@@ -7,8 +8,7 @@ S the dX step's split count over V.
 import triton
 import triton.language as tl
 
-from lowerings.linear_logprobs.kernels import (_desc, _dw_operands, _dw_out, _dw_tile,
-                                               _dz_tile, _swizzle_id, _tile, _valid_rows)
+from lowerings.linear_logprobs.kernels import _desc, _dz_tile, _swizzle_id, _tile, _valid_rows
 
 
 @triton.jit
@@ -58,31 +58,6 @@ def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, gl
     tl.store(ws_ptr + offs, dz.to(ws_ptr.dtype.element_ty), mask=mask)
     if NEED_DB:
         tl.store(dbp_ptr + pid_n.to(tl.int64) * V + cols, tl.sum(dz, 0), mask=col_mask)
-
-
-@triton.jit
-def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H,
-                               stride_ws, stride_x, stride_dw, n_cblocks, n_hblocks, n_programs,
-                               ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
-                               USE_TMA: tl.constexpr, TMA_OUT: tl.constexpr,
-                               BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-                               BLOCK_K: tl.constexpr, GROUP_C: tl.constexpr):
-    """_dw_step_kernel as a persistent grid of n_programs (one per SM): each walks output tiles
-    tile_id = pid, pid + n_programs, ... through one flattened (tile, K step) loop, so Triton's
-    pipeliner issues the next tile's first operand loads while this tile's dW read-modify-write
-    drains (the short K = n <= R loop of a block leaves a non-persistent tile's epilogue and
-    prologue exposed: ~15% of the step at R = 2048). Same arithmetic, same rounding."""
-    n_valid, a_src, b_src = _dw_operands(ws_ptr, x_ptr, count_ptr, row0, n_rows, cols, H,
-                                         stride_ws, stride_x, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)
-    if ACCUMULATE:
-        if n_valid == 0:
-            return
-    dw_dst = _dw_out(dw_ptr, v0, cols, H, stride_dw, TMA_OUT, BLOCK_C, BLOCK_H)
-    for tile_id in tl.range(tl.program_id(0), n_cblocks * n_hblocks, n_programs, flatten=True):
-        pid_c, pid_h = _swizzle_id(tile_id, n_cblocks, n_hblocks, GROUP_C)
-        _dw_tile(a_src, b_src, dw_ptr, dw_dst, pid_c, pid_h, n_valid, v0, cols, H, stride_ws,
-                 stride_x, stride_dw, ACCUMULATE, DOT_PREC, USE_TMA, TMA_OUT, BLOCK_C, BLOCK_H,
-                 BLOCK_K)
 
 
 @triton.jit
