@@ -2,11 +2,12 @@
 
     python -m lowerings.linear_logprobs.bench_fused [--shape qwen3-8b] [--all-valid]
         [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile] [--recompute] [--cublas]
-        [--workspace-mib MIB ...]
+        [--workspace-mib MIB ...] [--trace DIR]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run, peak memory beyond inputs and grads, and the CUDA time of each kernel family of one
-step (torch.profiler). --all-valid: every position valid (the all-positions target). --compile:
+step (torch.profiler), with their total and the timed step's time beyond it (the GPU idle or
+waiting on the host). --trace DIR: the profiled steps' chrome trace per measurement. --all-valid: every position valid (the all-positions target). --compile:
 the loss under torch.compile(fullgraph=True) (what the loss's own kernels add there). --sweep:
 the same for variants of one step or all (fwd: FWD_FLATTEN off, a 4-stage tile; dlogits
 tiles; dw: one program per tile, tiles; dx: DX_SPLITS=1, tiles), then the default
@@ -22,6 +23,7 @@ for more memory; the speed / memory trade-off of the 768 MiB bound).
 import argparse
 import collections
 import dataclasses
+import time
 
 import torch
 import triton.testing
@@ -34,6 +36,7 @@ from lowerings.linear_logprobs import cuda_rows, fused_cuda
 
 
 PROFILE_STEPS = 3   # the per-kernel times are a mean over this many steps
+TOP = 16            # kernel families listed one by one
 
 
 def bench(fn):
@@ -50,6 +53,7 @@ def main():
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--cublas", action="store_true")
     ap.add_argument("--workspace-mib", type=float, nargs="+", default=[])
+    ap.add_argument("--trace", metavar="DIR", help="also write one step's chrome trace there")
     args = ap.parse_args()
     x = make_inputs(SHAPES[args.shape], torch.device("cuda"))
     mask = torch.ones_like(x.mask) if args.all_valid else x.mask
@@ -98,15 +102,31 @@ def main():
             for _ in range(PROFILE_STEPS):
                 step()
             torch.cuda.synchronize()
-        fam = collections.Counter()
+        fam, calls = collections.Counter(), collections.Counter()
         for e in prof.key_averages():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 name = e.key.split("(")[0][:48]
                 fam[name] += e.device_time_total / 1e3 / PROFILE_STEPS
+                calls[name] += e.count / PROFILE_STEPS
+        busy = sum(fam.values())
         print(f"{tag}: {ms:.2f} ms = {ms / floor:.3f}x valid floor ({floor:.2f} ms, N_valid={n_valid}), "
               f"peak beyond grads {peak:.0f} MiB")
-        for name, t in fam.most_common(12):
-            print(f"    {t:8.2f} ms  {name}")
+        print(f"    kernels {busy:.2f} ms in {sum(calls.values()):.0f} launches a step (profiled); "
+              f"the timed step minus that: {ms - busy:+.2f} ms")
+        for name, t in fam.most_common(TOP):
+            print(f"    {t:8.2f} ms  {calls[name]:4.0f}x  {name}")
+        rest = fam.most_common()[TOP:]
+        if rest:
+            print(f"    {sum(t for _, t in rest):8.2f} ms  {sum(calls[k] for k, _ in rest):4.0f}x  "
+                  f"{len(rest)} other kernel families")
+        if args.trace:   # the profiled steps' timeline (chrome trace): where the GPU waits
+            prof.export_chrome_trace(f"{args.trace}/{tag.replace(' ', '_')[:40]}.json.gz")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()                      # the host's time to launch one step (no sync inside)
+        host = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        print(f"    host: {host:.2f} ms to launch one step (CPU-bound where that exceeds the step)")
 
     measure(cfg.gradient_mode + (" compiled" if args.compile else ""))
     default_cfg = cfg

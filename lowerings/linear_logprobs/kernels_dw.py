@@ -22,12 +22,12 @@ def _dw_step_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H,
     beta = 1 step of the dense path; twice with TMA_OUT, see _dw_tile); a group with no valid
     row leaves dW as it is."""
     pid_c, pid_h = _swizzle(n_cblocks, n_hblocks, GROUP_C)
-    n_valid, a_src, b_src = _dw_operands(ws_ptr, x_ptr, count_ptr, row0, n_rows, cols, H,
-                                         stride_ws, stride_x, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)
+    n_valid, a_src, b_src, dw_dst = _dw_operands(
+        ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, stride_ws, stride_x,
+        stride_dw, USE_TMA, TMA_OUT, BLOCK_C, BLOCK_H, BLOCK_K)
     if ACCUMULATE:
         if n_valid == 0:
             return
-    dw_dst = _dw_out(dw_ptr, v0, cols, H, stride_dw, TMA_OUT, BLOCK_C, BLOCK_H)
     _dw_tile(a_src, b_src, dw_ptr, dw_dst, pid_c, pid_h, n_valid, v0, cols, H, stride_ws,
              stride_x, stride_dw, ACCUMULATE, DOT_PREC, USE_TMA, TMA_OUT, BLOCK_C, BLOCK_H,
              BLOCK_K)
@@ -53,15 +53,17 @@ def _dw_out(dw_ptr, v0, cols, H, stride_dw, TMA_OUT: tl.constexpr, BLOCK_C: tl.c
 
 
 @triton.jit
-def _dw_operands(ws_ptr, x_ptr, count_ptr, row0, n_rows, cols, H, stride_ws, stride_x,
-                 USE_TMA: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """(n, a_src, b_src) of the dW steps: the group's valid rows and its ws / xg operands
-    (_desc) of max(n, 1) rows (a tensor map has no empty dims; the K loop reads none then)."""
+def _dw_operands(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, stride_ws,
+                 stride_x, stride_dw, USE_TMA: tl.constexpr, TMA_OUT: tl.constexpr,
+                 BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(n, a_src, b_src, dw_dst) of the dW steps: the group's valid rows, its ws / xg operands
+    (_desc) of max(n, 1) rows (a tensor map has no empty dims; the K loop reads none then) and
+    where the tiles go (_dw_out)."""
     n_valid = _valid_rows(count_ptr, row0, n_rows, True)
     a_src = _desc(ws_ptr, tl.maximum(n_valid, 1), cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
     b_src = _desc(x_ptr, tl.maximum(n_valid, 1), H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
-    return n_valid, a_src, b_src
+    dw_dst = _dw_out(dw_ptr, v0, cols, H, stride_dw, TMA_OUT, BLOCK_C, BLOCK_H)
+    return n_valid, a_src, b_src, dw_dst
 
 
 @triton.jit
@@ -112,12 +114,12 @@ def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v
     pipeliner issues the next tile's first operand loads while this tile's dW read-modify-write
     drains (the short K = n <= R loop of a block leaves a non-persistent tile's epilogue and
     prologue exposed: ~15% of the step at R = 2048). Same arithmetic, same rounding."""
-    n_valid, a_src, b_src = _dw_operands(ws_ptr, x_ptr, count_ptr, row0, n_rows, cols, H,
-                                         stride_ws, stride_x, USE_TMA, BLOCK_C, BLOCK_H, BLOCK_K)
+    n_valid, a_src, b_src, dw_dst = _dw_operands(
+        ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, stride_ws, stride_x,
+        stride_dw, USE_TMA, TMA_OUT, BLOCK_C, BLOCK_H, BLOCK_K)
     if ACCUMULATE:
         if n_valid == 0:
             return
-    dw_dst = _dw_out(dw_ptr, v0, cols, H, stride_dw, TMA_OUT, BLOCK_C, BLOCK_H)
     for tile_id in tl.range(tl.program_id(0), n_cblocks * n_hblocks, n_programs, flatten=True):
         pid_c, pid_h = _swizzle_id(tile_id, n_cblocks, n_hblocks, GROUP_C)
         _dw_tile(a_src, b_src, dw_ptr, dw_dst, pid_c, pid_h, n_valid, v0, cols, H, stride_ws,
