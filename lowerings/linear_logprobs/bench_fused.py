@@ -5,9 +5,12 @@
         [--workspace-mib MIB ...] [--trace DIR]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
-the same run, peak memory beyond inputs and grads, and the CUDA time of each kernel family of one
-step (torch.profiler), with their total and the timed step's time beyond it (the GPU idle or
-waiting on the host). --trace DIR: the profiled steps' chrome trace per measurement. --all-valid: every position valid (the all-positions target). --compile:
+the same run, peak memory beyond inputs and grads, the CUDA time of each kernel family of one
+step (torch.profiler) with their total and the timed step's time beyond it, and the host's time
+to launch one step (a step is host-bound where that exceeds the step). The profiled kernels run
+right after a synchronize, at a higher clock than the power-capped timed loop, so their total
+can exceed the timed step. --trace DIR: the profiled steps' chrome trace (DIR/<tag>.json.gz):
+where the GPU waits. --all-valid: every position valid (the all-positions target). --compile:
 the loss under torch.compile(fullgraph=True) (what the loss's own kernels add there). --sweep:
 the same for variants of one step or all (fwd: FWD_FLATTEN off, a 4-stage tile; dlogits
 tiles; dw: one program per tile, tiles; dx: DX_SPLITS=1, tiles), then the default
@@ -53,7 +56,7 @@ def main():
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--cublas", action="store_true")
     ap.add_argument("--workspace-mib", type=float, nargs="+", default=[])
-    ap.add_argument("--trace", metavar="DIR", help="also write one step's chrome trace there")
+    ap.add_argument("--trace", metavar="DIR", help="write the profiled steps' chrome trace there")
     args = ap.parse_args()
     x = make_inputs(SHAPES[args.shape], torch.device("cuda"))
     mask = torch.ones_like(x.mask) if args.all_valid else x.mask
@@ -109,8 +112,8 @@ def main():
                 fam[name] += e.device_time_total / 1e3 / PROFILE_STEPS
                 calls[name] += e.count / PROFILE_STEPS
         busy = sum(fam.values())
-        print(f"{tag}: {ms:.2f} ms = {ms / floor:.3f}x valid floor ({floor:.2f} ms, N_valid={n_valid}), "
-              f"peak beyond grads {peak:.0f} MiB")
+        print(f"{tag}: {ms:.2f} ms = {ms / floor:.3f}x valid floor ({floor:.2f} ms, "
+              f"N_valid={n_valid}), peak beyond grads {peak:.0f} MiB")
         print(f"    kernels {busy:.2f} ms in {sum(calls.values()):.0f} launches a step (profiled); "
               f"the timed step minus that: {ms - busy:+.2f} ms")
         for name, t in fam.most_common(TOP):
