@@ -1,0 +1,161 @@
+"""Tests of lowerings/naive_fusion.py, continued (test_naive_fusion.py has the legend and the
+method): code the pass must leave alone, how it is switched on and off and chained with a user's
+pass, and the pass on a Dynamo graph of two heads."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import lowerings.naive_fusion as nf
+from naive_fusion_harness import V, check, fired, fusion_on, logp_of, make  # noqa: F401
+from test_naive_fusion import logprob_and_entropy, matmul_T
+
+
+def logits_returned(h, w, b, ids):
+    logits = h @ w.T
+    return logp_of(logits, ids), logits
+
+
+def log_softmax_returned(h, w, b, ids):
+    logp_all = (h @ w.T).log_softmax(-1)
+    return logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1), logp_all
+
+
+def mean_cross_entropy(h, w, b, ids):
+    return (F.cross_entropy((h @ w.T).view(-1, V), ids.view(-1)).reshape(1),)
+
+
+def label_smoothing(h, w, b, ids):
+    return (F.cross_entropy((h @ w.T).view(-1, V), ids.view(-1), reduction="none",
+                            label_smoothing=0.1),)
+
+
+def float64_code(h, w, b, ids):
+    return (logp_of(h.double() @ w.double().T, ids),)
+
+
+def two_targets(h, w, b, ids):
+    logp_all = (h @ w.T).log_softmax(-1)
+    return (logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+            + logp_all.gather(-1, ids.flip(0).unsqueeze(-1)).squeeze(-1),)
+
+
+def inplace_between(h, w, b, ids):
+    logits = h @ w.T
+    h2 = h.detach().clone()
+    h2.mul_(2)
+    return logp_of(logits, ids), h2
+
+
+def broadcast_bias(h, w, b, ids):
+    return (logp_of(h @ w.T + b[:1], ids),)
+
+
+def bias_after_tanh(h, w, b, ids):
+    return (logp_of(2.0 * torch.tanh(h @ w.T / 2.0) + b, ids),)
+
+
+@pytest.mark.parametrize("fn", [logits_returned, log_softmax_returned, mean_cross_entropy,
+                                label_smoothing, float64_code, two_targets, inplace_between,
+                                broadcast_bias, bias_after_tanh])
+def test_left_alone(fn):
+    check(fn, (0, 0))
+
+
+# --- installation ---------------------------------------------------------------------------
+
+class UserPass(CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return b"user-pass-v1"
+
+
+def test_enable_disable_idempotent():
+    nf.disable_naive_logprob_fusion()
+    assert inductor_config.pre_grad_custom_pass is None
+    nf.disable_naive_logprob_fusion()                     # disabling twice is harmless
+    assert inductor_config.pre_grad_custom_pass is None
+    nf.enable_naive_logprob_fusion()
+    installed = inductor_config.pre_grad_custom_pass
+    nf.enable_naive_logprob_fusion()
+    assert inductor_config.pre_grad_custom_pass is installed
+    assert nf.is_naive_logprob_fusion_enabled()
+    assert isinstance(installed, CustomGraphPass) and isinstance(installed.uuid(), bytes)
+    nf.disable_naive_logprob_fusion()
+    assert inductor_config.pre_grad_custom_pass is None and not nf.is_naive_logprob_fusion_enabled()
+    with nf.naive_logprob_fusion():
+        assert nf.is_naive_logprob_fusion_enabled()
+        with nf.naive_logprob_fusion():                   # nested: the outer one owns it
+            pass
+        assert nf.is_naive_logprob_fusion_enabled()
+    assert inductor_config.pre_grad_custom_pass is None
+
+
+@pytest.mark.parametrize("kind", ["custom_graph_pass", "plain_callable"])
+def test_chains_with_user_pass(kind):
+    nf.disable_naive_logprob_fusion()
+    user = UserPass()
+    calls = []
+    user_pass = user if kind == "custom_graph_pass" else (lambda graph: calls.append(1))
+    inductor_config.pre_grad_custom_pass = user_pass
+    nf.enable_naive_logprob_fusion()
+    nf.enable_naive_logprob_fusion()
+    chained = inductor_config.pre_grad_custom_pass
+    assert chained is not user_pass and nf.is_naive_logprob_fusion_enabled()
+    # A uuid only when every chained pass has one (else Inductor must bypass its caches).
+    assert (chained.uuid() is not None) == (kind == "custom_graph_pass")
+    check(matmul_T, (1, 0))
+    assert (user.calls if kind == "custom_graph_pass" else len(calls)) >= 1
+    nf.disable_naive_logprob_fusion()
+    assert inductor_config.pre_grad_custom_pass is user_pass
+    inductor_config.pre_grad_custom_pass = None
+
+
+def test_disabled_pass_does_not_fire():
+    nf.disable_naive_logprob_fusion()
+    check(matmul_T, (0, 0))
+
+
+# --- the rewritten Dynamo graph itself (no Inductor: fast, and shows what the pass emits) ---
+
+def dynamo_graph(fn, *args):
+    rec = torch._dynamo.testing.EagerAndRecordGraphs()
+    torch.compile(fn, backend=rec, fullgraph=True)(*args)
+    return rec.graphs[0]
+
+
+def op_names(gm):
+    skip = {"placeholder", "output"}
+    return [getattr(n.target, "__name__", n.target) for n in gm.graph.nodes if n.op not in skip]
+
+
+def test_pass_on_dynamo_graph_two_heads():
+    """Policy and reference heads in one graph: two rewrites; nothing of the naive chain left,
+    and a graph that still runs and matches."""
+    h, w, b, ids = make()
+    w_ref = w.detach() + 0.01
+
+    def fn(h, w, w_ref, b, ids):
+        lp, ent = logprob_and_entropy(h, w, b, ids)
+        with torch.no_grad():
+            ref_lp = logp_of(h @ w_ref.T, ids)
+        return lp - ref_lp, ent
+
+    gm = dynamo_graph(fn, h, w, w_ref, b, ids)
+    assert nf.naive_logprob_fusion_pass(gm.graph) == 2
+    gm.recompile()
+    names = op_names(gm)
+    assert names.count("fused_linear_logprobs") == 2, names
+    for naive in ("log_softmax", "exp", "matmul", "linear", "gather", "sum", "truediv"):
+        assert naive not in names, names
+    by_name = {"L_h_": h, "L_w_": w, "L_w_ref_": w_ref, "L_b_": b, "L_ids_": ids}
+    got = gm(*[by_name[n.target] for n in gm.graph.nodes if n.op == "placeholder"])
+    for g, r in zip(got, fn(h, w, w_ref, b, ids)):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    assert fired() == (2, 1)
