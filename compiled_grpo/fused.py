@@ -313,6 +313,8 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     def grad_fn(r0, idx, lp, ent):
         # (by_block order: the block's original rows are [r0, r0 + rows), in some order)
         fn = _compiled_block_grads() if compiled else _block_grads
+        if compiled:   # idx is perm's view at r0: storage offset 0 only for the block run last,
+            idx = idx.clone()   # which would recompile the graph (0/1 specialization)
         return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg, seq, t_len, per_token_loss)
 
     need = [t is not None and t.requires_grad for t in (hidden, weight, bias)]

@@ -145,13 +145,13 @@ def test_cuda_rows_backward_trace_in_place_and_symbolic_n():
 _DW_TMA_OUT_TRACE = _TRACE_PRELUDE + r'''
 from torch.library import wrap_triton
 from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel, _dw_step_persistent_kernel
-tiles = dict(ACCUMULATE=True, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=True, BLOCK_C=128,
-             BLOCK_H=128, BLOCK_K=64, GROUP_C=8)
+tiles = dict(ACCUMULATE=True, ON_DEVICE=False, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=True,
+             BLOCK_C=128, BLOCK_H=128, BLOCK_K=64, GROUP_C=8)
 for kernel, extra in ((_dw_step_kernel, ()), (_dw_step_persistent_kernel, (4,))):
     def step(ws, xg, dw, count):
         dw = dw.clone()     # the trace then has no input mutation to replay outside fake mode
         wrap_triton(kernel)[(4,)](ws, xg, dw, count, 0, 256, 0, 512, 256, 512, 256, 256, 4, 2,
-                                  *extra, **tiles)
+                                  0, 0, *extra, **tiles)
         return dw
     graphs.clear()
     with mode:

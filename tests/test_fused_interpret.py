@@ -26,14 +26,15 @@ def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,
     seen = []
 
     def grad_fn(r0, idx, lp, ent):
-        seen.append(idx.clone())
+        seen.append((r0, idx.clone()))   # the blocks run last to first
         return G_lp[idx], G_ent[idx]
 
     res = fk.fused_linear_logprobs(x, w, ids, b, mask, grad_fn, blocks=blocks,
                                    block_rows=block_rows, by_block=by_block, need_b=b is not None,
                                    **kw)
     # token-level blocks are G x R slots; those past N (row 0 again, past every count) are dropped
-    return res, G_lp, G_ent, torch.cat(seen)[:x.shape[0]]
+    in_order = [i for _, i in sorted(seen, key=lambda s: s[0])]
+    return res, G_lp, G_ent, torch.cat(in_order)[:x.shape[0]]
 
 
 @pytest.mark.parametrize("kind", ["right_padded", "scattered", "all_valid", "all_padded"])

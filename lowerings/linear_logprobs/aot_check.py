@@ -91,11 +91,16 @@ def cases():
                     BLOCK_V=ev), ewarps, 1)
     wc, wh, wk, wwarps, wstages = dw
     for out in (False, True):
-        dw_c = dict(ACCUMULATE=True, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=out, BLOCK_C=wc,
-                    BLOCK_H=wh, BLOCK_K=wk, GROUP_C=rows.GROUP_M)
+        dw_c = dict(ACCUMULATE=True, ON_DEVICE=False, DOT_PREC="tf32", USE_TMA=True,
+                    TMA_OUT=out, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk, GROUP_C=rows.GROUP_M)
         yield (f"dW step, persistent, TMA_OUT={out}", kdw._dw_step_persistent_kernel, dw_c, wwarps,
                wstages)
         yield (f"dW step, TMA_OUT={out}", kdw._dw_step_kernel, dw_c, wwarps, wstages)
+        # the fused path's pair: store and add, one of them working (fused_cuda.block_backward)
+        for acc in (False, True):
+            yield (f"dW step, persistent, fused, ACCUMULATE={acc}, TMA_OUT={out}",
+                   kdw._dw_step_persistent_kernel, dict(dw_c, ACCUMULATE=acc, ON_DEVICE=True),
+                   wwarps, wstages)
     gm, gh, gk, gwarps, gstages = gemm
     tiles = dict(DOT_PREC="tf32", USE_TMA=True, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk)
     yield ("dX step, recompute", k._dx_step_kernel,

@@ -181,7 +181,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 n_cblocks, n_hblocks = triton.cdiv(cols, wc), triton.cdiv(h, wh)
                 wrap(_dw_step_kernel)[(n_cblocks * n_hblocks,)](
                     ws, xg, dw, count, r0, rows, v0, cols, h, ws.stride(0), xg.stride(0),
-                    dw.stride(0), n_cblocks, n_hblocks, ACCUMULATE=g > 0, DOT_PREC=prec,
+                    dw.stride(0), n_cblocks, n_hblocks, 0, 0, ACCUMULATE=g > 0, ON_DEVICE=False,
+                    DOT_PREC=prec,
                     USE_TMA=tma, TMA_OUT=_dense._dw_tma_out(tma, dw), BLOCK_C=wc, BLOCK_H=wh,
                     BLOCK_K=wk, GROUP_C=GROUP_M, num_warps=wwarps, num_stages=wstages)
             if need_x:

@@ -108,7 +108,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                    rows: int, temperature: float, with_entropy: bool, logit_scale: float,
                    softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool) -> None:
     if rows == 0:
-        if need_w and b == 0:
+        if need_w and b == counts.shape[0] - 1:   # the first block run (fused.py: last to first)
             dw.zero_()
         return
     v, h = weight.shape
@@ -129,16 +129,22 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     if need_w:
         wc, wh, wk, wwarps, wstages = dw_tiles
         n_cblocks, n_hblocks = triton.cdiv(v, wc), triton.cdiv(h, wh)
-        tiles = dict(ACCUMULATE=b > 0, DOT_PREC=prec, USE_TMA=tma,
+        # The blocks run last to first (fused.py). Whether dW already holds a sum is read on the
+        # device from the counts of the blocks after b, which ran before it: the step is
+        # launched storing and adding, and one of the two works (kernels_dw._dw_skips; the
+        # other's programs exit at once). The first block with valid rows stores.
+        g = counts.shape[0]
+        tiles = dict(ON_DEVICE=True, DOT_PREC=prec, USE_TMA=tma,
                      TMA_OUT=_dense._dw_tma_out(tma, dw), BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
                      GROUP_C=_rows.GROUP_M, num_warps=wwarps, num_stages=wstages)
-        args = (ws, xg, dw, count, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0),
-                n_cblocks, n_hblocks)
-        if DW_PERSISTENT:
-            n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
-            _dw_step_persistent_kernel[(n_prog,)](*args, n_prog, **tiles)
-        else:
-            _dw_step_kernel[(n_cblocks * n_hblocks,)](*args, **tiles)
+        args = (ws, xg, dw, counts.narrow(0, b, g - b), 0, rows, 0, v, h, ws.stride(0),
+                xg.stride(0), dw.stride(0), n_cblocks, n_hblocks, g - 1 - b, int(b == 0))
+        for acc in (False, True):
+            if DW_PERSISTENT:
+                n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
+                _dw_step_persistent_kernel[(n_prog,)](*args, n_prog, ACCUMULATE=acc, **tiles)
+            else:
+                _dw_step_kernel[(n_cblocks * n_hblocks,)](*args, ACCUMULATE=acc, **tiles)
     if need_x:
         gm, gh, gk, gwarps, gstages = gemm_tiles
         n_mblocks, n_hblocks = triton.cdiv(rows, gm), triton.cdiv(h, gh)

@@ -12,7 +12,8 @@ from lowerings.linear_logprobs.kernels import _desc, _swizzle, _swizzle_id, _til
 
 @triton.jit
 def _dw_step_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, stride_ws,
-                    stride_x, stride_dw, n_cblocks, n_hblocks, ACCUMULATE: tl.constexpr,
+                    stride_x, stride_dw, n_cblocks, n_hblocks, n_later, final,
+                    ACCUMULATE: tl.constexpr, ON_DEVICE: tl.constexpr,
                     DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, TMA_OUT: tl.constexpr,
                     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_C: tl.constexpr):
@@ -20,14 +21,14 @@ def _dw_step_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H,
     valid rows of the group (xg: its compacted hidden rows): the K loop stops at n, so padding
     costs no FLOP. fp32 accumulator, rounded to dW's dtype once per group (as the cuBLAS
     beta = 1 step of the dense path; twice with TMA_OUT, see _dw_tile); a group with no valid
-    row leaves dW as it is."""
+    row leaves dW as it is. ON_DEVICE (the fused path, whose blocks run last to first): the
+    launcher runs the step twice, storing and adding, and _dw_skips lets one of them work."""
     pid_c, pid_h = _swizzle(n_cblocks, n_hblocks, GROUP_C)
-    n_valid, a_src, b_src, dw_dst = _dw_operands(
+    n_valid, add, a_src, b_src, dw_dst = _dw_operands(
         ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, stride_ws, stride_x,
-        stride_dw, USE_TMA, TMA_OUT, BLOCK_C, BLOCK_H, BLOCK_K)
-    if ACCUMULATE:
-        if n_valid == 0:
-            return
+        stride_dw, n_later, ON_DEVICE, USE_TMA, TMA_OUT, BLOCK_C, BLOCK_H, BLOCK_K)
+    if _dw_skips(n_valid, add, final, ACCUMULATE, ON_DEVICE):
+        return
     _dw_tile(a_src, b_src, dw_ptr, dw_dst, pid_c, pid_h, n_valid, v0, cols, H, stride_ws,
              stride_x, stride_dw, ACCUMULATE, DOT_PREC, USE_TMA, TMA_OUT, BLOCK_C, BLOCK_H,
              BLOCK_K)
@@ -54,16 +55,42 @@ def _dw_out(dw_ptr, v0, cols, H, stride_dw, TMA_OUT: tl.constexpr, BLOCK_C: tl.c
 
 @triton.jit
 def _dw_operands(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, stride_ws,
-                 stride_x, stride_dw, USE_TMA: tl.constexpr, TMA_OUT: tl.constexpr,
-                 BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(n, a_src, b_src, dw_dst) of the dW steps: the group's valid rows, its ws / xg operands
-    (_desc) of max(n, 1) rows (a tensor map has no empty dims; the K loop reads none then) and
-    where the tiles go (_dw_out)."""
+                 stride_x, stride_dw, n_later, ON_DEVICE: tl.constexpr, USE_TMA: tl.constexpr,
+                 TMA_OUT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """(n, add, a_src, b_src, dw_dst) of the dW steps: the group's valid rows; with ON_DEVICE,
+    whether dW already holds a sum (add: a block run before this one had valid rows, from the
+    n_later counts after count_ptr's, read on the device); its ws / xg operands (_desc) of
+    max(n, 1) rows (a tensor map has no empty dims; the K loop reads none then) and where the
+    tiles go (_dw_out)."""
     n_valid = _valid_rows(count_ptr, row0, n_rows, True)
+    earlier = n_valid * 0
+    if ON_DEVICE:
+        for i in range(n_later):
+            earlier += tl.load(count_ptr + 1 + i)
+    add = earlier > 0
     a_src = _desc(ws_ptr, tl.maximum(n_valid, 1), cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
     b_src = _desc(x_ptr, tl.maximum(n_valid, 1), H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
     dw_dst = _dw_out(dw_ptr, v0, cols, H, stride_dw, TMA_OUT, BLOCK_C, BLOCK_H)
-    return n_valid, a_src, b_src, dw_dst
+    return n_valid, add, a_src, b_src, dw_dst
+
+
+@triton.jit
+def _dw_skips(n_valid, add, final, ACCUMULATE: tl.constexpr, ON_DEVICE: tl.constexpr):
+    """Whether a dW step leaves dW as it is. Adding: with no valid row, and ON_DEVICE unless a
+    block run before had some (add). Storing: ON_DEVICE when one had, or with no valid row
+    unless this is the final block run (final != 0), which then stores dW as zeros (its K loop
+    is empty): dW is stored once, by the first block with valid rows or the final one."""
+    if ACCUMULATE:
+        if ON_DEVICE:
+            return (n_valid == 0) | (add == 0)
+        else:
+            return n_valid == 0
+    else:
+        if ON_DEVICE:
+            return add | ((n_valid == 0) & (final == 0))
+        else:
+            return n_valid < 0
 
 
 @triton.jit
@@ -104,8 +131,9 @@ def _dw_tile(a_src, b_src, dw_ptr, dw_dst, pid_c, pid_h, n_valid, v0, cols, H, s
 
 @triton.jit
 def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H,
-                               stride_ws, stride_x, stride_dw, n_cblocks, n_hblocks, n_programs,
-                               ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
+                               stride_ws, stride_x, stride_dw, n_cblocks, n_hblocks, n_later,
+                               final, n_programs, ACCUMULATE: tl.constexpr,
+                               ON_DEVICE: tl.constexpr, DOT_PREC: tl.constexpr,
                                USE_TMA: tl.constexpr, TMA_OUT: tl.constexpr,
                                BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
                                BLOCK_K: tl.constexpr, GROUP_C: tl.constexpr):
@@ -114,12 +142,11 @@ def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v
     pipeliner issues the next tile's first operand loads while this tile's dW read-modify-write
     drains (the short K = n <= R loop of a block leaves a non-persistent tile's epilogue and
     prologue exposed: ~15% of the step at R = 2048). Same arithmetic, same rounding."""
-    n_valid, a_src, b_src, dw_dst = _dw_operands(
+    n_valid, add, a_src, b_src, dw_dst = _dw_operands(
         ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, stride_ws, stride_x,
-        stride_dw, USE_TMA, TMA_OUT, BLOCK_C, BLOCK_H, BLOCK_K)
-    if ACCUMULATE:
-        if n_valid == 0:
-            return
+        stride_dw, n_later, ON_DEVICE, USE_TMA, TMA_OUT, BLOCK_C, BLOCK_H, BLOCK_K)
+    if _dw_skips(n_valid, add, final, ACCUMULATE, ON_DEVICE):
+        return
     for tile_id in tl.range(tl.program_id(0), n_cblocks * n_hblocks, n_programs, flatten=True):
         pid_c, pid_h = _swizzle_id(tile_id, n_cblocks, n_hblocks, GROUP_C)
         _dw_tile(a_src, b_src, dw_ptr, dw_dst, pid_c, pid_h, n_valid, v0, cols, H, stride_ws,
