@@ -10,7 +10,8 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
                                         ws (fp16 view) with the max per 256-column tile in zoff
   block_backward   _fused_dlogits_kernel ws[:n] <- dlogits (in place, input dtype)
                    _dw_step_persistent_kernel  dW (+)= ws[:n].T @ xg[:n]   (K loop stops at
-                                        n; one program per SM walks the dW tiles)
+                                        n; one program per SM walks the dW tiles; launched
+                                        storing and adding, the device picks which works)
                    _dx_split_kernel     dX[perm[r0 + i]] = ws[i] @ W for i < n (rows past n exit),
                                         the K = V loop split S ways when the grid is small
                    _dx_split_reduce_kernel  (S > 1) the splits' fp32 partials summed into dX
