@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -245,6 +246,33 @@ def _compiled_block_grads():
     return torch.compile(_block_grads, dynamic=True, fullgraph=True)
 
 
+def _eager_call_block_grads(*args):
+    """The compiled per-block gradient of an eager call, or the eager torch.func one once
+    Dynamo's recompile limit for it is reached. Each GRPOConfig (its values guard the graph) and
+    dtype is a graph of its own, so a process that runs more of them than
+    ``torch._dynamo.config.recompile_limit`` (8; a sweep over configs, a beta schedule) meets the
+    limit, which fullgraph=True turns into FailOnRecompileLimitHit (raised before anything runs)
+    instead of Dynamo's eager run. From then on the calls run under the "eager_on_recompile"
+    stance: the graphs already compiled keep serving their configs, the others run the same
+    gradient eagerly (more kernel launches), with one warning."""
+    global _AT_LIMIT
+    if _AT_LIMIT:
+        with torch.compiler.set_stance("eager_on_recompile"):
+            return _compiled_block_grads()(*args)
+    try:
+        return _compiled_block_grads()(*args)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        _AT_LIMIT = True
+        warnings.warn("compiled_grpo: the compiled per-block gradient of eager fused calls reached "
+                      "torch._dynamo.config.recompile_limit (one graph per GRPOConfig and dtype); "
+                      "new configs run it eagerly from now on (same values, more kernel launches)",
+                      stacklevel=3)
+        return _block_grads(*args)
+
+
+_AT_LIMIT = False   # set once the compiled block gradient met Dynamo's recompile limit
+
+
 def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logprobs, ref_logprobs,
                    sampling_ratio, num_items_in_batch, segments, cfg, want_entropy,
                    per_token_loss, dtype, sampling_logprobs=None, shard=None) -> Fused:
@@ -312,7 +340,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
 
     def grad_fn(r0, idx, lp, ent):
         # (by_block order: the block's original rows are [r0, r0 + rows), in some order)
-        fn = _compiled_block_grads() if compiled else _block_grads
+        fn = _eager_call_block_grads if compiled else _block_grads
         if compiled:   # idx is perm's view at r0: storage offset 0 only for the block run last,
             idx = idx.clone()   # which would recompile the graph (0/1 specialization)
         return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg, seq, t_len, per_token_loss)

@@ -320,6 +320,35 @@ def test_eager_compiled_block_grads(level, monkeypatch):
     assert cnt.frame_count == (1 if level == "token" else 0), cnt.frame_count
 
 
+def test_eager_block_grads_past_the_recompile_limit(monkeypatch):
+    """One compiled block-gradient graph per config: a process with more configs than Dynamo's
+    recompile limit (2 here, 8 by default) gets the eager gradient for the later ones (with one
+    warning) where fullgraph=True would raise FailOnRecompileLimitHit, and the configs compiled
+    before keep their graphs. Values equal the eager torch.func path's throughout."""
+    monkeypatch.setattr(F, "_auto_device_ok", lambda t: True)
+    monkeypatch.setattr(F, "_AT_LIMIT", False)
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("eager")
+    monkeypatch.setattr(F, "_compiled_block_grads",
+                        functools.lru_cache(None)(lambda: torch.compile(F._block_grads, dynamic=True,
+                                                                        fullgraph=True, backend=cnt)))
+    inp = make_inputs(B=5, T=9, H=H, V=V, seed=15)
+    cfgs = [cg.GRPOConfig(loss_type="grpo", beta=beta, gradient_mode="fused", fused_workspace_mib=_mib(16))
+            for beta in (0.01, 0.02, 0.03, 0.04)]
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for i, cfg in enumerate(cfgs + cfgs[:1]):
+            if i == 2:
+                with pytest.warns(UserWarning, match="recompile_limit"):
+                    fast = _run(inp, cfg)
+            else:
+                fast = _run(inp, cfg)
+            monkeypatch.setattr(F, "_BLOCK_GRADS_COMPILED", False)
+            slow = _run(inp, cfg)
+            monkeypatch.setattr(F, "_BLOCK_GRADS_COMPILED", True)
+            _assert_same(slow, fast)
+    assert F._AT_LIMIT and cnt.frame_count == 2, cnt.frame_count
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_nan_at_masked_positions_never_reach_fused_grads(level):
     """NaN old/ref log-probs, a NaN advantage of a fully masked row and inf sampling ratios at
