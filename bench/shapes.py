@@ -43,6 +43,10 @@ SHAPES: dict[str, Shape] = {
         Shape("llama3-8b", B=8, T=2048, H=4096, V=128256),
         Shape("gemma2-2b", B=8, T=2048, H=2304, V=256000, softcap=30.0),
         Shape("long", B=32, T=2048, **_QWEN),  # N = 65536
+        # the small policies of much GRPO work: little GEMM time per row block, so the per-block
+        # host and small-kernel costs weigh more
+        Shape("qwen2.5-0.5b", B=8, T=2048, H=896, V=151936),
+        Shape("qwen2.5-1.5b", B=8, T=2048, H=1536, V=151936),
         Shape("cpu-small", B=2, T=64, H=64, V=1000),  # default without a GPU; seconds on 2 cores
         Shape("cpu-tiny", B=2, T=16, H=32, V=128),  # for tests/test_bench.py
     ]

@@ -35,7 +35,7 @@ from lowerings.linear_logprobs import kernels_fused as kf
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448                  # bytes of shared memory a block may opt into on H100 / H200
-FP32_PTRS = {"m_ptr", "s_ptr", "t_ptr", "zt_ptr", "zoff_ptr", "lse_ptr", "ent_ptr", "glp_ptr",
+FP32_PTRS = {"m_ptr", "s_ptr", "t_ptr", "zt_ptr", "zoff_ptr", "lse_ptr", "ent_ptr", "glp_ptr", "lp_ptr",
              "gent_ptr", "glse_ptr", "dbp_ptr", "part_ptr", "g_ptr", "acc_ptr"}
 PTR_TYPES = {"count_ptr": "*i32", "perm_ptr": "*i64", "ids_ptr": "*i64", "z_ptr": "*fp16"}
 FLOATS = {"inv_temp", "cap_pre", "cap_post"}
@@ -113,6 +113,10 @@ def cases():
     yield ("row gather", k._gather_rows_kernel,
            dict(BLOCK_R=rows.GATHER_ROWS, BLOCK_H=rows.GATHER_H), 4, 1)
     yield ("gradient scaling", kf._scale_kernel, dict(BLOCK=fused.SCALE_BLOCK), 8, 1)
+    cr, cwarps = fc.COMBINE_TILE
+    for ent in (False, True):   # 38 splits at qwen3-8b's 2048-row blocks (cuda._fwd_splits)
+        yield (f"forward splits' combine, WITH_ENTROPY={ent}", kf._fused_combine_kernel,
+               dict(WITH_ENTROPY=ent, BLOCK_R=cr, BLOCK_S=64), cwarps, 1)
 
 
 def _ptxas_usage(ptx: str) -> str:

@@ -2,7 +2,7 @@
 
     python -m lowerings.linear_logprobs.bench_fused [--shape qwen3-8b] [--all-valid]
         [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile] [--recompute] [--cublas]
-        [--workspace-mib MIB ...] [--trace DIR]
+        [--workspace-mib MIB ...] [--trace DIR] [--host-profile]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run, peak memory beyond inputs and grads, the CUDA time of each kernel family of one
@@ -21,7 +21,9 @@ the forward's cost of keeping them). --cublas: what cuBLAS takes for one full bl
 GEMMs (logits, dX, dW with beta = 1 as the fused dW step accumulates), scaled to the valid rows:
 the mark the Triton steps are held to. --workspace-mib: the default step again with each
 GRPOConfig.fused_workspace_mib (larger row blocks: fewer dW read-modify-writes and longer GEMMs,
-for more memory; the speed / memory trade-off of the 768 MiB bound).
+for more memory; the speed / memory trade-off of the 768 MiB bound). --host-profile: cProfile of
+the host's side of a few steps (what the launch time is spent on, where a step is host-bound:
+small H, many blocks).
 """
 import argparse
 import collections
@@ -57,6 +59,7 @@ def main():
     ap.add_argument("--cublas", action="store_true")
     ap.add_argument("--workspace-mib", type=float, nargs="+", default=[])
     ap.add_argument("--trace", metavar="DIR", help="write the profiled steps' chrome trace there")
+    ap.add_argument("--host-profile", action="store_true")
     args = ap.parse_args()
     x = make_inputs(SHAPES[args.shape], torch.device("cuda"))
     mask = torch.ones_like(x.mask) if args.all_valid else x.mask
@@ -132,6 +135,23 @@ def main():
         print(f"    host: {host:.2f} ms to launch one step (CPU-bound where that exceeds the step)")
 
     measure(cfg.gradient_mode + (" compiled" if args.compile else ""))
+    if args.host_profile:
+        import cProfile
+        import pstats
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(PROFILE_STEPS):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"    host profile of {PROFILE_STEPS} steps (cProfile), this project's functions:")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats("compiled_grpo|linear_logprobs", 30)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+            for _ in range(PROFILE_STEPS):
+                step()
+            torch.cuda.synchronize()
+        print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
     default_cfg = cfg
     for mib in args.workspace_mib:
         cfg = dataclasses.replace(default_cfg, fused_workspace_mib=mib)   # loss_fn reads cfg

@@ -220,8 +220,11 @@ def _fwd_splits(n, v: int, bn: int, bv: int, device: torch.device) -> tuple[int,
     2432 programs, 18.4 waves of 132; S = 33 gives 32 full waves, forward 32.0 -> 31.1 ms).
     From N's size hint when symbolic (S is a Python int); S0 off CUDA (the interpreter tests)."""
     s0 = triton.cdiv(v, FWD_COLS_PER_SPLIT)
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" and torch.cuda.is_available() else None)
+    if device.type == "cuda" and torch.cuda.is_available():
+        from lowerings.linear_logprobs.fused import sm_count   # cached
+        sms = sm_count(device.index)
+    else:
+        sms = None
     n_blocks = triton.cdiv(_hint(n), bn)
     best = None
     for s in range(s0, 2 * s0 + 1) if sms else (s0,):

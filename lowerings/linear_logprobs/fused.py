@@ -94,10 +94,16 @@ def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:
     return max(1, sm_count(hidden.device.index) // triton.cdiv(hidden.shape[-1], bh)) * bm
 
 
+_SMS: dict = {}
+
+
 @torch.compiler.assume_constant_result
-def sm_count(index: int) -> int:
-    """The GPU's SM count; a constant to Dynamo (called, not traced, inside a compiled step)."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def sm_count(index: Optional[int]) -> int:
+    """The GPU's SM count; a constant to Dynamo (called, not traced, inside a compiled step),
+    cached here (several calls a row block on the host; Dynamo warns on functools caches)."""
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tuple[Tensor, Tensor]:

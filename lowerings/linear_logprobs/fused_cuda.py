@@ -8,6 +8,7 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
   block_forward    _gather_rows_kernel  xg[:n] = X[perm[r0 : r0 + n]]
                    _fwd_kernel (STORE_Z) statistics of xg's rows and d = z - running max into
                                         ws (fp16 view) with the max per 256-column tile in zoff
+                   _fused_combine_kernel the splits' statistics -> (logprobs, entropy, lse)
   block_backward   _fused_dlogits_kernel ws[:n] <- dlogits (in place, input dtype)
                    _dw_step_persistent_kernel  dW (+)= ws[:n].T @ xg[:n]   (K loop stops at
                                         n; one program per SM walks the dW tiles; launched
@@ -30,7 +31,7 @@ from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs.kernels import _fwd_kernel
 from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel, _dw_step_persistent_kernel
 from lowerings.linear_logprobs.kernels_fused import (_dx_split_kernel, _dx_split_reduce_kernel,
-                                                     _fused_dlogits_kernel)
+                                                     _fused_combine_kernel, _fused_dlogits_kernel)
 
 # The in-place dlogits pass: an elementwise [BLOCK_N, BLOCK_V] tile a program, (BLOCK_N,
 # BLOCK_V, num_warps); LINEAR_LOGPROBS_DLOGITS_TILE="64,256,8" overrides it (tuning runs). d_bias
@@ -49,6 +50,7 @@ DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
 DX_SPLITS = int(os.environ.get("LINEAR_LOGPROBS_DX_SPLITS", "8"))
 DX_SPLIT_BYTES = int(os.environ.get("LINEAR_LOGPROBS_DX_SPLIT_MIB", "48")) << 20
 REDUCE_TILE = (32, 256, 4)   # the partials' sum: (BLOCK_R, BLOCK_H, num_warps)
+COMBINE_TILE = (32, 4)       # the forward splits' combine: (BLOCK_R, num_warps)
 
 
 def dx_split_rows(rows, h: int, itemsize: int) -> int:
@@ -79,9 +81,8 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
                   logit_scale: float, softcap: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
     bn, bv, bk, warps, stages = _dense.TILES
     x, w, prec = _dense._prepare(hidden, weight, False)   # no copies: fused.py cast them once
-    zeros = tuple(x.new_zeros(rows, dtype=torch.float32) for _ in range(3))
     if rows == 0:
-        return zeros
+        return tuple(x.new_zeros(0, dtype=torch.float32) for _ in range(3))
     tma = _dense._use_tma(x, w)
     v, h = w.shape
     count = counts.narrow(0, b, 1)
@@ -98,9 +99,14 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
         HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_K=bk, GROUP_N=_dense.GROUP_N, FLATTEN=_dense.FWD_FLATTEN, num_warps=warps,
         num_stages=stages)
-    lp, ent, lse = _dense._combine(m, s, t, zt, with_entropy)                # [R']
-    valid = torch.arange(rows, device=x.device) < count                      # [R']
-    return tuple(torch.where(valid, o, 0) for o in (lp, ent, lse))
+    # the splits' statistics -> the block's outputs, 0 past count: one launch (the torch ops of
+    # cuda._combine and the masking were ~15 small kernels a block: host-bound at small H)
+    lp, ent, lse = (x.new_empty(rows, dtype=torch.float32) for _ in range(3))  # [R']
+    cr, cwarps = COMBINE_TILE
+    _fused_combine_kernel[(triton.cdiv(rows, cr),)](
+        m, s, t, zt, count, lp, ent, lse, rows, splits, WITH_ENTROPY=with_entropy, BLOCK_R=cr,
+        BLOCK_S=triton.next_power_of_2(splits), num_warps=cwarps)
+    return lp, ent, lse
 
 
 def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, ws: Tensor,

@@ -61,6 +61,43 @@ def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, gl
 
 
 @triton.jit
+def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse_ptr, n_rows,
+                          n_splits, WITH_ENTROPY: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_S: tl.constexpr):
+    """A block's (logprobs, entropy, lse) [R'] from the forward splits' statistics m, s, t, zt
+    [S, R'] (row stride R'), cuda._combine's formulas in one launch, 0 at rows past the block's
+    count (whose statistics were never written):
+
+        m* = max_s m,  S = sum_s s e^(m - m*),  lse = m* + log S,  logp = sum_s zt - lse
+        H  = log S - sum_s e^(m - m*) (t + (m - m*) s) / S        (a split with s = 0 adds 0)
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = rows < _valid_rows(count_ptr, 0, n_rows, True)
+    sp = tl.arange(0, BLOCK_S)
+    mask = (sp < n_splits)[:, None] & valid[None, :]
+    offs = sp[:, None] * n_rows + rows[None, :]                              # [BLOCK_S, BLOCK_R]
+    m = tl.load(m_ptr + offs, mask=mask, other=float("-inf"))
+    s = tl.load(s_ptr + offs, mask=mask, other=0.0)
+    m_all = tl.max(m, 0)
+    d = tl.where(mask, m - m_all[None, :], float("-inf"))   # masked lanes: scale 0, never NaN
+    scale = tl.exp(d)
+    s_all = tl.sum(s * scale, 0)
+    log_s = tl.log(s_all)
+    lse = m_all + log_s
+    lp = tl.sum(tl.load(zt_ptr + offs, mask=mask, other=0.0), 0) - lse
+    if WITH_ENTROPY:
+        t = tl.load(t_ptr + offs, mask=mask, other=0.0)
+        shift = tl.where(s > 0, d * s, 0.0)
+        ent = log_s - tl.sum(scale * (t + shift), 0) / s_all
+    else:
+        ent = tl.zeros((BLOCK_R,), tl.float32)
+    out = rows < n_rows
+    tl.store(lp_ptr + rows, tl.where(valid, lp, 0.0), mask=out)
+    tl.store(ent_ptr + rows, tl.where(valid, ent, 0.0), mask=out)
+    tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=out)
+
+
+@triton.jit
 def _scale_kernel(t_ptr, g_ptr, n, BLOCK: tl.constexpr):
     """t[:n] *= g in fp32 (g a device scalar), a grid-stride loop of BLOCK chunks. g == 1, the
     seed of loss.backward(), leaves t as it is: every program reads g and exits, so the common
