@@ -213,6 +213,18 @@ def _hint(n) -> int:
     return n if isinstance(n, int) else (n.node.hint or 1)
 
 
+_SMS: dict = {}   # sm_count's cache
+
+
+@torch.compiler.assume_constant_result
+def sm_count(index: Optional[int]) -> int:
+    """The GPU's SM count; a constant to Dynamo (called, not traced, inside a compiled step),
+    cached here (several calls a row block on the host; Dynamo warns on functools caches)."""
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
 def _fwd_splits(n, v: int, bn: int, bv: int, device: torch.device) -> tuple[int, int]:
     """(S, columns per split): balanced splits of whole BV tiles. Between S0 = cdiv(V,
     FWD_COLS_PER_SPLIT) and 2 * S0, the S whose n_blocks * S programs fill the last wave of the
@@ -220,11 +232,7 @@ def _fwd_splits(n, v: int, bn: int, bv: int, device: torch.device) -> tuple[int,
     2432 programs, 18.4 waves of 132; S = 33 gives 32 full waves, forward 32.0 -> 31.1 ms).
     From N's size hint when symbolic (S is a Python int); S0 off CUDA (the interpreter tests)."""
     s0 = triton.cdiv(v, FWD_COLS_PER_SPLIT)
-    if device.type == "cuda" and torch.cuda.is_available():
-        from lowerings.linear_logprobs.fused import sm_count   # cached
-        sms = sm_count(device.index)
-    else:
-        sms = None
+    sms = sm_count(device.index) if device.type == "cuda" and torch.cuda.is_available() else None
     n_blocks = triton.cdiv(_hint(n), bn)
     best = None
     for s in range(s0, 2 * s0 + 1) if sms else (s0,):

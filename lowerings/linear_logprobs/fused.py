@@ -45,6 +45,7 @@ from lowerings.linear_logprobs import cpu as _cpu
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs import fused_cuda as _fcuda
+from lowerings.linear_logprobs.cuda import sm_count   # wave_rows (and fused.sm_count for callers)
 
 
 class FusedResult(NamedTuple):
@@ -92,18 +93,6 @@ def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:
         return None
     bm, bh = _rows.step_tiles(ws_dtype(hidden, weight).itemsize)[0][:2]
     return max(1, sm_count(hidden.device.index) // triton.cdiv(hidden.shape[-1], bh)) * bm
-
-
-_SMS: dict = {}
-
-
-@torch.compiler.assume_constant_result
-def sm_count(index: Optional[int]) -> int:
-    """The GPU's SM count; a constant to Dynamo (called, not traced, inside a compiled step),
-    cached here (several calls a row block on the host; Dynamo warns on functools caches)."""
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tuple[Tensor, Tensor]:

@@ -65,8 +65,7 @@ def dx_split_rows(rows, h: int, itemsize: int) -> int:
 
 def _sms(device: torch.device) -> int:
     """Programs of a persistent grid: the SM count (CPU tensors in the interpreter tests: 4)."""
-    from lowerings.linear_logprobs.fused import sm_count
-    return sm_count(device.index) if device.type == "cuda" else 4
+    return _dense.sm_count(device.index) if device.type == "cuda" else 4
 
 
 def _z_view(ws: Tensor) -> Tensor:
