@@ -142,3 +142,82 @@ def test_dx_splits(n, h_blocks, sms, max_rows, want):
     _dx_splits_probe[(1,)](torch.tensor([n, h_blocks, sms, max_rows], dtype=torch.int32), out,
                            S_MAX=8, BLOCK_M=128)
     assert out.tolist() == [want, triton.cdiv(n, 128) * 128]
+
+
+def _no_dlogits_pass(*a, **k):
+    raise AssertionError("the exp-scaled backward launched the dlogits pass")
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return _no_dlogits_pass
+
+
+@pytest.mark.parametrize("kind", ["right_padded", "scattered", "all_valid", "all_padded"])
+@pytest.mark.parametrize("blocks,block_rows,by_block", [(1, 40, False), (3, 16, False),
+                                                        (4, 10, True)])
+@pytest.mark.parametrize("dx_splits", [1, 8])
+# fused_cuda's (E_LEAD, E_HEADROOM): the defaults (every row stored against its target logit +
+# 16), and a headroom of 1 under which most rows' maxima pass M + 1: their tiles are stored
+# against their own maxima and _exp_fixup_kernel re-references them (rows of both kinds in
+# one program)
+@pytest.mark.parametrize("lead,headroom", [(16.0, 32.0), (0.5, 1.0)])
+def test_fused_exp_scaled(monkeypatch, kind, blocks, block_rows, by_block, dx_splits, lead,
+                          headroom):
+    """The exp-scaled backward (fused.exp_scaled: no entropy gradient, no softcap, no d_bias):
+    ws holds e = exp(z - R*), the dlogits are c * e' (the target's entry replaced), applied as
+    dX rows' scale and to X's rows before dW; the dlogits pass is never launched. Entropy is
+    still an output (with_entropy, entropy_grad=False): its g_ent is ignored."""
+    monkeypatch.setattr(fck, "DX_SPLITS", dx_splits)
+    monkeypatch.setattr(fck, "E_LEAD", lead)
+    monkeypatch.setattr(fck, "E_HEADROOM", headroom)
+    monkeypatch.setattr(fck, "_fused_dlogits_kernel", _NoLaunch())
+    mask = MASKS[kind]
+    x, w, ids, _ = make(40, 24, 75, torch.float32, False, seed=3)
+    res, G_lp, _, seen = _fused_run(monkeypatch, x, w, ids, None, mask, blocks, block_rows,
+                                    by_block, temperature=0.7, logit_scale=1.3,
+                                    with_entropy=True, entropy_grad=False)
+    assert sorted(seen.tolist()) == list(range(40))
+    m = mask.double()
+    for got, ref in zip(res[:3], golden(x, w, ids, None, 0.7, 1.3)):
+        torch.testing.assert_close(got.double(), ref * m, rtol=1e-5, atol=1e-4)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    (golden(xr, wr, ids, None, 0.7, 1.3)[0] * G_lp * m).sum().backward()
+    for got, ref in ((res.d_hidden, xr.grad), (res.d_weight, wr.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(res.d_hidden[~mask], torch.zeros_like(res.d_hidden[~mask]))
+
+
+def test_fused_exp_scaled_far_targets(monkeypatch):
+    """Logits spread over hundreds (weights x 30) and targets drawn from the least likely
+    tokens: logp[y] down to ~-500, so the rows' maxima pass M + E_HEADROOM and are re-referenced
+    (_exp_fixup_kernel); the rows whose target is the argmax are not. Gradients still match the
+    float64 golden (the dlogits of such rows are ~g_lp * (onehot - onehot(argmax)))."""
+    monkeypatch.setattr(fck, "_fused_dlogits_kernel", _NoLaunch())
+    x, w, _, _ = make(40, 24, 75, torch.float32, False, seed=5)
+    w = w * 30
+    z = x.double() @ w.double().T
+    ids = torch.where(torch.arange(40) % 3 == 0, z.argmax(-1), z.argmin(-1))
+    mask = MASKS["scattered"]
+    res, G_lp, _, _ = _fused_run(monkeypatch, x, w, ids, None, mask, 3, 16, False)
+    lp_ref = golden(x, w, ids, None, 1.0)[0]
+    assert lp_ref[mask].min() < -200
+    torch.testing.assert_close(res.logprobs.double(), lp_ref * mask, rtol=1e-5, atol=1e-3)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    (golden(xr, wr, ids, None, 1.0)[0] * G_lp * mask).sum().backward()
+    for got, ref in ((res.d_hidden, xr.grad), (res.d_weight, wr.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("with_entropy,entropy_grad,cap,bias,dtype,want", [
+    (False, True, None, False, torch.float32, True),      # no entropy at all
+    (True, False, None, False, torch.float32, True),      # entropy an output only
+    (True, True, None, False, torch.float32, False),      # an entropy term in the loss
+    (False, False, 3.0, False, torch.float32, False),     # softcap: (1 - y^2) per element
+    (False, False, None, True, torch.float32, False),     # d_bias: the dlogits' column sums
+    (False, False, None, False, torch.float16, False),    # fp16: e's range does not fit
+])
+def test_exp_scaled_rule(with_entropy, entropy_grad, cap, bias, dtype, want):
+    """Which calls take the exp-scaled backward (fused.exp_scaled)."""
+    assert fk.exp_scaled(dtype, with_entropy and entropy_grad, cap, bias, None) is want
+    assert fk.exp_scaled(dtype, with_entropy and entropy_grad, cap, bias, lambda *a: a) is False

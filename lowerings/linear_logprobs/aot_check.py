@@ -36,9 +36,10 @@ from lowerings.linear_logprobs import kernels_fused as kf
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448                  # bytes of shared memory a block may opt into on H100 / H200
 FP32_PTRS = {"m_ptr", "s_ptr", "t_ptr", "zt_ptr", "zoff_ptr", "lse_ptr", "ent_ptr", "glp_ptr", "lp_ptr",
-             "gent_ptr", "glse_ptr", "dbp_ptr", "part_ptr", "g_ptr", "acc_ptr"}
+             "gent_ptr", "glse_ptr", "dbp_ptr", "part_ptr", "g_ptr", "acc_ptr", "ref_ptr",
+             "scale_ptr"}
 PTR_TYPES = {"count_ptr": "*i32", "perm_ptr": "*i64", "ids_ptr": "*i64", "z_ptr": "*fp16"}
-FLOATS = {"inv_temp", "cap_pre", "cap_post"}
+FLOATS = {"inv_temp", "cap_pre", "cap_post", "lead"}
 # scalars that are multiples of 16 at the bench shapes (Triton's launcher specializes such ints:
 # the vocab sizes 151936 / 128256 / 256000, H, the strides, 2048-row blocks), so the kernels
 # compile here as they do there (vectorized stores need it)
@@ -71,19 +72,34 @@ def cases():
     bn, bv, bk, warps, stages = dense.TILES
     gemm, dw = rows.step_tiles(2)
     logit = dict(HAS_BIAS=False, HAS_CAP=False, WITH_ENTROPY=True, DOT_PREC="tf32", USE_TMA=True,
-                 BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=dense.GROUP_N)
+                 BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=dense.GROUP_N, STORE_E=False,
+                 E_HEADROOM=fc.E_HEADROOM)
     yield ("forward, fused (STORE_Z)", k._fwd_kernel,
            dict(logit, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN), warps, stages)
     yield ("forward, fused, no entropy", k._fwd_kernel,
            dict(logit, WITH_ENTROPY=False, HAS_COUNT=True, STORE_Z=True,
                 FLATTEN=dense.FWD_FLATTEN), warps, stages)
+    for ent in (True, False):   # the exp-scaled backward's forward (fused.exp_scaled)
+        yield (f"forward, fused, STORE_E, WITH_ENTROPY={ent}", k._fwd_kernel,
+               dict(logit, WITH_ENTROPY=ent, HAS_COUNT=True, STORE_Z=True, STORE_E=True,
+                    FLATTEN=dense.FWD_FLATTEN), warps, stages)
     yield ("forward, recompute", k._fwd_kernel,
            dict(logit, HAS_COUNT=False, STORE_Z=False, FLATTEN=dense.FWD_FLATTEN), warps, stages)
     yield ("forward, softcapped", k._fwd_kernel,
            dict(logit, HAS_CAP=True, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN),
            warps, stages)
     yield ("dlogits, recompute", k._dlogits_kernel,
-           dict(logit, NEED_DB=False, HAS_COUNT=True), warps, stages)
+           dict({k: c for k, c in logit.items() if k not in ("STORE_E", "E_HEADROOM")},
+                NEED_DB=False, HAS_COUNT=True), warps, stages)
+    rr, rh, rwarps = fc.REF_TILE
+    yield ("target logit reference", kf._target_ref_kernel,
+           dict(HAS_BIAS=False, BLOCK_R=rr, BLOCK_H=rh), rwarps, 1)
+    fn, ft, fwarps = fc.FIXUP_TILE
+    yield ("exp-scaled re-reference", kf._exp_fixup_kernel,
+           dict(TILE_V=bv, TILES=ft, BLOCK_N=fn), fwarps, 1)
+    pr, ph, pwarps = fc.PREP_TILE
+    yield ("exp-scaled c, e'[y], c * X", kf._exp_prep_kernel, dict(BLOCK_R=pr, BLOCK_H=ph),
+           pwarps, 1)
     en, ev, ewarps = fc.DLOGITS_TILE
     for cap in (False, True):
         yield (f"dlogits, fused in place, HAS_CAP={cap}", kf._fused_dlogits_kernel,
@@ -105,18 +121,22 @@ def cases():
     tiles = dict(DOT_PREC="tf32", USE_TMA=True, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk)
     yield ("dX step, recompute", k._dx_step_kernel,
            dict(tiles, ACCUMULATE=True, STORE=True, GROUP_M=rows.GROUP_M), gwarps, gstages)
-    yield ("dX step, split over V", kf._dx_split_kernel,
-           dict(tiles, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M), gwarps, gstages)
     rr, rh, rwarps = fc.REDUCE_TILE
-    yield ("dX split partials' sum", kf._dx_split_reduce_kernel,
-           dict(S_MAX=max(1, fc.DX_SPLITS), BLOCK_M=gm, BLOCK_R=rr, BLOCK_H=rh), rwarps, 1)
+    for scale in (False, True):
+        yield (f"dX step, split over V, ROW_SCALE={scale}", kf._dx_split_kernel,
+               dict(tiles, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M, ROW_SCALE=scale),
+               gwarps, gstages)
+        yield (f"dX split partials' sum, ROW_SCALE={scale}", kf._dx_split_reduce_kernel,
+               dict(S_MAX=max(1, fc.DX_SPLITS), BLOCK_M=gm, BLOCK_R=rr, BLOCK_H=rh,
+                    ROW_SCALE=scale), rwarps, 1)
     yield ("row gather", k._gather_rows_kernel,
            dict(BLOCK_R=rows.GATHER_ROWS, BLOCK_H=rows.GATHER_H), 4, 1)
     yield ("gradient scaling", kf._scale_kernel, dict(BLOCK=fused.SCALE_BLOCK), 8, 1)
     cr, cwarps = fc.COMBINE_TILE
     for ent in (False, True):   # 38 splits at qwen3-8b's 2048-row blocks (cuda._fwd_splits)
         yield (f"forward splits' combine, WITH_ENTROPY={ent}", kf._fused_combine_kernel,
-               dict(WITH_ENTROPY=ent, BLOCK_R=cr, BLOCK_S=64), cwarps, 1)
+               dict(WITH_ENTROPY=ent, BLOCK_R=cr, BLOCK_S=64, STORE_E=True,
+                    E_HEADROOM=fc.E_HEADROOM), cwarps, 1)
 
 
 def _ptxas_usage(ptx: str) -> str:

@@ -122,7 +122,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                           softcap: Optional[float] = None, need_x: bool = True,
                           need_w: bool = True, need_b: bool = False,
                           combine: Optional[Callable] = None,
-                          reduce_dx: Optional[Callable] = None) -> FusedResult:
+                          reduce_dx: Optional[Callable] = None,
+                          entropy_grad: bool = True) -> FusedResult:
     """hidden [N, H], weight [V, H], ids [N] in [0, V) (any value at padded rows), bias [V],
     row_mask [N] bool (None: every row valid), ``blocks`` G (a Python int) of ``block_rows`` R
     rows (G * R >= N; R may be symbolic). ``grad_fn(r0, idx, logprobs, entropy) -> (g_lp,
@@ -139,7 +140,11 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     shard statistics into the full vocab's before grad_fn and the backward see them (the
     dlogits of a shard are those columns of the full dlogits once lse and entropy are global),
     and ``reduce_dx(dx)`` sums the ranks' parts of dX at the end. Every rank must run the same
-    blocks (the same G and R)."""
+    blocks (the same G and R).
+
+    ``entropy_grad`` False promises that grad_fn's g_ent is zero (entropy an output only, no
+    entropy term in the loss): with no softcap, no d_bias and no vocab shards the Triton body
+    then takes the exp-scaled backward (exp_scaled: no dlogits pass between the GEMMs)."""
     hidden, weight = hidden.detach(), weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
     n, h = hidden.shape
@@ -172,6 +177,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         else hidden.new_empty(0)                                              # [V] acc
     scal = dict(temperature=float(temperature), with_entropy=bool(with_entropy),
                 logit_scale=float(logit_scale), softcap=None if softcap is None else float(softcap))
+    scaled = cuda and exp_scaled(cd, with_entropy and entropy_grad, softcap, need_b, combine)
+    ref = hidden.new_empty(3 * r, dtype=torch.float32)                        # [3 R] (scaled)
     lps, ents, lses = [], [], []
     # last block first: with the global order the blocks past the last valid row are empty and
     # the last one with valid rows is partial, so that one runs first and its dW step stores
@@ -186,7 +193,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         else:
             r0, rows = b * r, r
         lp_b, ent_b, lse_b = fused_block_forward(hidden, weight, ids_p, bias, perm, counts, ws,
-                                                 zoff, xg, b, r0, rows, **scal)
+                                                 zoff, xg, b, r0, rows, ref=ref, scaled=scaled,
+                                                 **scal)
         idx = perm.narrow(0, r0, rows)                                       # [R'] original rows
         if combine is not None:
             lp_b, ent_b, lse_b = combine(idx, lp_b, ent_b, lse_b)
@@ -194,7 +202,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         fused_block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse_b, ent_b,
                              g_lp.to(lse_b.dtype).contiguous(),
                              g_ent.to(lse_b.dtype).contiguous(), dx, dxp, dw, db, b, r0, rows,
-                             need_x=need_x, need_w=need_w, need_b=need_b, **scal)
+                             need_x=need_x, need_w=need_w, need_b=need_b, lp=lp_b, ref=ref,
+                             scaled=scaled, **scal)
         lps.insert(0, lp_b), ents.insert(0, ent_b), lses.insert(0, lse_b)
     # back to the original order (padded rows: 0, the value computed past each block's count)
     perm_n = perm.narrow(0, 0, n)
@@ -208,6 +217,19 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         dx = reduce_dx(dx)
     return FusedResult(lp, ent, lse, dx if need_x else None,
                        dw if need_w else None, db.to(bias.dtype) if need_b else None)
+
+
+def exp_scaled(ws_dtype: torch.dtype, entropy_grad: bool, softcap: Optional[float],
+               need_b: bool, combine: Optional[Callable]) -> bool:
+    """Whether the Triton body's blocks take the exp-scaled backward (kernels_fused's block
+    comment): the forward stores e = exp(z - R*) and the dlogits are one per-row scale of it,
+    applied to dX rows as they are stored and to X's rows before the dW step, with no pass over
+    the [R, V] tile between the GEMMs. Exact only where every dlogit is g_lp (1[v = y] - p) s / T
+    (no entropy gradient, no softcap's (1 - y^2)); d_bias (a column sum of the dlogits) and vocab
+    shards (no target logit on the ranks that do not own it) keep the dlogits pass, and so do
+    fp16 operands: e spans e^-87..e^32, fp32's exponent range, which bf16 has and fp16 has not."""
+    return (_fcuda.EXP_SCALED and ws_dtype in (torch.bfloat16, torch.float32) and not entropy_grad and softcap is None and not need_b
+            and combine is None)
 
 
 SCALE_BLOCK = 4096
@@ -234,17 +256,20 @@ def scale_(tensors: list[Tensor], g: Tensor) -> None:
 
 # --- the two block steps as mutable custom ops ------------------------------------------------
 
-@torch.library.custom_op("compiled_grpo::fused_block_forward", mutates_args=("ws", "zoff", "xg"))
+@torch.library.custom_op("compiled_grpo::fused_block_forward",
+                         mutates_args=("ws", "zoff", "xg", "ref"))
 def fused_block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[Tensor],
                         perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor,
                         b: int, r0: int, rows: int, temperature: float, with_entropy: bool,
-                        logit_scale: float, softcap: Optional[float]
+                        logit_scale: float, softcap: Optional[float], ref: Tensor, scaled: bool
                         ) -> tuple[Tensor, Tensor, Tensor]:
     """Block b = rows [r0, r0 + rows) of the permuted order: xg <- its hidden rows, ws <- its
-    logits, -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]."""
+    logits (scaled: as e = exp(z - R), the references in ref), -> (logprobs, entropy, lse)
+    [rows] in that order, 0 past counts[b]."""
     if _triton_body(hidden):
         return _fcuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0,
-                                    rows, temperature, with_entropy, logit_scale, softcap)
+                                    rows, temperature, with_entropy, logit_scale, softcap, ref,
+                                    scaled)
     idx = perm.narrow(0, r0, rows)
     x = xg.narrow(0, 0, rows)
     x.copy_(hidden.index_select(0, idx))                                     # [R', H]
@@ -257,27 +282,29 @@ def fused_block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Opt
 
 @fused_block_forward.register_fake
 def _(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0, rows, temperature,
-      with_entropy, logit_scale, softcap):
+      with_entropy, logit_scale, softcap, ref, scaled):
     dt = torch.float64 if ws.dtype == torch.float64 else torch.float32
     return tuple(hidden.new_empty(rows, dtype=dt) for _ in range(3))
 
 
 @torch.library.custom_op("compiled_grpo::fused_block_backward",
-                         mutates_args=("ws", "dx", "dxp", "dw", "db"))
+                         mutates_args=("ws", "xg", "dx", "dxp", "dw", "db", "ref"))
 def fused_block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, ws: Tensor,
                          zoff: Tensor, xg: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
                          g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int,
                          r0: int, rows: int, temperature: float, with_entropy: bool,
                          logit_scale: float, softcap: Optional[float], need_x: bool, need_w: bool,
-                         need_b: bool) -> None:
+                         need_b: bool, lp: Tensor, ref: Tensor, scaled: bool) -> None:
     """ws <- dlogits of block b's valid rows; dx[perm rows] = ws @ W (dxp: scratch of the
     Triton body's split dX step); dw (+)= ws.T @ xg; db += column sums. Incoming vectors [rows]
     in the block's order. The blocks run from G - 1 down to 0: the first to run stores dW, the
-    others add (the Triton body: the first with valid rows stores, decided on the device)."""
+    others add (the Triton body: the first with valid rows stores, decided on the device).
+    scaled (Triton body): ws <- e', xg <- c * xg, dx rows scaled by c (exp_scaled)."""
     if _triton_body(weight):
         return _fcuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp,
                                      g_ent, dx, dxp, dw, db, b, r0, rows, temperature,
-                                     with_entropy, logit_scale, softcap, need_x, need_w, need_b)
+                                     with_entropy, logit_scale, softcap, need_x, need_w, need_b,
+                                     lp, ref, scaled)
     cd = ws.dtype
     z = ws.narrow(0, 0, rows)[:, : weight.shape[0]]                          # [R', V]
     y = None if softcap is None else z * (temperature / softcap)             # tanh(a s / c)
@@ -303,5 +330,6 @@ def fused_block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Te
 
 @fused_block_backward.register_fake
 def _(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp, g_ent, dx, dxp, dw, db, b, r0,
-      rows, temperature, with_entropy, logit_scale, softcap, need_x, need_w, need_b):
+      rows, temperature, with_entropy, logit_scale, softcap, need_x, need_w, need_b, lp, ref,
+      scaled):
     return None

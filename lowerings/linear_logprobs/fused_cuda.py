@@ -31,7 +31,9 @@ from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs.kernels import _fwd_kernel
 from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel, _dw_step_persistent_kernel
 from lowerings.linear_logprobs.kernels_fused import (_dx_split_kernel, _dx_split_reduce_kernel,
-                                                     _fused_combine_kernel, _fused_dlogits_kernel)
+                                                     _exp_fixup_kernel, _exp_prep_kernel,
+                                                     _fused_combine_kernel, _fused_dlogits_kernel,
+                                                     _target_ref_kernel)
 
 # The in-place dlogits pass: an elementwise [BLOCK_N, BLOCK_V] tile a program, (BLOCK_N,
 # BLOCK_V, num_warps); LINEAR_LOGPROBS_DLOGITS_TILE="64,256,8" overrides it (tuning runs). d_bias
@@ -50,6 +52,15 @@ DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
 DX_SPLITS = int(os.environ.get("LINEAR_LOGPROBS_DX_SPLITS", "8"))
 DX_SPLIT_BYTES = int(os.environ.get("LINEAR_LOGPROBS_DX_SPLIT_MIB", "48")) << 20
 REDUCE_TILE = (32, 256, 4)   # the partials' sum: (BLOCK_R, BLOCK_H, num_warps)
+# The exp-scaled backward (kernels_fused's block comment): taken where it is exact (no softcap,
+# no entropy gradient, no d_bias, no vocab shards; fused.exp_scaled); LINEAR_LOGPROBS_EXP_SCALED=0
+# keeps the in-place dlogits pass everywhere (A/B runs). E_LEAD: M = target logit + E_LEAD;
+# E_HEADROOM: the largest stored e is e^E_HEADROOM (bf16 / fp32 range: |log| < 88 both ways).
+EXP_SCALED = os.environ.get("LINEAR_LOGPROBS_EXP_SCALED", "1") == "1"
+E_LEAD, E_HEADROOM = 16.0, 32.0
+REF_TILE = (16, 256, 4)      # the target logits' dot products: (BLOCK_R, BLOCK_H, num_warps)
+FIXUP_TILE = (64, 8, 4)      # the rows to re-reference: (BLOCK_N, stored tiles, num_warps)
+PREP_TILE = (32, 512, 4)     # c, e'[y] and X's scaling: (BLOCK_R, BLOCK_H, num_warps)
 COMBINE_TILE = (32, 4)       # the forward splits' combine: (BLOCK_R, num_warps)
 
 
@@ -77,7 +88,8 @@ def _z_view(ws: Tensor) -> Tensor:
 def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[Tensor],
                   perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor, b: int,
                   r0: int, rows: int, temperature: float, with_entropy: bool,
-                  logit_scale: float, softcap: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+                  logit_scale: float, softcap: Optional[float], ref: Tensor,
+                  scaled: bool) -> tuple[Tensor, Tensor, Tensor]:
     bn, bv, bk, warps, stages = _dense.TILES
     x, w, prec = _dense._prepare(hidden, weight, False)   # no copies: fused.py cast them once
     if rows == 0:
@@ -90,21 +102,29 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     splits, cols = _dense._fwd_splits(rows, v, bn, bv, x.device)
     m, s, t, zt = (x.new_empty((splits, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
     n_blocks = triton.cdiv(rows, bn)
+    scal = _dense._scalars(temperature, logit_scale, softcap)
+    if scaled:   # ref[:R'] = M, the target logit + E_LEAD (kernels_fused's block comment)
+        rr, rh, rwarps = REF_TILE
+        _target_ref_kernel[(triton.cdiv(rows, rr),)](
+            xg, w, bias if bias is not None else x, ids_b, count, ref, rows, v, h, xg.stride(0),
+            w.stride(0), scal[0], E_LEAD, HAS_BIAS=bias is not None, BLOCK_R=rr, BLOCK_H=rh,
+            num_warps=rwarps)
     _fwd_kernel[(n_blocks * splits,)](
         xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
-        xg.stride(0), w.stride(0), *_dense._scalars(temperature, logit_scale, softcap), cols,
-        n_blocks, splits, 0, rows, _z_view(ws), zoff, ws.stride(0), zoff.stride(0),
+        xg.stride(0), w.stride(0), *scal, cols, n_blocks, splits, 0, rows,
+        ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0),
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy,
         HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
-        BLOCK_K=bk, GROUP_N=_dense.GROUP_N, FLATTEN=_dense.FWD_FLATTEN, num_warps=warps,
-        num_stages=stages)
+        BLOCK_K=bk, GROUP_N=_dense.GROUP_N, FLATTEN=_dense.FWD_FLATTEN, ref_ptr=ref,
+        STORE_E=scaled, E_HEADROOM=E_HEADROOM, num_warps=warps, num_stages=stages)
     # the splits' statistics -> the block's outputs, 0 past count: one launch (the torch ops of
     # cuda._combine and the masking were ~15 small kernels a block: host-bound at small H)
     lp, ent, lse = (x.new_empty(rows, dtype=torch.float32) for _ in range(3))  # [R']
     cr, cwarps = COMBINE_TILE
     _fused_combine_kernel[(triton.cdiv(rows, cr),)](
         m, s, t, zt, count, lp, ent, lse, rows, splits, WITH_ENTROPY=with_entropy, BLOCK_R=cr,
-        BLOCK_S=triton.next_power_of_2(splits), num_warps=cwarps)
+        BLOCK_S=triton.next_power_of_2(splits), ref_ptr=ref, STORE_E=scaled,
+        E_HEADROOM=E_HEADROOM, num_warps=cwarps)
     return lp, ent, lse
 
 
@@ -112,7 +132,8 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                    zoff: Tensor, xg: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
                    g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int, r0: int,
                    rows: int, temperature: float, with_entropy: bool, logit_scale: float,
-                   softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool) -> None:
+                   softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool, lp: Tensor,
+                   ref: Tensor, scaled: bool) -> None:
     if rows == 0:
         if need_w and b == counts.shape[0] - 1:   # the first block run (fused.py: last to first)
             dw.zero_()
@@ -122,15 +143,30 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     tma = _dense._use_tma(xg, w)
     prec = "ieee" if ws.dtype == torch.float32 else "tf32"
     count = counts.narrow(0, b, 1)
-    en, ev, ewarps = DLOGITS_TILE
-    n_rb = triton.cdiv(rows, en)
-    dbp = ws.new_empty((n_rb, v), dtype=torch.float32) if need_b else zoff       # [R'/BN, V]
     inv_temp, _, cap_post = _dense._scalars(temperature, logit_scale, softcap)
-    _fused_dlogits_kernel[(n_rb, triton.cdiv(v, ev))](
-        _z_view(ws), ws, zoff, ids_p.narrow(0, r0, rows), lse, ent, g_lp, g_ent, dbp, count,
-        rows, v, ws.stride(0), zoff.stride(0), inv_temp, cap_post, HAS_CAP=softcap is not None,
-        WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_dense.TILES[1], BLOCK_N=en,
-        BLOCK_V=ev, num_warps=ewarps)
+    ids_b = ids_p.narrow(0, r0, rows)
+    if scaled:   # ws holds e: re-reference the rare rows that need it, then c, e'[y], c * X
+        assert not need_b and softcap is None
+        fn, ft, fwarps = FIXUP_TILE
+        tile_v = _dense.TILES[1]
+        n_ztiles = triton.cdiv(v, tile_v)
+        _exp_fixup_kernel[(triton.cdiv(rows, fn), triton.cdiv(n_ztiles, ft))](
+            ws, zoff, ref, count, rows, v, ws.stride(0), zoff.stride(0), TILE_V=tile_v, TILES=ft,
+            BLOCK_N=fn, num_warps=fwarps)
+        pr, ph, pwarps = PREP_TILE
+        _exp_prep_kernel[(triton.cdiv(rows, pr), triton.cdiv(h, ph))](
+            ws, xg, ids_b, lp, lse, g_lp, ref, count, rows, h, ws.stride(0), xg.stride(0),
+            inv_temp, BLOCK_R=pr, BLOCK_H=ph, num_warps=pwarps)
+        dbp = zoff
+    else:
+        en, ev, ewarps = DLOGITS_TILE
+        n_rb = triton.cdiv(rows, en)
+        dbp = ws.new_empty((n_rb, v), dtype=torch.float32) if need_b else zoff   # [R'/BN, V]
+        _fused_dlogits_kernel[(n_rb, triton.cdiv(v, ev))](
+            _z_view(ws), ws, zoff, ids_b, lse, ent, g_lp, g_ent, dbp, count, rows, v,
+            ws.stride(0), zoff.stride(0), inv_temp, cap_post, HAS_CAP=softcap is not None,
+            WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_dense.TILES[1], BLOCK_N=en,
+            BLOCK_V=ev, num_warps=ewarps)
     gemm_tiles, dw_tiles = _rows.step_tiles(ws.element_size())
     if need_w:
         wc, wh, wk, wwarps, wstages = dw_tiles
@@ -156,14 +192,16 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         n_mblocks, n_hblocks = triton.cdiv(rows, gm), triton.cdiv(h, gh)
         perm_b, sms, s_max = perm.narrow(0, r0, rows), _sms(ws.device), max(1, DX_SPLITS)
         split = (n_hblocks, sms, dxp.shape[0])   # what both kernels derive S from
+        c = ref.narrow(0, 2 * rows, rows) if scaled else None   # [R'] the rows' dlogits scale
         _dx_split_kernel[(n_mblocks * n_hblocks * s_max,)](
             ws, w, dxp, dx, perm_b, count, rows, v, h, ws.stride(0), w.stride(0), dx.stride(0),
             *split, S_MAX=s_max, DOT_PREC=prec, USE_TMA=tma, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk,
-            GROUP_M=_rows.GROUP_M, num_warps=gwarps, num_stages=gstages)
+            GROUP_M=_rows.GROUP_M, scale_ptr=c, ROW_SCALE=scaled, num_warps=gwarps,
+            num_stages=gstages)
         if s_max > 1:
             rr, rh, rwarps = REDUCE_TILE
             _dx_split_reduce_kernel[(triton.cdiv(rows, rr), triton.cdiv(h, rh))](
                 dxp, dx, perm_b, count, rows, h, dx.stride(0), *split, S_MAX=s_max, BLOCK_M=gm,
-                BLOCK_R=rr, BLOCK_H=rh, num_warps=rwarps)
+                BLOCK_R=rr, BLOCK_H=rh, scale_ptr=c, ROW_SCALE=scaled, num_warps=rwarps)
     if need_b:
         db.add_(dbp.sum(0))

@@ -112,7 +112,8 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
                 WITH_ENTROPY: tl.constexpr, HAS_COUNT: tl.constexpr,
                 DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-                STORE_Z: tl.constexpr, FLATTEN: tl.constexpr):
+                STORE_Z: tl.constexpr, FLATTEN: tl.constexpr, ref_ptr=None,
+                STORE_E: tl.constexpr = False, E_HEADROOM: tl.constexpr = 32.0):
     """Statistics of rows [0, N) of x (ids alike) into column out_row0 + row of the [S, out_n]
     buffers. HAS_COUNT: only the first clamp(count - out_row0, 0, N) rows are valid (rows
     compacted valid-first, count on the device); programs past them exit at once.
@@ -122,7 +123,12 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     is large (d near 0), and an error |d| * 2^-11 where p <= e^d is small (stored from the
     MMA's registers: a TMA store through shared memory measured no faster, H100).
     FLATTEN: one flattened (vocab tile, K step) loop, so the pipeliner can issue the next
-    tile's operand loads during this tile's statistics epilogue (cuda.FWD_FLATTEN)."""
+    tile's operand loads during this tile's statistics epilogue (cuda.FWD_FLATTEN).
+    STORE_E (with STORE_Z; the exp-scaled backward, fused_cuda.py): the tile goes to z in z's
+    dtype as e = exp(z - R) with R = max(M, m_sh - E_HEADROOM), M = ref[row] a per-row reference
+    (the target logit plus a lead), and R to zoff[row, tile]: e <= e^E_HEADROOM, and R = M in
+    every tile of a row whose max stays under M + E_HEADROOM, so such a row's dlogits are one
+    per-row scale of its stored e (no separate pass; kernels_fused._exp_prep_kernel)."""
     pid_n, split = _swizzle(n_blocks, n_splits, GROUP_N)
     n_valid = _valid_rows(count_ptr, out_row0, N, HAS_COUNT)
     if pid_n * BLOCK_N >= n_valid:
@@ -136,6 +142,8 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     s = tl.zeros((BLOCK_N,), tl.float32)
     t = tl.zeros((BLOCK_N,), tl.float32)
     zt = tl.zeros((BLOCK_N,), tl.float32)
+    if STORE_E:
+        ref = tl.load(ref_ptr + rows, mask=row_mask, other=0.0)
     # The first tile of each split has a valid column, so m is finite after it; tiles past V
     # (only in the last split, under BLOCK_V * splits columns in all) are fully masked.
     for i in tl.range(0, cols_per_split, BLOCK_V, flatten=FLATTEN):
@@ -165,10 +173,16 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
         m = m_new
         if STORE_Z:
             zmask = row_mask[:, None] & col_mask[None, :]
-            tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
-                     d.to(z_ptr.dtype.element_ty), mask=zmask)
+            if STORE_E:   # e^(z - R) = e^d e^(m_sh - R), m_sh - R <= E_HEADROOM
+                r_t = tl.maximum(ref, m_sh - E_HEADROOM)
+                tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
+                         (e * tl.exp(m_sh - r_t)[:, None]).to(z_ptr.dtype.element_ty), mask=zmask)
+            else:
+                r_t = m_sh
+                tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
+                         d.to(z_ptr.dtype.element_ty), mask=zmask)
             # (a tile wholly past V, in the last split, has no slot: its index is n_ztiles)
-            tl.store(zoff_ptr + rows.to(tl.int64) * n_ztiles + col0 // BLOCK_V, m_sh,
+            tl.store(zoff_ptr + rows.to(tl.int64) * n_ztiles + col0 // BLOCK_V, r_t,
                      mask=row_mask & (col0 < V))
     out = split.to(tl.int64) * out_n + out_row0 + rows
     tl.store(m_ptr + out, m, mask=row_mask)

@@ -63,13 +63,18 @@ def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, gl
 @triton.jit
 def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse_ptr, n_rows,
                           n_splits, WITH_ENTROPY: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_S: tl.constexpr):
+                          BLOCK_S: tl.constexpr, ref_ptr=None, STORE_E: tl.constexpr = False,
+                          E_HEADROOM: tl.constexpr = 32.0):
     """A block's (logprobs, entropy, lse) [R'] from the forward splits' statistics m, s, t, zt
     [S, R'] (row stride R'), cuda._combine's formulas in one launch, 0 at rows past the block's
     count (whose statistics were never written):
 
         m* = max_s m,  S = sum_s s e^(m - m*),  lse = m* + log S,  logp = sum_s zt - lse
         H  = log S - sum_s e^(m - m*) (t + (m - m*) s) / S        (a split with s = 0 adds 0)
+
+    STORE_E (the exp-scaled backward): also R* = max(M, m* - E_HEADROOM) -> ref[R' + row], with
+    M = ref[row] the reference the forward stored e = exp(z - R) against: the largest of the
+    row's tile references R (R* = M unless some tile's max passed M + E_HEADROOM).
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     valid = rows < _valid_rows(count_ptr, 0, n_rows, True)
@@ -95,6 +100,9 @@ def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_pt
     tl.store(lp_ptr + rows, tl.where(valid, lp, 0.0), mask=out)
     tl.store(ent_ptr + rows, tl.where(valid, ent, 0.0), mask=out)
     tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=out)
+    if STORE_E:
+        ref = tl.load(ref_ptr + rows, mask=valid, other=0.0)
+        tl.store(ref_ptr + n_rows + rows, tl.maximum(ref, m_all - E_HEADROOM), mask=valid)
 
 
 @triton.jit
@@ -141,12 +149,13 @@ def _dx_split_kernel(ws_ptr, w_ptr, part_ptr, dx_ptr, perm_ptr, count_ptr, n_row
                      stride_ws, stride_w, stride_dx, n_hblocks, n_sms, max_rows,
                      S_MAX: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, scale_ptr=None, ROW_SCALE: tl.constexpr = False):
     """dX[perm[i]] = ws[i] @ W for the block's n valid rows i, its K = V loop split S ways
     (_dx_splits). Program pid < S * T takes split pid // T of output tile pid % T (swizzled as
     the one-split step), the rest exit: the grid is the static cdiv(R', BLOCK_M) * H blocks *
     S_MAX. S = 1 stores dX directly; S > 1 stores fp32 partials part[s * n_pad + i] [., H] that
-    _dx_split_reduce_kernel sums in split order (deterministic for a given n)."""
+    _dx_split_reduce_kernel sums in split order (deterministic for a given n). ROW_SCALE: dX rows
+    are scaled by scale[i] (fp32) as they are stored (the exp-scaled backward: ws holds e')."""
     n_valid = _valid_rows(count_ptr, 0, n_rows, True)
     n_split, n_pad = _dx_splits(n_valid, n_hblocks, n_sms, max_rows, S_MAX, BLOCK_M)
     n_mblocks = n_pad // BLOCK_M
@@ -171,6 +180,8 @@ def _dx_split_kernel(ws_ptr, w_ptr, part_ptr, dx_ptr, perm_ptr, count_ptr, n_row
     hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (rows < n_valid)[:, None] & (hs < H)[None, :]
     if n_split == 1:
+        if ROW_SCALE:
+            acc = acc * tl.load(scale_ptr + rows, mask=rows < n_valid, other=0.0)[:, None]
         dst = tl.load(perm_ptr + rows, mask=rows < n_valid, other=0)
         tl.store(dx_ptr + dst.to(tl.int64)[:, None] * stride_dx + hs[None, :],
                  acc.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -182,10 +193,11 @@ def _dx_split_kernel(ws_ptr, w_ptr, part_ptr, dx_ptr, perm_ptr, count_ptr, n_row
 @triton.jit
 def _dx_split_reduce_kernel(part_ptr, dx_ptr, perm_ptr, count_ptr, n_rows, H, stride_dx,
                             n_hblocks, n_sms, max_rows, S_MAX: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                            scale_ptr=None, ROW_SCALE: tl.constexpr = False):
     """dX[perm[i]] = sum over s < S of part[s * n_pad + i] (fp32, in split order, rounded once)
     for i < n; nothing when the block's S is 1 (its split kernel stored dX itself). n_hblocks
-    and BLOCK_M are the split kernel's, so both read the same S."""
+    and BLOCK_M are the split kernel's, so both read the same S. ROW_SCALE: times scale[i]."""
     n_valid = _valid_rows(count_ptr, 0, n_rows, True)
     n_split, n_pad = _dx_splits(n_valid, n_hblocks, n_sms, max_rows, S_MAX, BLOCK_M)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -197,6 +209,108 @@ def _dx_split_reduce_kernel(part_ptr, dx_ptr, perm_ptr, count_ptr, n_rows, H, st
     for s in range(0, n_split):
         prow = (s * n_pad + r).to(tl.int64)
         acc += tl.load(part_ptr + prow[:, None] * H + hs[None, :], mask=mask, other=0.0)
+    if ROW_SCALE:
+        acc = acc * tl.load(scale_ptr + r, mask=r < n_valid, other=0.0)[:, None]
     dst = tl.load(perm_ptr + r, mask=r < n_valid, other=0)
     tl.store(dx_ptr + dst.to(tl.int64)[:, None] * stride_dx + hs[None, :],
              acc.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# --- the exp-scaled backward (fused_cuda.py, EXP_SCALED) ---------------------------------------
+#
+# Without an entropy gradient or a softcap, a row's dlogits are
+#     dz[v] = (g_lp (1[v = y] - p[v])) s / T,   p[v] = e^(z[v] - lse)
+# and with e[v] = e^(z[v] - R*) stored by the forward (R* one per-row reference), that is
+#     dz[v] = c e'[v],   c = -g_lp e^(R* - lse) s / T,   e'[v] = e[v] except
+#     e'[y] = (p[y] - 1) e^(lse - R*)                           (p[y] from the fp32 logprob)
+# so dX rows = c * (e' @ W) (a scale as they are stored) and dW = e'.T @ (c * X) (X's rows
+# scaled once, [R, H]): no pass over the [R, V] tile between the GEMMs.
+# The reference: M = z[y] + E_LEAD (the target logit, from one dot product a row), so that
+# R* - lse = E_LEAD + logp[y] and e^(z - R*) = p e^(-logp[y] - E_LEAD): nothing above p ~ e^-71
+# underflows. A row whose max passes M + E_HEADROOM (logp[y] < ~-48: a token the policy gives
+# almost no mass) had its tiles stored against R = max(M, tile max - E_HEADROOM) instead, and
+# _exp_fixup_kernel brings those tiles to R* (programs over other rows exit at once).
+
+
+@triton.jit
+def _target_ref_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, count_ptr, ref_ptr, n_rows, V, H, stride_x,
+                       stride_w, inv_temp, lead, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+    """ref[r] = M = (x[r] . w[ids[r]] + b[ids[r]]) s / T + lead (fp32) for the block's valid rows
+    r < n: the target logit as the forward computes it (any rounding will do: M is only the
+    reference e is stored against)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    n_valid = _valid_rows(count_ptr, 0, n_rows, True)
+    if tl.program_id(0) * BLOCK_R >= n_valid:
+        return
+    row_mask = rows < n_valid
+    ids = tl.minimum(tl.maximum(tl.load(ids_ptr + rows, mask=row_mask, other=0), 0), V - 1)
+    acc = tl.zeros((BLOCK_R,), tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        mask = row_mask[:, None] & (hs < H)[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + hs[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + ids.to(tl.int64)[:, None] * stride_w + hs[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x * w, 1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + ids, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(ref_ptr + rows, acc * tl.cast(inv_temp, tl.float32) + lead, mask=row_mask)
+
+
+@triton.jit
+def _exp_fixup_kernel(ws_ptr, zoff_ptr, ref_ptr, count_ptr, n_rows, V, stride_ws, n_ztiles,
+                      TILE_V: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """ws[r, tile] *= e^(zoff[r, tile] - R*[r]) for the valid rows whose R* (ref[R' + r]) is
+    above M (ref[r]): their tiles stored against different references, brought to R*. A
+    program takes BLOCK_N rows and TILES stored tiles of TILE_V columns; with none of its rows
+    to fix (the rule) it exits after two [BLOCK_N] loads."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < _valid_rows(count_ptr, 0, n_rows, True)
+    m = tl.load(ref_ptr + rows, mask=row_mask, other=0.0)
+    r_star = tl.load(ref_ptr + n_rows + rows, mask=row_mask, other=0.0)
+    fix = row_mask & (r_star > m)
+    if tl.max(fix.to(tl.int32), 0) == 0:
+        return
+    for i in range(0, TILES):
+        tile = tl.program_id(1) * TILES + i
+        cols = tile * TILE_V + tl.arange(0, TILE_V)
+        mask = fix[:, None] & (cols < V)[None, :]
+        r_t = tl.load(zoff_ptr + rows.to(tl.int64) * n_ztiles + tile,
+                      mask=fix & (tile * TILE_V < V), other=0.0)
+        offs = rows.to(tl.int64)[:, None] * stride_ws + cols[None, :]
+        e = tl.load(ws_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ws_ptr + offs, (e * tl.exp(r_t - r_star)[:, None]).to(ws_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _exp_prep_kernel(ws_ptr, x_ptr, ids_ptr, lp_ptr, lse_ptr, glp_ptr, ref_ptr, count_ptr, n_rows,
+                     H, stride_ws, stride_x, inv_temp, BLOCK_R: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    """For the block's valid rows r < n (the block comment above): c = -g_lp e^(R* - lse) s / T
+    -> ref[2 R' + r]; x[r, h-block] *= c (in x's dtype: the dW step's operand); and, by the
+    programs of the first h-block, ws[r, ids[r]] = (p[y] - 1) e^(lse - R*) (e')."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    n_valid = _valid_rows(count_ptr, 0, n_rows, True)
+    if tl.program_id(0) * BLOCK_R >= n_valid:
+        return
+    row_mask = rows < n_valid
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    r_star = tl.load(ref_ptr + n_rows + rows, mask=row_mask, other=0.0)
+    g = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
+    c = -g * tl.exp(r_star - lse) * tl.cast(inv_temp, tl.float32)
+    c = tl.where(row_mask, c, 0.0)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = row_mask[:, None] & (hs < H)[None, :]
+    xp = x_ptr + rows.to(tl.int64)[:, None] * stride_x + hs[None, :]
+    x = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+    tl.store(xp, (x * c[:, None]).to(x_ptr.dtype.element_ty), mask=mask)
+    if tl.program_id(1) == 0:
+        tl.store(ref_ptr + 2 * n_rows + rows, c, mask=row_mask)
+        ids = tl.load(ids_ptr + rows, mask=row_mask, other=0)
+        lp = tl.load(lp_ptr + rows, mask=row_mask, other=0.0)
+        e_y = (tl.exp(lp) - 1.0) * tl.exp(lse - r_star)
+        tl.store(ws_ptr + rows.to(tl.int64) * stride_ws + ids, e_y.to(ws_ptr.dtype.element_ty),
+                 mask=row_mask)
