@@ -366,7 +366,8 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         h2, weight, ids, bias, flat_valid, grad_fn, blocks=blocks,
         block_rows=block_rows, by_block=seq, temperature=cfg.temperature, with_entropy=want_entropy,
         logit_scale=cfg.logit_scale, softcap=cfg.final_logit_softcapping, need_x=need[0],
-        need_w=need[1], need_b=need[2], entropy_grad=ent_w is not None, **tp)
+        need_w=need[1], need_b=need[2], entropy_grad=ent_w is not None,
+        allow_scaled=cfg.fused_scaled_backward, **tp)
     lp, ent, lse = (t.view(lead) for t in (res.logprobs, res.entropy, res.lse))
     tok = LinearLogprobs(lp, ent if want_entropy else None, lse)
     dx = None if res.d_hidden is None else res.d_hidden.view(hidden.shape)

@@ -34,6 +34,7 @@ def _inp(**over):
     ("metrics", "fancy", "metrics"),
     ("metrics", ("basic", "with_entropy"), "metrics"),
     ("fp32_lm_head", 1, "fp32_lm_head"),
+    ("fused_scaled_backward", 1, "fused_scaled_backward"),
     ("loss_type", "VESPO", "loss_type"),
     ("vespo_k_pos", float("nan"), "vespo_k_pos"),
     ("vespo_k_neg", None, "vespo_k_neg"),

@@ -35,18 +35,11 @@ def _bf16_logprobs(hidden, weight, token_ids, bias=None, *, mask=None, temperatu
     return LinearLogprobs(lp, ent, lp)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-# an entropy bonus: the in-place dlogits pass; none: the exp-scaled backward (fused.exp_scaled)
-@pytest.mark.parametrize("entropy_coef", [0.01, 0.0])
-def test_three_way_gpu(level, entropy_coef):
-    """Fused-mode grads of grpo_loss (bf16, H=4096, V=151936, 60% valid, 3 row blocks) against
-    the fp32-upcast reference: within 2x of eager bf16's error, and of the recompute path's."""
+def _three_way(inp, **kw):
+    """Relative errors of (loss, d_hidden, d_weight) against the fp32-upcast reference of eager
+    bf16 ("pt"), the recompute mode and the fused mode of grpo_loss (config fields kw)."""
     from compiled_grpo.api import _grpo_loss
     from compiled_grpo.reference import reference_grpo_loss
-    inp = _gpu_inputs()
-    kw = dict(loss_type="grpo", beta=0.04, entropy_coef=entropy_coef, importance_sampling_level=level,
-              fused_workspace_mib=400.0)
-    errs = {}
     res = {}
     for name in ("ref", "pt", "recompute", "fused"):
         mode = "fused" if name == "fused" else "recompute"
@@ -63,19 +56,52 @@ def test_three_way_gpu(level, entropy_coef):
         out.loss.backward()
         res[name] = (out.loss.detach().float(), h.grad.float(), w.grad.float())
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-    for i, what in enumerate(("loss", "d_hidden", "d_weight")):
-        errs[what] = {k: rel(res[k][i], res["ref"][i]) for k in ("pt", "recompute", "fused")}
-    print(level, entropy_coef, errs)
+    return {what: {k: rel(res[k][i], res["ref"][i]) for k in ("pt", "recompute", "fused")}
+            for i, what in enumerate(("loss", "d_hidden", "d_weight"))}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+# an entropy bonus: the in-place dlogits pass; none: the exp-scaled backward (fused.exp_scaled),
+# or the pass again with fused_scaled_backward=False
+@pytest.mark.parametrize("entropy_coef,scaled", [(0.01, True), (0.0, True), (0.0, False)])
+def test_three_way_gpu(level, entropy_coef, scaled):
+    """Fused-mode grads of grpo_loss (bf16, H=4096, V=151936, 60% valid, 3 row blocks) against
+    the fp32-upcast reference: within 2x of eager bf16's error, and of the recompute path's."""
+    errs = _three_way(_gpu_inputs(), loss_type="grpo", beta=0.04, entropy_coef=entropy_coef,
+                      importance_sampling_level=level, fused_workspace_mib=400.0,
+                      fused_scaled_backward=scaled)
+    print(level, entropy_coef, scaled, errs)
     for what, e in errs.items():
         assert e["fused"] <= 2 * e["pt"] + 1e-5, (what, e)
         assert e["fused"] <= 2 * e["recompute"] + 1e-5, (what, e)
 
 
-def test_fused_gpu_no_host_sync_deterministic_and_compiled():
+def test_three_way_gpu_far_targets():
+    """The exp-scaled backward where rows are stored against their own maxima: logits ~N(0, 400)
+    and half the targets the least likely token (logp ~ -180: far past the target + E_LEAD +
+    E_HEADROOM reference, so those rows are re-referenced by _exp_fixup_kernel), the other half
+    the most likely one (stored against the reference), bf16."""
+    inp = _gpu_inputs(B=2, T=256)
+    inp["weight"] = (inp["weight"].float() * 10).bfloat16()
+    with torch.no_grad():
+        z = (inp["hidden"] @ inp["weight"].T).float()
+        far = torch.arange(z.shape[1], device="cuda")[None, :] % 2 == 0
+        inp["token_ids"] = torch.where(far, z.argmin(-1), z.argmax(-1))
+        lp = cg.token_logprobs(inp["hidden"], inp["weight"], inp["token_ids"], mask=inp["mask"]).logprobs
+    assert lp[inp["mask"] & far].max() < -60
+    inp["old_logprobs"], inp["ref_logprobs"] = lp + 0.05, lp - 0.05
+    errs = _three_way(inp, loss_type="dapo", beta=0.04, fused_workspace_mib=400.0)
+    print(errs)
+    for what, e in errs.items():
+        assert e["fused"] <= 2 * e["recompute"] + 1e-5, (what, e)
+
+
+@pytest.mark.parametrize("entropy_coef", [0.01, 0.0])   # the dlogits pass; the exp-scaled backward
+def test_fused_gpu_no_host_sync_deterministic_and_compiled(entropy_coef):
     """Eager under set_sync_debug_mode("error"), twice bitwise equal; compiled (fullgraph) equal
     to eager within bf16 rounding of dW."""
     inp = _gpu_inputs(B=4, T=512, seed=1)
-    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01, fused_workspace_mib=400.0,
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, entropy_coef=entropy_coef, fused_workspace_mib=400.0,
                         metrics="with_entropy")
 
     def step(fn):

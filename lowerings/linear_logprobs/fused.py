@@ -123,7 +123,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                           need_w: bool = True, need_b: bool = False,
                           combine: Optional[Callable] = None,
                           reduce_dx: Optional[Callable] = None,
-                          entropy_grad: bool = True) -> FusedResult:
+                          entropy_grad: bool = True, allow_scaled: bool = True) -> FusedResult:
     """hidden [N, H], weight [V, H], ids [N] in [0, V) (any value at padded rows), bias [V],
     row_mask [N] bool (None: every row valid), ``blocks`` G (a Python int) of ``block_rows`` R
     rows (G * R >= N; R may be symbolic). ``grad_fn(r0, idx, logprobs, entropy) -> (g_lp,
@@ -144,7 +144,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
 
     ``entropy_grad`` False promises that grad_fn's g_ent is zero (entropy an output only, no
     entropy term in the loss): with no softcap, no d_bias and no vocab shards the Triton body
-    then takes the exp-scaled backward (exp_scaled: no dlogits pass between the GEMMs)."""
+    then takes the exp-scaled backward (exp_scaled: no dlogits pass between the GEMMs), unless
+    ``allow_scaled`` is False (the in-place dlogits pass: one bf16 rounding fewer in dW)."""
     hidden, weight = hidden.detach(), weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
     n, h = hidden.shape
@@ -177,7 +178,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         else hidden.new_empty(0)                                              # [V] acc
     scal = dict(temperature=float(temperature), with_entropy=bool(with_entropy),
                 logit_scale=float(logit_scale), softcap=None if softcap is None else float(softcap))
-    scaled = cuda and exp_scaled(cd, with_entropy and entropy_grad, softcap, need_b, combine)
+    scaled = cuda and allow_scaled and exp_scaled(cd, with_entropy and entropy_grad, softcap, need_b,
+                                                  combine)
     ref = hidden.new_empty(3 * r, dtype=torch.float32)                        # [3 R] (scaled)
     lps, ents, lses = [], [], []
     # last block first: with the global order the blocks past the last valid row are empty and
