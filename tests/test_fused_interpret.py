@@ -221,3 +221,17 @@ def test_exp_scaled_rule(with_entropy, entropy_grad, cap, bias, dtype, want):
     """Which calls take the exp-scaled backward (fused.exp_scaled)."""
     assert fk.exp_scaled(dtype, with_entropy and entropy_grad, cap, bias, None) is want
     assert fk.exp_scaled(dtype, with_entropy and entropy_grad, cap, bias, lambda *a: a) is False
+
+
+def test_fused_allow_scaled_false_keeps_the_dlogits_pass(monkeypatch):
+    """allow_scaled=False (GRPOConfig.fused_scaled_backward=False) where the exp-scaled backward
+    would apply: the dlogits pass runs and the exp-scaled kernels never launch."""
+    monkeypatch.setattr(fck, "_exp_prep_kernel", _NoLaunch())
+    monkeypatch.setattr(fck, "_target_ref_kernel", _NoLaunch())
+    mask = MASKS["scattered"]
+    x, w, ids, _ = make(40, 24, 75, torch.float32, False, seed=3)
+    res, G_lp, _, _ = _fused_run(monkeypatch, x, w, ids, None, mask, 3, 16, False,
+                                 allow_scaled=False)
+    xr = x.double().requires_grad_()
+    (golden(xr, w, ids, None, 1.0)[0] * G_lp * mask).sum().backward()
+    torch.testing.assert_close(res.d_hidden.double(), xr.grad, rtol=1e-4, atol=1e-4)
