@@ -182,7 +182,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
         x, w, bias if bias is not None else x, ids, m, s, t, zt, ids, n, v, h, x.stride(0),
         w.stride(0), *_scalars(temperature, logit_scale, softcap), cols, n_blocks, splits, 0, n, m, m, 0, 0,
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy, HAS_COUNT=False, STORE_Z=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
-        BLOCK_K=bk, GROUP_N=GROUP_N, FLATTEN=FWD_FLATTEN, num_warps=warps, num_stages=stages)
+        BLOCK_K=bk, GROUP_N=GROUP_N, FLATTEN=FWD_FLATTEN, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
+        num_warps=warps, num_stages=stages)
     return _combine(m, s, t, zt, with_entropy)
 
 

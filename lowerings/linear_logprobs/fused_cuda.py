@@ -192,7 +192,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         n_mblocks, n_hblocks = triton.cdiv(rows, gm), triton.cdiv(h, gh)
         perm_b, sms, s_max = perm.narrow(0, r0, rows), _sms(ws.device), max(1, DX_SPLITS)
         split = (n_hblocks, sms, dxp.shape[0])   # what both kernels derive S from
-        c = ref.narrow(0, 2 * rows, rows) if scaled else None   # [R'] the rows' dlogits scale
+        c = ref.narrow(0, 2 * rows, rows)   # [R'] the rows' dlogits scale (read only if scaled)
         _dx_split_kernel[(n_mblocks * n_hblocks * s_max,)](
             ws, w, dxp, dx, perm_b, count, rows, v, h, ws.stride(0), w.stride(0), dx.stride(0),
             *split, S_MAX=s_max, DOT_PREC=prec, USE_TMA=tma, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk,

@@ -112,8 +112,8 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
                 WITH_ENTROPY: tl.constexpr, HAS_COUNT: tl.constexpr,
                 DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-                STORE_Z: tl.constexpr, FLATTEN: tl.constexpr, ref_ptr=None,
-                STORE_E: tl.constexpr = False, E_HEADROOM: tl.constexpr = 32.0):
+                STORE_Z: tl.constexpr, FLATTEN: tl.constexpr, ref_ptr, STORE_E: tl.constexpr,
+                E_HEADROOM: tl.constexpr):
     """Statistics of rows [0, N) of x (ids alike) into column out_row0 + row of the [S, out_n]
     buffers. HAS_COUNT: only the first clamp(count - out_row0, 0, N) rows are valid (rows
     compacted valid-first, count on the device); programs past them exit at once.
@@ -124,7 +124,8 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     MMA's registers: a TMA store through shared memory measured no faster, H100).
     FLATTEN: one flattened (vocab tile, K step) loop, so the pipeliner can issue the next
     tile's operand loads during this tile's statistics epilogue (cuda.FWD_FLATTEN).
-    STORE_E (with STORE_Z; the exp-scaled backward, fused_cuda.py): the tile goes to z in z's
+    (No parameter has a default: a launch through wrap_triton, the recompute op's, must name
+    every one.) STORE_E (with STORE_Z; the exp-scaled backward, fused_cuda.py): the tile goes to z in z's
     dtype as e = exp(z - R) with R = max(M, m_sh - E_HEADROOM), M = ref[row] a per-row reference
     (the target logit plus a lead), and R to zoff[row, tile]: e <= e^E_HEADROOM, and R = M in
     every tile of a row whose max stays under M + E_HEADROOM, so such a row's dlogits are one

@@ -63,8 +63,8 @@ def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, gl
 @triton.jit
 def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse_ptr, n_rows,
                           n_splits, WITH_ENTROPY: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_S: tl.constexpr, ref_ptr=None, STORE_E: tl.constexpr = False,
-                          E_HEADROOM: tl.constexpr = 32.0):
+                          BLOCK_S: tl.constexpr, ref_ptr, STORE_E: tl.constexpr,
+                          E_HEADROOM: tl.constexpr):
     """A block's (logprobs, entropy, lse) [R'] from the forward splits' statistics m, s, t, zt
     [S, R'] (row stride R'), cuda._combine's formulas in one launch, 0 at rows past the block's
     count (whose statistics were never written):
@@ -149,7 +149,7 @@ def _dx_split_kernel(ws_ptr, w_ptr, part_ptr, dx_ptr, perm_ptr, count_ptr, n_row
                      stride_ws, stride_w, stride_dx, n_hblocks, n_sms, max_rows,
                      S_MAX: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, scale_ptr=None, ROW_SCALE: tl.constexpr = False):
+                     GROUP_M: tl.constexpr, scale_ptr, ROW_SCALE: tl.constexpr):
     """dX[perm[i]] = ws[i] @ W for the block's n valid rows i, its K = V loop split S ways
     (_dx_splits). Program pid < S * T takes split pid // T of output tile pid % T (swizzled as
     the one-split step), the rest exit: the grid is the static cdiv(R', BLOCK_M) * H blocks *
@@ -194,7 +194,7 @@ def _dx_split_kernel(ws_ptr, w_ptr, part_ptr, dx_ptr, perm_ptr, count_ptr, n_row
 def _dx_split_reduce_kernel(part_ptr, dx_ptr, perm_ptr, count_ptr, n_rows, H, stride_dx,
                             n_hblocks, n_sms, max_rows, S_MAX: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                            scale_ptr=None, ROW_SCALE: tl.constexpr = False):
+                            scale_ptr, ROW_SCALE: tl.constexpr):
     """dX[perm[i]] = sum over s < S of part[s * n_pad + i] (fp32, in split order, rounded once)
     for i < n; nothing when the block's S is 1 (its split kernel stored dX itself). n_hblocks
     and BLOCK_M are the split kernel's, so both read the same S. ROW_SCALE: times scale[i]."""
