@@ -24,7 +24,10 @@ fp32 partials for the dX step when it splits its K = V loop (a block whose dX gr
 SMs idle: a short last block, or few H blocks; fused_cuda.DX_SPLITS). On CUDA z is stored as
 d = z - (running row max) in fp16 with the max per (row, 256-column tile) in fp32, which keeps
 z exact where p is large (fp16's 11 bits where bf16 would have 8); the dlogits are then
-formed in place in the input dtype (kernels._fused_dlogits_kernel). dW is rounded to its dtype
+formed in place in the input dtype (kernels._fused_dlogits_kernel). Or, where exact (exp_scaled:
+no entropy gradient, no softcap, no d_bias, no shards, bf16 / fp32), the exp-scaled backward: z
+stored as e = exp(z - R*) in the input dtype, the dlogits c * e' applied as a scale of dX's rows
+and of X's rows before dW, no pass between the GEMMs (kernels_fused.py). dW is rounded to its dtype
 once per block (G roundings, as the recompute path's row groups); dX rows once. No atomics:
 bitwise deterministic.
 

@@ -6,14 +6,20 @@ Legend: R' rows of the block (its valid ones first, n of them: counts[b] on the 
 hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
 
   block_forward    _gather_rows_kernel  xg[:n] = X[perm[r0 : r0 + n]]
+                   (scaled) _target_ref_kernel  ref[:n] = M, the rows' target logits + E_LEAD
                    _fwd_kernel (STORE_Z) statistics of xg's rows and d = z - running max into
-                                        ws (fp16 view) with the max per 256-column tile in zoff
-                   _fused_combine_kernel the splits' statistics -> (logprobs, entropy, lse)
-  block_backward   _fused_dlogits_kernel ws[:n] <- dlogits (in place, input dtype)
+                                        ws (fp16 view) with the max per 256-column tile in zoff;
+                                        scaled (STORE_E): e = exp(z - R) in ws's dtype, R per tile
+                   _fused_combine_kernel the splits' statistics -> (logprobs, entropy, lse);
+                                        scaled: R* (the row's reference) -> ref[R' : R' + n]
+  block_backward   _fused_dlogits_kernel ws[:n] <- dlogits (in place, input dtype), or, scaled:
+                   _exp_fixup_kernel    rows whose tiles have other references brought to R*
+                   _exp_prep_kernel     c -> ref[2R' : 2R' + n], ws[r, y] = e'[y], xg[:n] *= c
                    _dw_step_persistent_kernel  dW (+)= ws[:n].T @ xg[:n]   (K loop stops at
                                         n; one program per SM walks the dW tiles; launched
                                         storing and adding, the device picks which works)
-                   _dx_split_kernel     dX[perm[r0 + i]] = ws[i] @ W for i < n (rows past n exit),
+                   _dx_split_kernel     dX[perm[r0 + i]] = ws[i] @ W (scaled: times c[i]) for i < n
+                                        (rows past n exit),
                                         the K = V loop split S ways when the grid is small
                    _dx_split_reduce_kernel  (S > 1) the splits' fp32 partials summed into dX
 
