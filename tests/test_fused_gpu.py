@@ -79,7 +79,7 @@ def test_three_way_gpu(level, entropy_coef, scaled):
 def test_three_way_gpu_far_targets():
     """The exp-scaled backward where rows are stored against their own maxima: logits ~N(0, 400)
     and half the targets the least likely token (logp ~ -180: far past the target + E_LEAD +
-    E_HEADROOM reference, so those rows are re-referenced by _exp_fixup_kernel), the other half
+    E_HEADROOM reference, so those rows are re-referenced by the combine kernel), the other half
     the most likely one (stored against the reference), bf16."""
     inp = _gpu_inputs(B=2, T=256)
     inp["weight"] = (inp["weight"].float() * 10).bfloat16()

@@ -159,7 +159,7 @@ class _NoLaunch:
 @pytest.mark.parametrize("dx_splits", [1, 8])
 # fused_cuda's (E_LEAD, E_HEADROOM): the defaults (every row stored against its target logit +
 # 16), and a headroom of 1 under which most rows' maxima pass M + 1: their tiles are stored
-# against their own maxima and _exp_fixup_kernel re-references them (rows of both kinds in
+# against their own maxima and the combine kernel re-references them (rows of both kinds in
 # one program)
 @pytest.mark.parametrize("lead,headroom", [(16.0, 32.0), (0.5, 1.0)])
 def test_fused_exp_scaled(monkeypatch, kind, blocks, block_rows, by_block, dx_splits, lead,
@@ -191,7 +191,7 @@ def test_fused_exp_scaled(monkeypatch, kind, blocks, block_rows, by_block, dx_sp
 def test_fused_exp_scaled_far_targets(monkeypatch):
     """Logits spread over hundreds (weights x 30) and targets drawn from the least likely
     tokens: logp[y] down to ~-500, so the rows' maxima pass M + E_HEADROOM and are re-referenced
-    (_exp_fixup_kernel); the rows whose target is the argmax are not. Gradients still match the
+    (kernels_fused._fused_combine_kernel); the rows whose target is the argmax are not. Gradients still match the
     float64 golden (the dlogits of such rows are ~g_lp * (onehot - onehot(argmax)))."""
     monkeypatch.setattr(fck, "_fused_dlogits_kernel", _NoLaunch())
     x, w, _, _ = make(40, 24, 75, torch.float32, False, seed=5)

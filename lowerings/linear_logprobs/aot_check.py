@@ -94,11 +94,8 @@ def cases():
     rr, rh, rwarps = fc.REF_TILE
     yield ("target logit reference", kf._target_ref_kernel,
            dict(HAS_BIAS=False, BLOCK_R=rr, BLOCK_H=rh), rwarps, 1)
-    fn, ft, fwarps = fc.FIXUP_TILE
-    yield ("exp-scaled re-reference", kf._exp_fixup_kernel,
-           dict(TILE_V=bv, TILES=ft, BLOCK_N=fn), fwarps, 1)
     pr, ph, pwarps = fc.PREP_TILE
-    yield ("exp-scaled c, e'[y], c * X", kf._exp_prep_kernel, dict(BLOCK_R=pr, BLOCK_H=ph),
+    yield ("exp-scaled c, c * X", kf._exp_prep_kernel, dict(BLOCK_R=pr, BLOCK_H=ph),
            pwarps, 1)
     en, ev, ewarps = fc.DLOGITS_TILE
     for cap in (False, True):
@@ -136,7 +133,7 @@ def cases():
     for ent in (False, True):   # 38 splits at qwen3-8b's 2048-row blocks (cuda._fwd_splits)
         yield (f"forward splits' combine, WITH_ENTROPY={ent}", kf._fused_combine_kernel,
                dict(WITH_ENTROPY=ent, BLOCK_R=cr, BLOCK_S=64, STORE_E=True,
-                    E_HEADROOM=fc.E_HEADROOM), cwarps, 1)
+                    E_HEADROOM=fc.E_HEADROOM, TILE_V=bv), cwarps, 1)
 
 
 def _ptxas_usage(ptx: str) -> str:

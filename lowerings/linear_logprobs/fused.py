@@ -207,7 +207,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         fused_block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse_b, ent_b,
                              g_lp.to(lse_b.dtype).contiguous(),
                              g_ent.to(lse_b.dtype).contiguous(), dx, dxp, dw, db, b, r0, rows,
-                             need_x=need_x, need_w=need_w, need_b=need_b, lp=lp_b, ref=ref,
+                             need_x=need_x, need_w=need_w, need_b=need_b, ref=ref,
                              scaled=scaled, **scal)
         lps.insert(0, lp_b), ents.insert(0, ent_b), lses.insert(0, lse_b)
     # back to the original order (padded rows: 0, the value computed past each block's count)
@@ -269,7 +269,7 @@ def fused_block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Opt
                         logit_scale: float, softcap: Optional[float], ref: Tensor, scaled: bool
                         ) -> tuple[Tensor, Tensor, Tensor]:
     """Block b = rows [r0, r0 + rows) of the permuted order: xg <- its hidden rows, ws <- its
-    logits (scaled: as e = exp(z - R), the references in ref), -> (logprobs, entropy, lse)
+    logits (scaled: as e' = exp(z - R*) but at the targets, the references in ref), -> (logprobs, entropy, lse)
     [rows] in that order, 0 past counts[b]."""
     if _triton_body(hidden):
         return _fcuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0,
@@ -299,17 +299,18 @@ def fused_block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Te
                          g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int,
                          r0: int, rows: int, temperature: float, with_entropy: bool,
                          logit_scale: float, softcap: Optional[float], need_x: bool, need_w: bool,
-                         need_b: bool, lp: Tensor, ref: Tensor, scaled: bool) -> None:
+                         need_b: bool, ref: Tensor, scaled: bool) -> None:
     """ws <- dlogits of block b's valid rows; dx[perm rows] = ws @ W (dxp: scratch of the
     Triton body's split dX step); dw (+)= ws.T @ xg; db += column sums. Incoming vectors [rows]
     in the block's order. The blocks run from G - 1 down to 0: the first to run stores dW, the
     others add (the Triton body: the first with valid rows stores, decided on the device).
-    scaled (Triton body): ws <- e', xg <- c * xg, dx rows scaled by c (exp_scaled)."""
+    scaled (Triton body): ws holds e' (fused_block_forward), xg <- c * xg, dx rows scaled by c
+    (exp_scaled)."""
     if _triton_body(weight):
         return _fcuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp,
                                      g_ent, dx, dxp, dw, db, b, r0, rows, temperature,
                                      with_entropy, logit_scale, softcap, need_x, need_w, need_b,
-                                     lp, ref, scaled)
+                                     ref, scaled)
     cd = ws.dtype
     z = ws.narrow(0, 0, rows)[:, : weight.shape[0]]                          # [R', V]
     y = None if softcap is None else z * (temperature / softcap)             # tanh(a s / c)
@@ -335,6 +336,6 @@ def fused_block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Te
 
 @fused_block_backward.register_fake
 def _(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp, g_ent, dx, dxp, dw, db, b, r0,
-      rows, temperature, with_entropy, logit_scale, softcap, need_x, need_w, need_b, lp, ref,
+      rows, temperature, with_entropy, logit_scale, softcap, need_x, need_w, need_b, ref,
       scaled):
     return None

@@ -11,10 +11,10 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
                                         ws (fp16 view) with the max per 256-column tile in zoff;
                                         scaled (STORE_E): e = exp(z - R) in ws's dtype, R per tile
                    _fused_combine_kernel the splits' statistics -> (logprobs, entropy, lse);
-                                        scaled: R* (the row's reference) -> ref[R' : R' + n]
+                                        scaled: R* (the row's reference) -> ref[R' : R' + n],
+                                        ws <- e' (rare rows re-referenced, target entries)
   block_backward   _fused_dlogits_kernel ws[:n] <- dlogits (in place, input dtype), or, scaled:
-                   _exp_fixup_kernel    rows whose tiles have other references brought to R*
-                   _exp_prep_kernel     c -> ref[2R' : 2R' + n], ws[r, y] = e'[y], xg[:n] *= c
+                   _exp_prep_kernel     c -> ref[2R' : 2R' + n], xg[:n] *= c
                    _dw_step_persistent_kernel  dW (+)= ws[:n].T @ xg[:n]   (K loop stops at
                                         n; one program per SM walks the dW tiles; launched
                                         storing and adding, the device picks which works)
@@ -37,7 +37,7 @@ from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs.kernels import _fwd_kernel
 from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel, _dw_step_persistent_kernel
 from lowerings.linear_logprobs.kernels_fused import (_dx_split_kernel, _dx_split_reduce_kernel,
-                                                     _exp_fixup_kernel, _exp_prep_kernel,
+                                                     _exp_prep_kernel,
                                                      _fused_combine_kernel, _fused_dlogits_kernel,
                                                      _target_ref_kernel)
 
@@ -65,8 +65,7 @@ REDUCE_TILE = (32, 256, 4)   # the partials' sum: (BLOCK_R, BLOCK_H, num_warps)
 EXP_SCALED = os.environ.get("LINEAR_LOGPROBS_EXP_SCALED", "1") == "1"
 E_LEAD, E_HEADROOM = 16.0, 32.0
 REF_TILE = (16, 256, 4)      # the target logits' dot products: (BLOCK_R, BLOCK_H, num_warps)
-FIXUP_TILE = (64, 8, 4)      # the rows to re-reference: (BLOCK_N, stored tiles, num_warps)
-PREP_TILE = (32, 512, 4)     # c, e'[y] and X's scaling: (BLOCK_R, BLOCK_H, num_warps)
+PREP_TILE = (32, 512, 4)     # c and X's scaling: (BLOCK_R, BLOCK_H, num_warps)
 COMBINE_TILE = (32, 4)       # the forward splits' combine: (BLOCK_R, num_warps)
 
 
@@ -129,8 +128,9 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     cr, cwarps = COMBINE_TILE
     _fused_combine_kernel[(triton.cdiv(rows, cr),)](
         m, s, t, zt, count, lp, ent, lse, rows, splits, WITH_ENTROPY=with_entropy, BLOCK_R=cr,
-        BLOCK_S=triton.next_power_of_2(splits), ref_ptr=ref, STORE_E=scaled,
-        E_HEADROOM=E_HEADROOM, num_warps=cwarps)
+        BLOCK_S=triton.next_power_of_2(splits), ref_ptr=ref, ws_ptr=ws, zoff_ptr=zoff,
+        ids_ptr=ids_b, V=v, stride_ws=ws.stride(0), n_ztiles=zoff.stride(0), STORE_E=scaled,
+        E_HEADROOM=E_HEADROOM, TILE_V=bv, num_warps=cwarps)
     return lp, ent, lse
 
 
@@ -138,7 +138,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                    zoff: Tensor, xg: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
                    g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int, r0: int,
                    rows: int, temperature: float, with_entropy: bool, logit_scale: float,
-                   softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool, lp: Tensor,
+                   softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool,
                    ref: Tensor, scaled: bool) -> None:
     if rows == 0:
         if need_w and b == counts.shape[0] - 1:   # the first block run (fused.py: last to first)
@@ -151,18 +151,12 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     count = counts.narrow(0, b, 1)
     inv_temp, _, cap_post = _dense._scalars(temperature, logit_scale, softcap)
     ids_b = ids_p.narrow(0, r0, rows)
-    if scaled:   # ws holds e: re-reference the rare rows that need it, then c, e'[y], c * X
+    if scaled:   # ws holds e' already (block_forward): c, and X's rows times c for the dW step
         assert not need_b and softcap is None
-        fn, ft, fwarps = FIXUP_TILE
-        tile_v = _dense.TILES[1]
-        n_ztiles = triton.cdiv(v, tile_v)
-        _exp_fixup_kernel[(triton.cdiv(rows, fn), triton.cdiv(n_ztiles, ft))](
-            ws, zoff, ref, count, rows, v, ws.stride(0), zoff.stride(0), TILE_V=tile_v, TILES=ft,
-            BLOCK_N=fn, num_warps=fwarps)
         pr, ph, pwarps = PREP_TILE
         _exp_prep_kernel[(triton.cdiv(rows, pr), triton.cdiv(h, ph))](
-            ws, xg, ids_b, lp, lse, g_lp, ref, count, rows, h, ws.stride(0), xg.stride(0),
-            inv_temp, BLOCK_R=pr, BLOCK_H=ph, num_warps=pwarps)
+            xg, lse, g_lp, ref, count, rows, h, xg.stride(0), inv_temp, BLOCK_R=pr, BLOCK_H=ph,
+            num_warps=pwarps)
         dbp = zoff
     else:
         en, ev, ewarps = DLOGITS_TILE

@@ -63,8 +63,9 @@ def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, gl
 @triton.jit
 def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse_ptr, n_rows,
                           n_splits, WITH_ENTROPY: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_S: tl.constexpr, ref_ptr, STORE_E: tl.constexpr,
-                          E_HEADROOM: tl.constexpr):
+                          BLOCK_S: tl.constexpr, ref_ptr, ws_ptr, zoff_ptr, ids_ptr, V, stride_ws,
+                          n_ztiles, STORE_E: tl.constexpr, E_HEADROOM: tl.constexpr,
+                          TILE_V: tl.constexpr):
     """A block's (logprobs, entropy, lse) [R'] from the forward splits' statistics m, s, t, zt
     [S, R'] (row stride R'), cuda._combine's formulas in one launch, 0 at rows past the block's
     count (whose statistics were never written):
@@ -74,7 +75,12 @@ def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_pt
 
     STORE_E (the exp-scaled backward): also R* = max(M, m* - E_HEADROOM) -> ref[R' + row], with
     M = ref[row] the reference the forward stored e = exp(z - R) against: the largest of the
-    row's tile references R (R* = M unless some tile's max passed M + E_HEADROOM).
+    row's tile references R (R* = M unless some tile's max passed M + E_HEADROOM). Then ws
+    (e, TILE_V-column tiles, R in zoff) is brought to e' against R*:
+      - the rare rows with R* > M: every tile times e^(R - R*) (a loop over the row's tiles, in
+        the programs that have such a row; the others skip it after one reduction);
+      - every valid row's target entry: e'[y] = (p[y] - 1) e^(lse - R*), p[y] from the fp32
+        logprob (the loop above leaves that column to this store: no two threads write it).
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     valid = rows < _valid_rows(count_ptr, 0, n_rows, True)
@@ -102,7 +108,21 @@ def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_pt
     tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=out)
     if STORE_E:
         ref = tl.load(ref_ptr + rows, mask=valid, other=0.0)
-        tl.store(ref_ptr + n_rows + rows, tl.maximum(ref, m_all - E_HEADROOM), mask=valid)
+        r_star = tl.maximum(ref, m_all - E_HEADROOM)
+        tl.store(ref_ptr + n_rows + rows, r_star, mask=valid)
+        ids = tl.load(ids_ptr + rows, mask=valid, other=-1)
+        ws_rows = ws_ptr + rows.to(tl.int64) * stride_ws                   # [BLOCK_R]
+        fix = valid & (r_star > ref)
+        if tl.max(fix.to(tl.int32), 0) > 0:
+            for tile in range(0, n_ztiles):
+                cols = tile * TILE_V + tl.arange(0, TILE_V)
+                r_t = tl.load(zoff_ptr + rows.to(tl.int64) * n_ztiles + tile, mask=fix, other=0.0)
+                fmask = fix[:, None] & (cols < V)[None, :] & (cols[None, :] != ids[:, None])
+                e = tl.load(ws_rows[:, None] + cols[None, :], mask=fmask, other=0.0).to(tl.float32)
+                tl.store(ws_rows[:, None] + cols[None, :],
+                         (e * tl.exp(r_t - r_star)[:, None]).to(ws_ptr.dtype.element_ty), mask=fmask)
+        e_y = (tl.exp(lp) - 1.0) * tl.exp(lse - r_star)
+        tl.store(ws_rows + ids, e_y.to(ws_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -229,7 +249,9 @@ def _dx_split_reduce_kernel(part_ptr, dx_ptr, perm_ptr, count_ptr, n_rows, H, st
 # R* - lse = E_LEAD + logp[y] and e^(z - R*) = p e^(-logp[y] - E_LEAD): nothing above p ~ e^-71
 # underflows. A row whose max passes M + E_HEADROOM (logp[y] < ~-48: a token the policy gives
 # almost no mass) had its tiles stored against R = max(M, tile max - E_HEADROOM) instead, and
-# _exp_fixup_kernel brings those tiles to R* (programs over other rows exit at once).
+# the combine kernel brings those tiles to R* (its programs with no such row skip that loop).
+# Neither R* nor e'[y] depends on g_lp, so ws holds e' when the block forward returns; the
+# backward's one extra kernel (_exp_prep_kernel) forms c and scales X's rows.
 
 
 @triton.jit
@@ -260,38 +282,11 @@ def _target_ref_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, count_ptr, ref_ptr, n_rows,
 
 
 @triton.jit
-def _exp_fixup_kernel(ws_ptr, zoff_ptr, ref_ptr, count_ptr, n_rows, V, stride_ws, n_ztiles,
-                      TILE_V: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """ws[r, tile] *= e^(zoff[r, tile] - R*[r]) for the valid rows whose R* (ref[R' + r]) is
-    above M (ref[r]): their tiles stored against different references, brought to R*. A
-    program takes BLOCK_N rows and TILES stored tiles of TILE_V columns; with none of its rows
-    to fix (the rule) it exits after two [BLOCK_N] loads."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < _valid_rows(count_ptr, 0, n_rows, True)
-    m = tl.load(ref_ptr + rows, mask=row_mask, other=0.0)
-    r_star = tl.load(ref_ptr + n_rows + rows, mask=row_mask, other=0.0)
-    fix = row_mask & (r_star > m)
-    if tl.max(fix.to(tl.int32), 0) == 0:
-        return
-    for i in range(0, TILES):
-        tile = tl.program_id(1) * TILES + i
-        cols = tile * TILE_V + tl.arange(0, TILE_V)
-        mask = fix[:, None] & (cols < V)[None, :]
-        r_t = tl.load(zoff_ptr + rows.to(tl.int64) * n_ztiles + tile,
-                      mask=fix & (tile * TILE_V < V), other=0.0)
-        offs = rows.to(tl.int64)[:, None] * stride_ws + cols[None, :]
-        e = tl.load(ws_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(ws_ptr + offs, (e * tl.exp(r_t - r_star)[:, None]).to(ws_ptr.dtype.element_ty),
-                 mask=mask)
-
-
-@triton.jit
-def _exp_prep_kernel(ws_ptr, x_ptr, ids_ptr, lp_ptr, lse_ptr, glp_ptr, ref_ptr, count_ptr, n_rows,
-                     H, stride_ws, stride_x, inv_temp, BLOCK_R: tl.constexpr,
-                     BLOCK_H: tl.constexpr):
+def _exp_prep_kernel(x_ptr, lse_ptr, glp_ptr, ref_ptr, count_ptr, n_rows, H, stride_x, inv_temp,
+                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """For the block's valid rows r < n (the block comment above): c = -g_lp e^(R* - lse) s / T
-    -> ref[2 R' + r]; x[r, h-block] *= c (in x's dtype: the dW step's operand); and, by the
-    programs of the first h-block, ws[r, ids[r]] = (p[y] - 1) e^(lse - R*) (e')."""
+    -> ref[2 R' + r] (by the programs of the first h-block) and x[r, h-block] *= c (in x's
+    dtype: the dW step's operand). ws already holds e' (_fused_combine_kernel, STORE_E)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n_valid = _valid_rows(count_ptr, 0, n_rows, True)
     if tl.program_id(0) * BLOCK_R >= n_valid:
@@ -300,8 +295,7 @@ def _exp_prep_kernel(ws_ptr, x_ptr, ids_ptr, lp_ptr, lse_ptr, glp_ptr, ref_ptr, 
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     r_star = tl.load(ref_ptr + n_rows + rows, mask=row_mask, other=0.0)
     g = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
-    c = -g * tl.exp(r_star - lse) * tl.cast(inv_temp, tl.float32)
-    c = tl.where(row_mask, c, 0.0)
+    c = tl.where(row_mask, -g * tl.exp(r_star - lse) * tl.cast(inv_temp, tl.float32), 0.0)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = row_mask[:, None] & (hs < H)[None, :]
     xp = x_ptr + rows.to(tl.int64)[:, None] * stride_x + hs[None, :]
@@ -309,8 +303,3 @@ def _exp_prep_kernel(ws_ptr, x_ptr, ids_ptr, lp_ptr, lse_ptr, glp_ptr, ref_ptr, 
     tl.store(xp, (x * c[:, None]).to(x_ptr.dtype.element_ty), mask=mask)
     if tl.program_id(1) == 0:
         tl.store(ref_ptr + 2 * n_rows + rows, c, mask=row_mask)
-        ids = tl.load(ids_ptr + rows, mask=row_mask, other=0)
-        lp = tl.load(lp_ptr + rows, mask=row_mask, other=0.0)
-        e_y = (tl.exp(lp) - 1.0) * tl.exp(lse - r_star)
-        tl.store(ws_ptr + rows.to(tl.int64) * stride_ws + ids, e_y.to(ws_ptr.dtype.element_ty),
-                 mask=row_mask)
