@@ -160,8 +160,9 @@ class _NoLaunch:
 # fused_cuda's (E_LEAD, E_HEADROOM): the defaults (every row stored against its target logit +
 # 16), and a headroom of 1 under which most rows' maxima pass M + 1: their tiles are stored
 # against their own maxima and the combine kernel re-references them (rows of both kinds in
-# one program)
-@pytest.mark.parametrize("lead,headroom", [(16.0, 32.0), (0.5, 1.0)])
+# one program); a lead of -inf, M = -inf (what a NaN target logit becomes): every row is stored
+# against its tiles' maxima and re-referenced
+@pytest.mark.parametrize("lead,headroom", [(16.0, 32.0), (0.5, 1.0), (float("-inf"), 32.0)])
 def test_fused_exp_scaled(monkeypatch, kind, blocks, block_rows, by_block, dx_splits, lead,
                           headroom):
     """The exp-scaled backward (fused.exp_scaled: no entropy gradient, no softcap, no d_bias):

@@ -278,7 +278,11 @@ def _target_ref_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, count_ptr, ref_ptr, n_rows,
         acc += tl.sum(x * w, 1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + ids, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(ref_ptr + rows, acc * tl.cast(inv_temp, tl.float32) + lead, mask=row_mask)
+    m = acc * tl.cast(inv_temp, tl.float32) + lead
+    # a NaN target logit (0 * inf in a banned token's row) would make max(M, .) differ between
+    # the GPU (fmax: the other operand) and the interpreter (NaN); -inf stores every tile
+    # against its own max and re-references the row
+    tl.store(ref_ptr + rows, tl.where(m == m, m, float("-inf")), mask=row_mask)
 
 
 @triton.jit
