@@ -153,16 +153,19 @@ class _NoLaunch:
         return _no_dlogits_pass
 
 
-@pytest.mark.parametrize("kind", ["right_padded", "scattered", "all_valid", "all_padded"])
-@pytest.mark.parametrize("blocks,block_rows,by_block", [(1, 40, False), (3, 16, False),
-                                                        (4, 10, True)])
-@pytest.mark.parametrize("dx_splits", [1, 8])
+_LAYOUTS = [(1, 40, False), (3, 16, False), (4, 10, True)]   # (blocks, block_rows, by_block)
+_KINDS = ["right_padded", "scattered", "all_valid", "all_padded"]
 # fused_cuda's (E_LEAD, E_HEADROOM): the defaults (every row stored against its target logit +
-# 16), and a headroom of 1 under which most rows' maxima pass M + 1: their tiles are stored
-# against their own maxima and the combine kernel re-references them (rows of both kinds in
-# one program); a lead of -inf, M = -inf (what a NaN target logit becomes): every row is stored
-# against its tiles' maxima and re-referenced
-@pytest.mark.parametrize("lead,headroom", [(16.0, 32.0), (0.5, 1.0), (float("-inf"), 32.0)])
+# 16), over every mask, layout and dX split count; a headroom of 1, under which most rows' maxima
+# pass M + 1: their tiles are stored against their own maxima and the combine kernel
+# re-references them (rows of both kinds in one program), over every mask and layout; a lead of
+# -inf, M = -inf (what a NaN target logit becomes): every row re-referenced, on two of them
+_EXP_CASES = ([(k, *lay, s, 16.0, 32.0) for k in _KINDS for lay in _LAYOUTS for s in (1, 8)]
+              + [(k, *lay, 8, 0.5, 1.0) for k in _KINDS for lay in _LAYOUTS]
+              + [(k, 3, 16, False, 1, float("-inf"), 32.0) for k in ("right_padded", "all_valid")])
+
+
+@pytest.mark.parametrize("kind,blocks,block_rows,by_block,dx_splits,lead,headroom", _EXP_CASES)
 def test_fused_exp_scaled(monkeypatch, kind, blocks, block_rows, by_block, dx_splits, lead,
                           headroom):
     """The exp-scaled backward (fused.exp_scaled: no entropy gradient, no softcap, no d_bias):
