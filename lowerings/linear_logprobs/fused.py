@@ -233,8 +233,8 @@ def exp_scaled(ws_dtype: torch.dtype, entropy_grad: bool, softcap: Optional[floa
     (no entropy gradient, no softcap's (1 - y^2)); d_bias (a column sum of the dlogits) and vocab
     shards (no target logit on the ranks that do not own it) keep the dlogits pass, and so do
     fp16 operands: e spans e^-87..e^32, fp32's exponent range, which bf16 has and fp16 has not."""
-    return (_fcuda.EXP_SCALED and ws_dtype in (torch.bfloat16, torch.float32) and not entropy_grad and softcap is None and not need_b
-            and combine is None)
+    return (_fcuda.EXP_SCALED and ws_dtype in (torch.bfloat16, torch.float32)
+            and not entropy_grad and softcap is None and not need_b and combine is None)
 
 
 SCALE_BLOCK = 4096
@@ -269,8 +269,8 @@ def fused_block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Opt
                         logit_scale: float, softcap: Optional[float], ref: Tensor, scaled: bool
                         ) -> tuple[Tensor, Tensor, Tensor]:
     """Block b = rows [r0, r0 + rows) of the permuted order: xg <- its hidden rows, ws <- its
-    logits (scaled: as e' = exp(z - R*) but at the targets, the references in ref), -> (logprobs, entropy, lse)
-    [rows] in that order, 0 past counts[b]."""
+    logits (scaled: as e' = exp(z - R*) but at the targets, the references in ref),
+    -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]."""
     if _triton_body(hidden):
         return _fcuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0,
                                     rows, temperature, with_entropy, logit_scale, softcap, ref,

@@ -125,11 +125,11 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     FLATTEN: one flattened (vocab tile, K step) loop, so the pipeliner can issue the next
     tile's operand loads during this tile's statistics epilogue (cuda.FWD_FLATTEN).
     (No parameter has a default: a launch through wrap_triton, the recompute op's, must name
-    every one.) STORE_E (with STORE_Z; the exp-scaled backward, fused_cuda.py): the tile goes to z in z's
-    dtype as e = exp(z - R) with R = max(M, m_sh - E_HEADROOM), M = ref[row] a per-row reference
-    (the target logit plus a lead), and R to zoff[row, tile]: e <= e^E_HEADROOM, and R = M in
-    every tile of a row whose max stays under M + E_HEADROOM, so such a row's dlogits are one
-    per-row scale of its stored e (no separate pass; kernels_fused._exp_prep_kernel)."""
+    every one.) STORE_E (with STORE_Z; the exp-scaled backward, fused_cuda.py): the tile goes to
+    z in z's dtype as e = exp(z - R) with R = max(M, m_sh - E_HEADROOM), M = ref[row] a per-row
+    reference (the target logit plus a lead), and R to zoff[row, tile]: e <= e^E_HEADROOM, and
+    R = M in every tile of a row whose max stays under M + E_HEADROOM, so such a row's dlogits
+    are one per-row scale of its stored e (no separate pass; kernels_fused's block comment)."""
     pid_n, split = _swizzle(n_blocks, n_splits, GROUP_N)
     n_valid = _valid_rows(count_ptr, out_row0, N, HAS_COUNT)
     if pid_n * BLOCK_N >= n_valid:

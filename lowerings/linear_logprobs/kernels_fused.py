@@ -119,8 +119,9 @@ def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_pt
                 r_t = tl.load(zoff_ptr + rows.to(tl.int64) * n_ztiles + tile, mask=fix, other=0.0)
                 fmask = fix[:, None] & (cols < V)[None, :] & (cols[None, :] != ids[:, None])
                 e = tl.load(ws_rows[:, None] + cols[None, :], mask=fmask, other=0.0).to(tl.float32)
-                tl.store(ws_rows[:, None] + cols[None, :],
-                         (e * tl.exp(r_t - r_star)[:, None]).to(ws_ptr.dtype.element_ty), mask=fmask)
+                e = e * tl.exp(r_t - r_star)[:, None]
+                tl.store(ws_rows[:, None] + cols[None, :], e.to(ws_ptr.dtype.element_ty),
+                         mask=fmask)
         e_y = (tl.exp(lp) - 1.0) * tl.exp(lse - r_star)
         tl.store(ws_rows + ids, e_y.to(ws_ptr.dtype.element_ty), mask=valid)
 
