@@ -37,8 +37,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 reference and error columns")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--targets", default="random", choices=shapes.TARGETS,
-                    help="target token ids: uniform over V (default), or sampled from the policy's own "
-                         "softmax (on-policy rollouts: peaked, realistic)")
+                    help="target token ids: uniform over V (default), sampled from the policy's own "
+                         "softmax (on-policy rollouts: peaked, realistic), or each row's least likely "
+                         "token (a stress input)")
     ap.add_argument("--cpu-threads", type=int, default=1,
                     help="torch threads on CPU (default 1: on shared cores each OpenMP barrier can wait "
                          "a scheduler slice, ~15 ms, which swamps tiny shapes)")

@@ -143,7 +143,17 @@ def _chunked_sample(h2d: torch.Tensor, w: torch.Tensor, rows: int, g: torch.Gene
     return out
 
 
-TARGETS = ("random", "sampled")
+@torch.no_grad()
+def _chunked_argmin(h2d: torch.Tensor, w: torch.Tensor, rows: int,
+                    softcap: Optional[float] = None) -> torch.Tensor:
+    """Each row's least likely token, argmin of h @ W.T, in row chunks (one [rows, V] tile)."""
+    out = torch.empty(h2d.shape[0], dtype=torch.int64, device=h2d.device)
+    for i in range(0, h2d.shape[0], rows):
+        out[i:i + rows] = cap_logits((h2d[i:i + rows] @ w.T).float(), softcap).argmin(1)
+    return out
+
+
+TARGETS = ("random", "sampled", "least")
 
 
 def make_inputs(shape: Shape, device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
@@ -159,7 +169,9 @@ def make_inputs(shape: Shape, device: torch.device, dtype: torch.dtype = torch.b
     - advantages ~ N(0, 1) per sequence; mask: completion lengths ~ U[1, T] per sequence.
     - targets="random": token ids uniform over V (off-policy-looking, log-probs ~ -log V - few);
       "sampled": each id drawn from the policy's own softmax (on-policy rollouts: mostly the
-      peaked head of the distribution, as in real RL batches).
+      peaked head of the distribution, as in real RL batches); "least": each row's least likely
+      token (a stress input: with logit_std ~8 its log-probs fall below -48, the rows the
+      fused path's exp-scaled backward must re-reference, fused_cuda.E_HEADROOM).
     - a packed shape gets the padded shape's inputs (same seed, same draws), then `pack`.
     """
     if targets not in TARGETS:
@@ -185,6 +197,8 @@ def make_inputs(shape: Shape, device: torch.device, dtype: torch.dtype = torch.b
     rows = max(1, (1 << 28) // (4 * V))  # 1 GiB fp32 tile
     if targets == "sampled":  # drawn after the random ones, so the other inputs stay the same
         token_ids = _chunked_sample(hidden.detach().view(-1, H), weight.detach(), rows, g, shape.softcap).view(B, T)
+    elif targets == "least":
+        token_ids = _chunked_argmin(hidden.detach().view(-1, H), weight.detach(), rows, shape.softcap).view(B, T)
     lp = _chunked_logprobs(hidden.detach().view(-1, H), weight.detach(), token_ids.view(-1), rows,
                            shape.softcap).view(B, T)
     old = lp + randn(B, T, std=old_noise, dt=torch.float32)

@@ -119,6 +119,18 @@ def test_sampled_targets_are_on_policy():
         shapes.make_inputs(sh, torch.device("cpu"), targets="greedy")
 
 
+def test_least_targets_are_each_rows_argmin():
+    """least (bench_fused's stress input): each id is its row's least likely token, chunking
+    changes nothing, and at logit std 8 the log-probs fall past -48 (the exp-scaled backward's
+    re-referenced rows)."""
+    sh = shapes.SHAPES["cpu-tiny"]
+    x = shapes.make_inputs(sh, torch.device("cpu"), torch.float32, targets="least", logit_std=8.0)
+    h, w = x.hidden.detach().view(-1, sh.H), x.weight.detach()
+    assert torch.equal(x.token_ids.view(-1), (h @ w.T).argmin(1))
+    assert torch.equal(shapes._chunked_argmin(h, w, 5), shapes._chunked_argmin(h, w, 64))
+    assert (x.old_logprobs - x.ref_logprobs).abs().max() < 1.0 and x.old_logprobs.min() < -48
+
+
 def test_time_limit_and_append(tmp_path):
     base = ["--device", "cpu", "--shapes", "cpu-tiny", "--providers", "naive_eager", "--out",
             str(tmp_path), "--no-check"]

@@ -3,6 +3,7 @@
     python -m lowerings.linear_logprobs.bench_fused [--shape qwen3-8b] [--all-valid]
         [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile] [--recompute] [--cublas]
         [--workspace-mib MIB ...] [--trace DIR] [--host-profile]
+        [--targets {random,sampled,least}] [--logit-std S]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run, peak memory beyond inputs and grads, the CUDA time of each kernel family of one
@@ -23,7 +24,10 @@ the mark the Triton steps are held to. --workspace-mib: the default step again w
 GRPOConfig.fused_workspace_mib (larger row blocks: fewer dW read-modify-writes and longer GEMMs,
 for more memory; the speed / memory trade-off of the 768 MiB bound). --host-profile: cProfile of
 the host's side of a few steps (what the launch time is spent on, where a step is host-bound:
-small H, many blocks).
+small H, many blocks). --targets / --logit-std: bench.shapes.make_inputs' (default random, 3.0);
+`--targets least --logit-std 8` puts every target below logp -48, the exp-scaled backward's
+worst case (each row re-referenced by the combine kernel, fused_cuda.E_HEADROOM); the logprobs'
+largest error against an fp32 reference is printed with it.
 """
 import argparse
 import collections
@@ -34,7 +38,7 @@ import torch
 import triton.testing
 
 import compiled_grpo as cg
-from bench.shapes import SHAPES, make_inputs
+from bench.shapes import SHAPES, TARGETS, _chunked_logprobs, make_inputs
 from compiled_grpo import fused as cg_fused
 from lowerings.linear_logprobs import cuda as dense
 from lowerings.linear_logprobs import cuda_rows, fused_cuda
@@ -60,8 +64,11 @@ def main():
     ap.add_argument("--workspace-mib", type=float, nargs="+", default=[])
     ap.add_argument("--trace", metavar="DIR", help="write the profiled steps' chrome trace there")
     ap.add_argument("--host-profile", action="store_true")
+    ap.add_argument("--targets", default="random", choices=TARGETS)
+    ap.add_argument("--logit-std", type=float, default=3.0)
     args = ap.parse_args()
-    x = make_inputs(SHAPES[args.shape], torch.device("cuda"))
+    x = make_inputs(SHAPES[args.shape], torch.device("cuda"), targets=args.targets,
+                    logit_std=args.logit_std)
     mask = torch.ones_like(x.mask) if args.all_valid else x.mask
     n_valid = int(mask.sum())
     h2 = x.hidden.detach().reshape(-1, x.hidden.shape[-1])
@@ -135,6 +142,14 @@ def main():
         print(f"    host: {host:.2f} ms to launch one step (CPU-bound where that exceeds the step)")
 
     measure(cfg.gradient_mode + (" compiled" if args.compile else ""))
+    with torch.no_grad():   # the step's logprobs against fp32 ones (chunked, one 1 GiB tile)
+        rows = torch.nonzero(mask.reshape(-1))[:, 0]
+        lp = cg.grpo_loss(hidden, weight, x.token_ids, x.advantages, mask, x.old_logprobs,
+                          x.ref_logprobs, config=cfg).logprobs.reshape(-1)[rows]
+        ref = _chunked_logprobs(h2, w, x.token_ids.reshape(-1), (1 << 28) // (4 * w.shape[0]))[rows]
+        print(f"    logprobs ({args.targets} targets, logit std {args.logit_std:g}): "
+              f"min {ref.min().item():.1f}, {int((ref < -48).sum())} of {n_valid} below -48; "
+              f"max |error| {(lp - ref).abs().max().item():.2e}")
     if args.host_profile:
         import cProfile
         import pstats
