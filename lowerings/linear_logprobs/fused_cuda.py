@@ -67,6 +67,10 @@ E_LEAD, E_HEADROOM = 16.0, 32.0
 REF_TILE = (16, 256, 4)      # the target logits' dot products: (BLOCK_R, BLOCK_H, num_warps)
 PREP_TILE = (32, 512, 4)     # c and X's scaling: (BLOCK_R, BLOCK_H, num_warps)
 COMBINE_TILE = (32, 4)       # the forward splits' combine: (BLOCK_R, num_warps)
+# (scaled) the combine grid's column shares: the re-referenced rows' tiles are split this many
+# ways (one program a row block per share walked them all: H200, every row re-referenced,
+# 7.65 ms a qwen3-8b step; README)
+COMBINE_SHARES = 16
 
 
 def dx_split_rows(rows, h: int, itemsize: int) -> int:
@@ -126,7 +130,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     # cuda._combine and the masking were ~15 small kernels a block: host-bound at small H)
     lp, ent, lse = (x.new_empty(rows, dtype=torch.float32) for _ in range(3))  # [R']
     cr, cwarps = COMBINE_TILE
-    _fused_combine_kernel[(triton.cdiv(rows, cr),)](
+    _fused_combine_kernel[(triton.cdiv(rows, cr), COMBINE_SHARES if scaled else 1)](
         m, s, t, zt, count, lp, ent, lse, rows, splits, WITH_ENTROPY=with_entropy, BLOCK_R=cr,
         BLOCK_S=triton.next_power_of_2(splits), ref_ptr=ref, ws_ptr=ws, zoff_ptr=zoff,
         ids_ptr=ids_b, V=v, stride_ws=ws.stride(0), n_ztiles=zoff.stride(0), STORE_E=scaled,

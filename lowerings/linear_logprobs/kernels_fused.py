@@ -67,8 +67,8 @@ def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_pt
                           n_ztiles, STORE_E: tl.constexpr, E_HEADROOM: tl.constexpr,
                           TILE_V: tl.constexpr):
     """A block's (logprobs, entropy, lse) [R'] from the forward splits' statistics m, s, t, zt
-    [S, R'] (row stride R'), cuda._combine's formulas in one launch, 0 at rows past the block's
-    count (whose statistics were never written):
+    [S, R'] (row stride R'), cuda._combine's formulas in one launch (by the programs with
+    program_id(1) = 0), 0 at rows past the block's count (whose statistics were never written):
 
         m* = max_s m,  S = sum_s s e^(m - m*),  lse = m* + log S,  logp = sum_s zt - lse
         H  = log S - sum_s e^(m - m*) (t + (m - m*) s) / S        (a split with s = 0 adds 0)
@@ -77,8 +77,10 @@ def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_pt
     M = ref[row] the reference the forward stored e = exp(z - R) against: the largest of the
     row's tile references R (R* = M unless some tile's max passed M + E_HEADROOM). Then ws
     (e, TILE_V-column tiles, R in zoff) is brought to e' against R*:
-      - the rare rows with R* > M: every tile times e^(R - R*) (a loop over the row's tiles, in
-        the programs that have such a row; the others skip it after one reduction);
+      - the rare rows with R* > M: every tile times e^(R - R*), the row's tiles shared by the
+        grid's second dimension (a program a row block and column share; programs with no
+        such row skip it after one reduction; H200, every row re-referenced: bench_fused
+        --targets least, README);
       - every valid row's target entry: e'[y] = (p[y] - 1) e^(lse - R*), p[y] from the fp32
         logprob (the loop above leaves that column to this store: no two threads write it).
     """
@@ -88,33 +90,17 @@ def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_pt
     mask = (sp < n_splits)[:, None] & valid[None, :]
     offs = sp[:, None] * n_rows + rows[None, :]                              # [BLOCK_S, BLOCK_R]
     m = tl.load(m_ptr + offs, mask=mask, other=float("-inf"))
-    s = tl.load(s_ptr + offs, mask=mask, other=0.0)
     m_all = tl.max(m, 0)
-    d = tl.where(mask, m - m_all[None, :], float("-inf"))   # masked lanes: scale 0, never NaN
-    scale = tl.exp(d)
-    s_all = tl.sum(s * scale, 0)
-    log_s = tl.log(s_all)
-    lse = m_all + log_s
-    lp = tl.sum(tl.load(zt_ptr + offs, mask=mask, other=0.0), 0) - lse
-    if WITH_ENTROPY:
-        t = tl.load(t_ptr + offs, mask=mask, other=0.0)
-        shift = tl.where(s > 0, d * s, 0.0)
-        ent = log_s - tl.sum(scale * (t + shift), 0) / s_all
-    else:
-        ent = tl.zeros((BLOCK_R,), tl.float32)
-    out = rows < n_rows
-    tl.store(lp_ptr + rows, tl.where(valid, lp, 0.0), mask=out)
-    tl.store(ent_ptr + rows, tl.where(valid, ent, 0.0), mask=out)
-    tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=out)
-    if STORE_E:
+    if STORE_E:   # every program of the row block's column split: its share of the tiles
         ref = tl.load(ref_ptr + rows, mask=valid, other=0.0)
         r_star = tl.maximum(ref, m_all - E_HEADROOM)
-        tl.store(ref_ptr + n_rows + rows, r_star, mask=valid)
         ids = tl.load(ids_ptr + rows, mask=valid, other=-1)
         ws_rows = ws_ptr + rows.to(tl.int64) * stride_ws                   # [BLOCK_R]
         fix = valid & (r_star > ref)
         if tl.max(fix.to(tl.int32), 0) > 0:
-            for tile in range(0, n_ztiles):
+            per = tl.cdiv(n_ztiles, tl.num_programs(1))
+            for tile in range(tl.program_id(1) * per,
+                              tl.minimum(tl.program_id(1) * per + per, n_ztiles)):
                 cols = tile * TILE_V + tl.arange(0, TILE_V)
                 r_t = tl.load(zoff_ptr + rows.to(tl.int64) * n_ztiles + tile, mask=fix, other=0.0)
                 fmask = fix[:, None] & (cols < V)[None, :] & (cols[None, :] != ids[:, None])
@@ -122,8 +108,28 @@ def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_pt
                 e = e * tl.exp(r_t - r_star)[:, None]
                 tl.store(ws_rows[:, None] + cols[None, :], e.to(ws_ptr.dtype.element_ty),
                          mask=fmask)
-        e_y = (tl.exp(lp) - 1.0) * tl.exp(lse - r_star)
-        tl.store(ws_rows + ids, e_y.to(ws_ptr.dtype.element_ty), mask=valid)
+    if tl.program_id(1) == 0:   # the statistics, R* and the target entries: one program a row
+        s = tl.load(s_ptr + offs, mask=mask, other=0.0)
+        d = tl.where(mask, m - m_all[None, :], float("-inf"))   # masked lanes: scale 0, no NaN
+        scale = tl.exp(d)
+        s_all = tl.sum(s * scale, 0)
+        log_s = tl.log(s_all)
+        lse = m_all + log_s
+        lp = tl.sum(tl.load(zt_ptr + offs, mask=mask, other=0.0), 0) - lse
+        if WITH_ENTROPY:
+            t = tl.load(t_ptr + offs, mask=mask, other=0.0)
+            shift = tl.where(s > 0, d * s, 0.0)
+            ent = log_s - tl.sum(scale * (t + shift), 0) / s_all
+        else:
+            ent = tl.zeros((BLOCK_R,), tl.float32)
+        out = rows < n_rows
+        tl.store(lp_ptr + rows, tl.where(valid, lp, 0.0), mask=out)
+        tl.store(ent_ptr + rows, tl.where(valid, ent, 0.0), mask=out)
+        tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=out)
+        if STORE_E:
+            tl.store(ref_ptr + n_rows + rows, r_star, mask=valid)
+            e_y = (tl.exp(lp) - 1.0) * tl.exp(lse - r_star)
+            tl.store(ws_rows + ids, e_y.to(ws_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
