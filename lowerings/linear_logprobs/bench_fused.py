@@ -142,11 +142,12 @@ def main():
         print(f"    host: {host:.2f} ms to launch one step (CPU-bound where that exceeds the step)")
 
     measure(cfg.gradient_mode + (" compiled" if args.compile else ""))
-    with torch.no_grad():   # the step's logprobs against fp32 ones (chunked, one 1 GiB tile)
+    with torch.no_grad():   # the step's logprobs against fp32 ones (chunked, 1 GiB tiles)
         rows = torch.nonzero(mask.reshape(-1))[:, 0]
         lp = cg.grpo_loss(hidden, weight, x.token_ids, x.advantages, mask, x.old_logprobs,
                           x.ref_logprobs, config=cfg).logprobs.reshape(-1)[rows]
-        ref = _chunked_logprobs(h2, w, x.token_ids.reshape(-1), (1 << 28) // (4 * w.shape[0]))[rows]
+        ref = _chunked_logprobs(h2.float(), w.float(), x.token_ids.reshape(-1),   # fp32 logits
+                                (1 << 28) // (4 * w.shape[0]))[rows]
         print(f"    logprobs ({args.targets} targets, logit std {args.logit_std:g}): "
               f"min {ref.min().item():.1f}, {int((ref < -48).sum())} of {n_valid} below -48; "
               f"max |error| {(lp - ref).abs().max().item():.2e}")
