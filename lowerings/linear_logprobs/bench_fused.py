@@ -1,9 +1,9 @@
 """GPU profile of grpo_loss's fused-gradient path (fused.py, fused_cuda.py) on the bench's inputs.
 
     python -m lowerings.linear_logprobs.bench_fused [--shape qwen3-8b] [--all-valid]
-        [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile] [--recompute] [--cublas]
+        [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile [MODE]] [--recompute] [--cublas]
         [--workspace-mib MIB ...] [--trace DIR] [--host-profile]
-        [--targets {random,sampled,least}] [--logit-std S]
+        [--targets {random,sampled,least}] [--logit-std S] [--cuda-graph]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run, peak memory beyond inputs and grads, the CUDA time of each kernel family of one
@@ -11,8 +11,9 @@ step (torch.profiler) with their total and the timed step's time beyond it, and 
 to launch one step (a step is host-bound where that exceeds the step). The profiled kernels run
 right after a synchronize, at a higher clock than the power-capped timed loop, so their total
 can exceed the timed step. --trace DIR: the profiled steps' chrome trace (DIR/<tag>.json.gz):
-where the GPU waits. --all-valid: every position valid (the all-positions target). --compile:
-the loss under torch.compile(fullgraph=True) (what the loss's own kernels add there). --sweep:
+where the GPU waits. --all-valid: every position valid (the all-positions target). --compile [MODE]:
+the loss under torch.compile(fullgraph=True, mode=MODE) (what the loss's own kernels add
+there; "reduce-overhead": Inductor's CUDA graphs). --sweep:
 the same for variants of one step or all (fwd: FWD_FLATTEN off, a 4-stage tile; dlogits
 tiles; dw: one program per tile, tiles; dx: DX_SPLITS=1, tiles), then the default
 again (the drift of the GPU's clock over the sweep). The LINEAR_LOGPROBS_* variables are read
@@ -27,7 +28,9 @@ the host's side of a few steps (what the launch time is spent on, where a step i
 small H, many blocks). --targets / --logit-std: bench.shapes.make_inputs' (default random, 3.0);
 `--targets least --logit-std 8` puts every target below logp -48, the exp-scaled backward's
 worst case (each row re-referenced by the combine kernel, fused_cuda.E_HEADROOM); the logprobs'
-largest error against an fp32 reference is printed with it.
+largest error against an fp32 reference is printed with it. --cuda-graph: the step captured as
+a CUDA graph and replayed (torch.cuda.graph; the host's launch cost gone), its time and whether
+its gradients equal an eager step's.
 """
 import argparse
 import collections
@@ -58,12 +61,13 @@ def main():
     ap.add_argument("--all-valid", action="store_true")
     ap.add_argument("--sweep", nargs="?", const="all",
                     choices=["all", "fwd", "dlogits", "dw", "dx"])
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", nargs="?", const="default", metavar="MODE")
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--cublas", action="store_true")
     ap.add_argument("--workspace-mib", type=float, nargs="+", default=[])
     ap.add_argument("--trace", metavar="DIR", help="write the profiled steps' chrome trace there")
     ap.add_argument("--host-profile", action="store_true")
+    ap.add_argument("--cuda-graph", action="store_true")
     ap.add_argument("--targets", default="random", choices=TARGETS)
     ap.add_argument("--logit-std", type=float, default=3.0)
     args = ap.parse_args()
@@ -97,7 +101,7 @@ def main():
         return cg.grpo_loss(hidden, weight, x.token_ids, x.advantages, mask, x.old_logprobs,
                             x.ref_logprobs, config=cfg).loss
 
-    fn = torch.compile(loss_fn, fullgraph=True) if args.compile else loss_fn
+    fn = torch.compile(loss_fn, fullgraph=True, mode=args.compile) if args.compile else loss_fn
 
     def step():
         hidden.grad = weight.grad = None
@@ -141,7 +145,7 @@ def main():
         torch.cuda.synchronize()
         print(f"    host: {host:.2f} ms to launch one step (CPU-bound where that exceeds the step)")
 
-    measure(cfg.gradient_mode + (" compiled" if args.compile else ""))
+    measure(cfg.gradient_mode + (f" compiled ({args.compile})" if args.compile else ""))
     with torch.no_grad():   # the step's logprobs against fp32 ones (chunked, 1 GiB tiles)
         rows = torch.nonzero(mask.reshape(-1))[:, 0]
         lp = cg.grpo_loss(hidden, weight, x.token_ids, x.advantages, mask, x.old_logprobs,
@@ -168,6 +172,8 @@ def main():
                 step()
             torch.cuda.synchronize()
         print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    if args.cuda_graph:
+        graph_step(step, hidden, weight, floor)
     default_cfg = cfg
     for mib in args.workspace_mib:
         cfg = dataclasses.replace(default_cfg, fused_workspace_mib=mib)   # loss_fn reads cfg
@@ -208,6 +214,31 @@ def main():
             variant(cuda_rows, "GEMM_TILES", {**cuda_rows.GEMM_TILES, 2: tiles},
                     f"GEMM_TILES[bf16]={tiles}")
         measure("default again (drift over the sweep)")
+
+
+def graph_step(step, hidden, weight, floor):
+    """The step (forward and backward) captured once as a CUDA graph and replayed: no host
+    launch cost (what a host-bound small policy gains), the gradients written in place. The
+    replay's gradients are compared with an eager step's (bitwise: the path is deterministic)."""
+    step()
+    torch.cuda.synchronize()
+    eager = (hidden.grad.clone(), weight.grad.clone())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up on a side stream, as torch.cuda.graph asks
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    hidden.grad = weight.grad = None
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    same = torch.equal(hidden.grad, eager[0]) and torch.equal(weight.grad, eager[1])
+    ms = bench(graph.replay)
+    print(f"cuda graph replay: {ms:.2f} ms = {ms / floor:.3f}x valid floor; gradients "
+          f"{'bitwise equal to' if same else 'DIFFERENT from'} an eager step's")
 
 
 if __name__ == "__main__":
