@@ -160,12 +160,12 @@ _KINDS = ["right_padded", "scattered", "all_valid", "all_padded"]
 # pass M + 1: their tiles are stored against their own maxima and the combine kernel
 # re-references them (rows of both kinds in one program), over every mask and layout; a lead of
 # -inf, M = -inf (what a NaN target logit becomes): every row re-referenced, on two of them.
-# The last field: the combine grid's column shares (fused_cuda.COMBINE_SHARES) over V = 75's 5
-# tiles: 16 (one tile or none a share), 3 (2, 2, 1), 2 and 1 (one program walks every tile)
-_EXP_CASES = ([(k, *lay, s, 16.0, 32.0, 16) for k in _KINDS for lay in _LAYOUTS for s in (1, 8)]
+# The last field: the combine grid's column shares (fused_cuda.COMBINE_SHARES, with no least
+# tiles a share) over V = 75's 5 tiles: 16 (5 shares of one tile), 3 (2, 2, 1), 2 (3, 2)
+_EXP_CASES = ([(k, *lay, s, 16.0, 32.0, 2 * s) for k in _KINDS for lay in _LAYOUTS for s in (1, 8)]
               + [(k, *lay, 8, 0.5, 1.0, 3) for k in _KINDS for lay in _LAYOUTS]
               + [(k, 3, 16, False, 1, float("-inf"), 32.0, sh)
-                 for k, sh in (("right_padded", 1), ("all_valid", 2))])
+                 for k, sh in (("right_padded", 1), ("all_valid", 2))])   # 1: one walks all
 
 
 @pytest.mark.parametrize("kind,blocks,block_rows,by_block,dx_splits,lead,headroom,shares",
@@ -180,6 +180,7 @@ def test_fused_exp_scaled(monkeypatch, kind, blocks, block_rows, by_block, dx_sp
     monkeypatch.setattr(fck, "E_LEAD", lead)
     monkeypatch.setattr(fck, "E_HEADROOM", headroom)
     monkeypatch.setattr(fck, "COMBINE_SHARES", shares)
+    monkeypatch.setattr(fck, "COMBINE_MIN_TILES", 1)
     monkeypatch.setattr(fck, "_fused_dlogits_kernel", _NoLaunch())
     mask = MASKS[kind]
     x, w, ids, _ = make(40, 24, 75, torch.float32, False, seed=3)

@@ -68,9 +68,15 @@ REF_TILE = (16, 256, 4)      # the target logits' dot products: (BLOCK_R, BLOCK_
 PREP_TILE = (32, 512, 4)     # c and X's scaling: (BLOCK_R, BLOCK_H, num_warps)
 COMBINE_TILE = (32, 4)       # the forward splits' combine: (BLOCK_R, num_warps)
 # (scaled) the combine grid's column shares: the re-referenced rows' tiles are split this many
-# ways (one program a row block per share walked them all: H200, every row re-referenced,
-# 7.65 ms a qwen3-8b step; README)
-COMBINE_SHARES = 16
+# ways (one program a row block walking them all: H200, every row re-referenced, 7.65 ms a
+# qwen3-8b step; 16 shares: 2.60 ms; README), none of fewer than COMBINE_MIN_TILES tiles (V =
+# 151936: 16 shares; the interpreter tests' few-tile rows: one, unless they patch it)
+COMBINE_SHARES, COMBINE_MIN_TILES = 16, 32
+
+
+def combine_shares(n_ztiles: int) -> int:
+    """The combine grid's second dimension for rows of n_ztiles tiles (COMBINE_SHARES)."""
+    return max(1, min(COMBINE_SHARES, n_ztiles // COMBINE_MIN_TILES))
 
 
 def dx_split_rows(rows, h: int, itemsize: int) -> int:
@@ -130,7 +136,8 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     # cuda._combine and the masking were ~15 small kernels a block: host-bound at small H)
     lp, ent, lse = (x.new_empty(rows, dtype=torch.float32) for _ in range(3))  # [R']
     cr, cwarps = COMBINE_TILE
-    _fused_combine_kernel[(triton.cdiv(rows, cr), COMBINE_SHARES if scaled else 1)](
+    shares = combine_shares(zoff.stride(0)) if scaled else 1
+    _fused_combine_kernel[(triton.cdiv(rows, cr), shares)](
         m, s, t, zt, count, lp, ent, lse, rows, splits, WITH_ENTROPY=with_entropy, BLOCK_R=cr,
         BLOCK_S=triton.next_power_of_2(splits), ref_ptr=ref, ws_ptr=ws, zoff_ptr=zoff,
         ids_ptr=ids_b, V=v, stride_ws=ws.stride(0), n_ztiles=zoff.stride(0), STORE_E=scaled,
