@@ -67,6 +67,18 @@ from lowerings.linear_logprobs.kernels import _dlogits_kernel, _fwd_kernel
 from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
                                               _dx_acc_op, _dx_store_impl, _dx_store_op)
 
+def cdiv(a, b):
+    """ceil(a / b) for the launchers' host code (ints or SymInts). triton.cdiv is a
+    ConstexprFunction in Triton 3.6, ~6 us a host call against ~0.15: _fwd_splits alone made
+    ~60 of them a block, ~3 ms of host time a qwen3-8b fused step."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of 2 >= n (n >= 1), as triton.next_power_of_2 without its host cost."""
+    return 1 << (n - 1).bit_length()
+
+
 # Tiles of the logits GEMM: (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages). Overridable for
 # the interpreter tests (tiles of 16) and for tuning runs (LINEAR_LOGPROBS_TILES="128,128,64,8,3").
 TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_TILES", "128,256,64,8,3").split(","))
@@ -177,7 +189,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     v = w.shape[0]
     splits, cols = _fwd_splits(n, v, bn, bv, x.device)
     m, s, t, zt = (x.new_empty((splits, n), dtype=torch.float32) for _ in range(4))  # [S, N]
-    n_blocks = triton.cdiv(n, bn)
+    n_blocks = cdiv(n, bn)
     wrap(_fwd_kernel)[(n_blocks * splits,)](
         x, w, bias if bias is not None else x, ids, m, s, t, zt, ids, n, v, h, x.stride(0),
         w.stride(0), *_scalars(temperature, logit_scale, softcap), cols, n_blocks, splits, 0, n, m, m, 0, 0,
@@ -232,14 +244,14 @@ def _fwd_splits(n, v: int, bn: int, bv: int, device: torch.device) -> tuple[int,
     GPU's SMs best, all programs being about as long (H200, N=16384, V=151936: S0 = 19 gives
     2432 programs, 18.4 waves of 132; S = 33 gives 32 full waves, forward 32.0 -> 31.1 ms).
     From N's size hint when symbolic (S is a Python int); S0 off CUDA (the interpreter tests)."""
-    s0 = triton.cdiv(v, FWD_COLS_PER_SPLIT)
+    s0 = cdiv(v, FWD_COLS_PER_SPLIT)
     sms = sm_count(device.index) if device.type == "cuda" and torch.cuda.is_available() else None
-    n_blocks = triton.cdiv(_hint(n), bn)
+    n_blocks = cdiv(_hint(n), bn)
     best = None
     for s in range(s0, 2 * s0 + 1) if sms else (s0,):
-        cols = triton.cdiv(triton.cdiv(v, s), bv) * bv
-        s = triton.cdiv(v, cols)
-        fill = 1.0 if not sms else n_blocks * s / (triton.cdiv(n_blocks * s, sms) * sms)
+        cols = cdiv(cdiv(v, s), bv) * bv
+        s = cdiv(v, cols)
+        fill = 1.0 if not sms else n_blocks * s / (cdiv(n_blocks * s, sms) * sms)
         if best is None or fill > best[0] + 1e-3:
             best = (fill, s, cols)
     return best[1], best[2]
@@ -250,7 +262,7 @@ def _row_groups(n, h: int, budget: int = 0) -> int:
     cdiv(N, G) * H * 4 bytes, fits DX_GROUP_BYTES. A symbolic N takes the size hint it was
     traced with (G is a Python int: the loops unroll at trace time), so a graph compiled for
     dynamic N keeps that G for every N it runs (any N is correct; memory scales as N / G)."""
-    return min(MAX_ROW_GROUPS, max(1, triton.cdiv(_hint(n) * h * 4, budget or DX_GROUP_BYTES)))
+    return min(MAX_ROW_GROUPS, max(1, cdiv(_hint(n) * h * 4, budget or DX_GROUP_BYTES)))
 
 
 def _chunk_cols(v: int, r, groups: int, elem_bytes: int, bv: int, ws_bytes: int = 0) -> int:
@@ -258,8 +270,8 @@ def _chunk_cols(v: int, r, groups: int, elem_bytes: int, bv: int, ws_bytes: int 
     fits ws_bytes (WS_BYTES by default), grown so that there are at most MAX_STEPS (group,
     chunk) steps."""
     fit = (ws_bytes or WS_BYTES) // (_hint(r) * elem_bytes) // bv * bv    # C of the budget
-    few_steps = triton.cdiv(triton.cdiv(v * groups, MAX_STEPS), bv) * bv  # C of MAX_STEPS
-    return min(max(min(CHUNK_V, fit), few_steps, bv), triton.cdiv(v, bv) * bv)
+    few_steps = cdiv(cdiv(v * groups, MAX_STEPS), bv) * bv  # C of MAX_STEPS
+    return min(max(min(CHUNK_V, fit), few_steps, bv), cdiv(v, bv) * bv)
 
 
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
@@ -282,26 +294,26 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     groups = _row_groups(n, h)
     # Group g holds rows [min(g * R, N), min((g + 1) * R, N)), R a whole number of row blocks;
     # with a dynamic N smaller than the traced one the last groups may be empty (no-ops).
-    r = triton.cdiv(triton.cdiv(n, groups), bn) * bn
+    r = cdiv(cdiv(n, groups), bn) * bn
     c = _chunk_cols(v, r, groups, x.element_size(), bv)
     ws = x.new_empty((r, c))                                               # [R, C]
     acc = x.new_empty((r, h), dtype=torch.float32) if need_x else None     # [R, H] fp32
     dx = hidden.new_empty((n, h)) if need_x else None                      # [N, H]
     dw = weight.new_empty(weight.shape) if need_w else None                # [V, H]
-    db = [None] * triton.cdiv(v, c)                                        # fp32 [C'] each
+    db = [None] * cdiv(v, c)                                        # fp32 [C'] each
     tracing = _tracing(ws, x)
     dw_rows, dx_acc, dx_store = ((_dw_rows_op, _dx_acc_op, _dx_store_op) if tracing else
                                  (_dw_rows_impl, _dx_acc_impl, _dx_store_impl))
     for g in range(groups):
         r0 = torch.sym_min(g * r, n)
         rows = torch.sym_min((g + 1) * r, n) - r0
-        n_blocks = triton.cdiv(rows, bn)
+        n_blocks = cdiv(rows, bn)
         # each chunk's kernel rewrites rows [0, n_blocks); zeroed once a group so the rows past
         # a shorter last group hold no partial sums of the group before it
         dbp = x.new_zeros((r // bn, c), dtype=torch.float32) if need_b else ws  # [R/BN, C]
         for ci, v0 in enumerate(range(0, v, c)):
             cols = min(c, v - v0)
-            n_vtiles = triton.cdiv(cols, bv)
+            n_vtiles = cdiv(cols, bv)
             wrap(_dlogits_kernel)[(n_blocks * n_vtiles,)](
                 x, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse,
                 ws, dbp, ids, n, v, h, r0, r0, rows, v0, x.stride(0), w.stride(0), c,

@@ -29,10 +29,10 @@ import os
 from typing import Callable, Optional
 
 import torch
-import triton
 from torch import Tensor
 
 from lowerings.linear_logprobs import cuda as _dense
+from lowerings.linear_logprobs.cuda import cdiv
 from lowerings.linear_logprobs.kernels import (_dlogits_kernel, _dx_step_kernel, _fwd_kernel,
                                                _gather_rows_kernel)
 from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel
@@ -72,7 +72,7 @@ def order_rows(row_mask: Tensor) -> tuple[Tensor, Tensor]:
 
 def _gather(wrap, x: Tensor, perm: Tensor, count: Tensor, r0, rows, xg: Tensor) -> None:
     h = x.shape[1]
-    wrap(_gather_rows_kernel)[(triton.cdiv(rows, GATHER_ROWS), triton.cdiv(h, GATHER_H))](
+    wrap(_gather_rows_kernel)[(cdiv(rows, GATHER_ROWS), cdiv(h, GATHER_H))](
         x, perm, count, xg, r0, rows, h, x.stride(0), xg.stride(0), BLOCK_R=GATHER_ROWS,
         BLOCK_H=GATHER_H)
 
@@ -88,7 +88,7 @@ ROWS_DX_GROUP_BYTES = int(os.environ.get("LINEAR_LOGPROBS_ROWS_DX_GROUP_MIB", "2
 def _groups(n, h: int, bn: int):
     """G row groups of R rows (R a whole number of row blocks), as the dense backward."""
     groups = _dense._row_groups(n, h, min(_dense.DX_GROUP_BYTES, ROWS_DX_GROUP_BYTES))
-    return groups, triton.cdiv(triton.cdiv(n, groups), bn) * bn
+    return groups, cdiv(cdiv(n, groups), bn) * bn
 
 
 def _unpermute(perm: Tensor, row_mask: Tensor, v: Tensor) -> Tensor:
@@ -125,7 +125,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
         r0 = torch.sym_min(g * r, n)
         rows = torch.sym_min((g + 1) * r, n) - r0
         _gather(wrap, x, perm, count, r0, rows, xg)
-        n_blocks = triton.cdiv(rows, bn)
+        n_blocks = cdiv(rows, bn)
         wrap(_fwd_kernel)[(n_blocks * splits,)](
             xg, w, bias if bias is not None else x, ids_p, m, s, t, zt, count, rows, v, h,
             xg.stride(0), w.stride(0), *_dense._scalars(temperature, logit_scale, softcap), cols,
@@ -161,16 +161,16 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     acc = x.new_empty((r, h), dtype=torch.float32) if need_x else None     # [R, H] fp32
     dx = hidden.new_zeros((n, h)) if need_x else None                      # [N, H], padded rows 0
     dw = weight.new_empty(weight.shape) if need_w else None                # [V, H]
-    db = [None] * triton.cdiv(v, c)                                        # fp32 [C'] each
+    db = [None] * cdiv(v, c)                                        # fp32 [C'] each
     for g in range(groups):
         r0 = torch.sym_min(g * r, n)
         rows = torch.sym_min((g + 1) * r, n) - r0
         _gather(wrap, x, perm, count, r0, rows, xg)
-        n_blocks = triton.cdiv(rows, bn)
+        n_blocks = cdiv(rows, bn)
         dbp = x.new_zeros((r // bn, c), dtype=torch.float32) if need_b else ws  # [R/BN, C]
         for ci, v0 in enumerate(range(0, v, c)):
             cols = min(c, v - v0)
-            n_vtiles = triton.cdiv(cols, bv)
+            n_vtiles = cdiv(cols, bv)
             wrap(_dlogits_kernel)[(n_blocks * n_vtiles,)](
                 xg, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse,
                 ws, dbp, count, rows, v, h, 0, r0, rows, v0, xg.stride(0), w.stride(0), c,
@@ -179,7 +179,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
                 num_warps=warps, num_stages=stages)
             if need_w:
-                n_cblocks, n_hblocks = triton.cdiv(cols, wc), triton.cdiv(h, wh)
+                n_cblocks, n_hblocks = cdiv(cols, wc), cdiv(h, wh)
                 wrap(_dw_step_kernel)[(n_cblocks * n_hblocks,)](
                     ws, xg, dw, count, r0, rows, v0, cols, h, ws.stride(0), xg.stride(0),
                     dw.stride(0), n_cblocks, n_hblocks, 0, 0, ACCUMULATE=g > 0, ON_DEVICE=False,
@@ -187,7 +187,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                     USE_TMA=tma, TMA_OUT=_dense._dw_tma_out(tma, dw), BLOCK_C=wc, BLOCK_H=wh,
                     BLOCK_K=wk, GROUP_C=GROUP_M, num_warps=wwarps, num_stages=wstages)
             if need_x:
-                n_mblocks, n_hblocks = triton.cdiv(rows, gm), triton.cdiv(h, gh)
+                n_mblocks, n_hblocks = cdiv(rows, gm), cdiv(h, gh)
                 wrap(_dx_step_kernel)[(n_mblocks * n_hblocks,)](
                     ws, w, acc, dx, perm, count, r0, rows, v0, cols, v, h, ws.stride(0),
                     w.stride(0), dx.stride(0), n_mblocks, n_hblocks, ACCUMULATE=v0 > 0,

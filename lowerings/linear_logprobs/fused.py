@@ -41,14 +41,13 @@ auto_functionalized nodes that Inductor reinplaces (as gemms.py).
 from typing import Callable, NamedTuple, Optional
 
 import torch
-import triton
 from torch import Tensor
 
 from lowerings.linear_logprobs import cpu as _cpu
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs import fused_cuda as _fcuda
-from lowerings.linear_logprobs.cuda import sm_count   # wave_rows (and fused.sm_count for callers)
+from lowerings.linear_logprobs.cuda import cdiv, sm_count   # sm_count: wave_rows, callers
 
 
 class FusedResult(NamedTuple):
@@ -77,7 +76,7 @@ def ws_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
 def ws_cols(hidden: Tensor, v: int) -> int:
     """The workspace's row length: V, rounded up to 64 columns for the Triton body (128-byte
     rows: TMA-legal strides)."""
-    return triton.cdiv(v, 64) * 64 if _triton_body(hidden) else v
+    return cdiv(v, 64) * 64 if _triton_body(hidden) else v
 
 
 def ws_row_bytes(hidden: Tensor, weight: Tensor, v: Optional[int] = None) -> int:
@@ -95,7 +94,7 @@ def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:
     if hidden.device.type != "cuda":
         return None
     bm, bh = _rows.step_tiles(ws_dtype(hidden, weight).itemsize)[0][:2]
-    return max(1, sm_count(hidden.device.index) // triton.cdiv(hidden.shape[-1], bh)) * bm
+    return max(1, sm_count(hidden.device.index) // cdiv(hidden.shape[-1], bh)) * bm
 
 
 def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tuple[Tensor, Tensor]:
@@ -169,7 +168,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     cuda = _triton_body(hidden)
     r = block_rows
     ws = hidden.new_empty((r, ws_cols(hidden, v)), dtype=cd)                 # [R, V]
-    n_tiles = triton.cdiv(v, _dense.TILES[1]) if cuda else 1
+    n_tiles = cdiv(v, _dense.TILES[1]) if cuda else 1
     zoff = hidden.new_empty((r, n_tiles), dtype=torch.float32)               # [R, V / BV]
     xg = hidden.new_empty((r, h), dtype=cd)                                   # [R, H]
     dx = hidden.new_zeros((n, h)) if need_x else hidden.new_empty(0)         # [N, H]
@@ -255,7 +254,7 @@ def scale_(tensors: list[Tensor], g: Tensor) -> None:
     for t in tensors:
         assert t.is_contiguous()
         programs = SCALE_PER_SM * _fcuda._sms(t.device)
-        grid = max(1, min(triton.cdiv(t.numel(), SCALE_BLOCK), programs))
+        grid = max(1, min(cdiv(t.numel(), SCALE_BLOCK), programs))
         _scale_kernel[(grid,)](t, g, t.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
 
 

@@ -29,10 +29,10 @@ import os
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
 
 from lowerings.linear_logprobs import cuda as _dense
+from lowerings.linear_logprobs.cuda import cdiv, next_power_of_2
 from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs.kernels import _fwd_kernel
 from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel, _dw_step_persistent_kernel
@@ -86,7 +86,7 @@ def dx_split_rows(rows, h: int, itemsize: int) -> int:
     if DX_SPLITS <= 1:
         return 0
     bm = _rows.step_tiles(itemsize)[0][0]
-    return min(DX_SPLIT_BYTES // (4 * h), DX_SPLITS * (triton.cdiv(rows, bm) * bm))
+    return min(DX_SPLIT_BYTES // (4 * h), DX_SPLITS * (cdiv(rows, bm) * bm))
 
 
 def _sms(device: torch.device) -> int:
@@ -116,11 +116,11 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     _rows._gather(lambda k: k, x, perm_b, count, 0, rows, xg)
     splits, cols = _dense._fwd_splits(rows, v, bn, bv, x.device)
     m, s, t, zt = (x.new_empty((splits, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
-    n_blocks = triton.cdiv(rows, bn)
+    n_blocks = cdiv(rows, bn)
     scal = _dense._scalars(temperature, logit_scale, softcap)
     if scaled:   # ref[:R'] = M, the target logit + E_LEAD (kernels_fused's block comment)
         rr, rh, rwarps = REF_TILE
-        _target_ref_kernel[(triton.cdiv(rows, rr),)](
+        _target_ref_kernel[(cdiv(rows, rr),)](
             xg, w, bias if bias is not None else x, ids_b, count, ref, rows, v, h, xg.stride(0),
             w.stride(0), scal[0], E_LEAD, HAS_BIAS=bias is not None, BLOCK_R=rr, BLOCK_H=rh,
             num_warps=rwarps)
@@ -137,9 +137,9 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     lp, ent, lse = (x.new_empty(rows, dtype=torch.float32) for _ in range(3))  # [R']
     cr, cwarps = COMBINE_TILE
     shares = combine_shares(zoff.stride(0)) if scaled else 1
-    _fused_combine_kernel[(triton.cdiv(rows, cr), shares)](
+    _fused_combine_kernel[(cdiv(rows, cr), shares)](
         m, s, t, zt, count, lp, ent, lse, rows, splits, WITH_ENTROPY=with_entropy, BLOCK_R=cr,
-        BLOCK_S=triton.next_power_of_2(splits), ref_ptr=ref, ws_ptr=ws, zoff_ptr=zoff,
+        BLOCK_S=next_power_of_2(splits), ref_ptr=ref, ws_ptr=ws, zoff_ptr=zoff,
         ids_ptr=ids_b, V=v, stride_ws=ws.stride(0), n_ztiles=zoff.stride(0), STORE_E=scaled,
         E_HEADROOM=E_HEADROOM, TILE_V=bv, num_warps=cwarps)
     return lp, ent, lse
@@ -165,15 +165,15 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     if scaled:   # ws holds e' already (block_forward): c, and X's rows times c for the dW step
         assert not need_b and softcap is None
         pr, ph, pwarps = PREP_TILE
-        _exp_prep_kernel[(triton.cdiv(rows, pr), triton.cdiv(h, ph))](
+        _exp_prep_kernel[(cdiv(rows, pr), cdiv(h, ph))](
             xg, lse, g_lp, ref, count, rows, h, xg.stride(0), inv_temp, BLOCK_R=pr, BLOCK_H=ph,
             num_warps=pwarps)
         dbp = zoff
     else:
         en, ev, ewarps = DLOGITS_TILE
-        n_rb = triton.cdiv(rows, en)
+        n_rb = cdiv(rows, en)
         dbp = ws.new_empty((n_rb, v), dtype=torch.float32) if need_b else zoff   # [R'/BN, V]
-        _fused_dlogits_kernel[(n_rb, triton.cdiv(v, ev))](
+        _fused_dlogits_kernel[(n_rb, cdiv(v, ev))](
             _z_view(ws), ws, zoff, ids_b, lse, ent, g_lp, g_ent, dbp, count, rows, v,
             ws.stride(0), zoff.stride(0), inv_temp, cap_post, HAS_CAP=softcap is not None,
             WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_dense.TILES[1], BLOCK_N=en,
@@ -181,7 +181,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     gemm_tiles, dw_tiles = _rows.step_tiles(ws.element_size())
     if need_w:
         wc, wh, wk, wwarps, wstages = dw_tiles
-        n_cblocks, n_hblocks = triton.cdiv(v, wc), triton.cdiv(h, wh)
+        n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
         # The blocks run last to first (fused.py). Whether dW already holds a sum is read on the
         # device from the counts of the blocks after b, which ran before it: the step is
         # launched storing and adding, and one of the two works (kernels_dw._dw_skips; the
@@ -200,7 +200,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                 _dw_step_kernel[(n_cblocks * n_hblocks,)](*args, ACCUMULATE=acc, **tiles)
     if need_x:
         gm, gh, gk, gwarps, gstages = gemm_tiles
-        n_mblocks, n_hblocks = triton.cdiv(rows, gm), triton.cdiv(h, gh)
+        n_mblocks, n_hblocks = cdiv(rows, gm), cdiv(h, gh)
         perm_b, sms, s_max = perm.narrow(0, r0, rows), _sms(ws.device), max(1, DX_SPLITS)
         split = (n_hblocks, sms, dxp.shape[0])   # what both kernels derive S from
         c = ref.narrow(0, 2 * rows, rows)   # [R'] the rows' dlogits scale (read only if scaled)
@@ -211,7 +211,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
             num_stages=gstages)
         if s_max > 1:
             rr, rh, rwarps = REDUCE_TILE
-            _dx_split_reduce_kernel[(triton.cdiv(rows, rr), triton.cdiv(h, rh))](
+            _dx_split_reduce_kernel[(cdiv(rows, rr), cdiv(h, rh))](
                 dxp, dx, perm_b, count, rows, h, dx.stride(0), *split, S_MAX=s_max, BLOCK_M=gm,
                 BLOCK_R=rr, BLOCK_H=rh, scale_ptr=c, ROW_SCALE=scaled, num_warps=rwarps)
     if need_b:
