@@ -60,7 +60,6 @@ from typing import Callable, Optional
 import torch
 import torch._guards
 import triton
-import triton.language as tl
 from torch import Tensor
 
 from lowerings.linear_logprobs.kernels import _dlogits_kernel, _fwd_kernel
