@@ -238,3 +238,19 @@ def test_backward_hidden_without_grad_and_no_bias():
     wr = w.detach().clone().requires_grad_()
     golden(x, wr, ids, None)[0].sum().backward()
     torch.testing.assert_close(w.grad, wr.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_host_cdiv_and_next_power_of_2_match_triton():
+    """The launchers' host-side cdiv / next_power_of_2 (cuda.py: triton's are ConstexprFunctions,
+    ~6 us a host call) give triton's values, and cdiv takes a SymInt (a traced row count)."""
+    import triton
+
+    from lowerings.linear_logprobs import cuda as dense
+    for a in (0, 1, 15, 16, 17, 271, 2048, 151936):
+        for b in (1, 16, 64, 128, 256, 8192):
+            assert dense.cdiv(a, b) == triton.cdiv(a, b)
+    for n in (1, 2, 3, 38, 64, 65, 1000):
+        assert dense.next_power_of_2(n) == triton.next_power_of_2(n)
+    shape_env = torch.fx.experimental.symbolic_shapes.ShapeEnv()
+    s = shape_env.create_unbacked_symint()
+    assert str(dense.cdiv(s, 128)) == str((s + 127) // 128)
