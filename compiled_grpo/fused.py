@@ -49,6 +49,7 @@ from compiled_grpo.loss import aggregate, masked_mean
 from lowerings.linear_logprobs import LinearLogprobs
 from lowerings.linear_logprobs import fused as _op
 from lowerings.linear_logprobs.cpu import _hint
+from lowerings.linear_logprobs.cuda import cdiv
 
 ROW_ALIGN = 128          # block rows: a whole number of the kernels' 128-row tiles ...
 MIN_ROWS = 16            # ... or of 16 when the workspace budget is smaller (tests, tiny heads)
@@ -56,16 +57,12 @@ MAX_BLOCKS = 64          # bound on the unrolled loop (compiled graph size); pas
 COMPILED_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # block counts inside torch.compile
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
 def _plan_vocab(weight: Tensor, shard) -> int:
     """The vocab rows a block's workspace is planned for: the weight's, or under TP the largest
     shard's (ceil(V / ranks)), so every rank plans the same blocks."""
     if shard is None:
         return weight.shape[0]
-    return _cdiv(shard.vocab_size, shard.world)
+    return cdiv(shard.vocab_size, shard.world)
 
 
 def _budget_rows(hidden: Tensor, weight: Tensor, cfg, shard=None) -> int:
@@ -316,8 +313,8 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         k = max(1, budget // _hint(t_sz))
         blocks = _compiled_blocks(b_sz, k) if compiling else None
         if blocks is None:
-            blocks = max(1, _cdiv(_hint(b_sz), k))
-        block_rows = _cdiv(b_sz, blocks) * t_sz
+            blocks = max(1, cdiv(_hint(b_sz), k))
+        block_rows = cdiv(b_sz, blocks) * t_sz
     else:   # several blocks: whole dX waves where the budget holds one (see wave_rows)
         align = ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS
         wave = _op.wave_rows(hidden, weight)
@@ -328,8 +325,8 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         if blocks is not None:   # static R and G: static block shapes under dynamic N
             block_rows = budget
         else:
-            blocks = min(MAX_BLOCKS, max(1, _cdiv(_hint(n), budget)))
-            block_rows = _cdiv(_cdiv(n, blocks), align) * align
+            blocks = min(MAX_BLOCKS, max(1, cdiv(_hint(n), budget)))
+            block_rows = cdiv(cdiv(n, blocks), align) * align
 
     t_len = lead[1] if seq else None
     # token-level blocks only: with whole-sequence blocks (GSPO, vespo, ...) Dynamo 2.11 fails to

@@ -67,9 +67,9 @@ from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc
                                               _dx_acc_op, _dx_store_impl, _dx_store_op)
 
 def cdiv(a, b):
-    """ceil(a / b) for the launchers' host code (ints or SymInts). triton.cdiv is a
-    ConstexprFunction in Triton 3.6, ~6 us a host call against ~0.15: _fwd_splits alone made
-    ~60 of them a block, ~3 ms of host time a qwen3-8b fused step."""
+    """ceil(a / b) for host code (ints or SymInts): the launchers' and compiled_grpo's block
+    planning. triton.cdiv is a ConstexprFunction in Triton 3.6, ~6 us a host call against
+    ~0.15: _fwd_splits alone made ~60 of them a block, ~3 ms of host time a qwen3-8b step."""
     return (a + b - 1) // b
 
 
