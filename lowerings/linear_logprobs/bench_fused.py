@@ -7,7 +7,8 @@
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run, peak memory beyond inputs and grads, the CUDA time of each kernel family of one
-step (torch.profiler) with their total and the timed step's time beyond it, and the host's time
+step (torch.profiler) with their total, the timed step's time beyond it and the GPU's idle time
+between the profiled steps' kernels, and the host's time
 to launch one step (a step is host-bound where that exceeds the step). The profiled kernels run
 right after a synchronize, at a higher clock than the power-capped timed loop, so their total
 can exceed the timed step. --trace DIR: the profiled steps' chrome trace (DIR/<tag>.json.gz):
@@ -126,10 +127,15 @@ def main():
                 fam[name] += e.device_time_total / 1e3 / PROFILE_STEPS
                 calls[name] += e.count / PROFILE_STEPS
         busy = sum(fam.values())
+        kernels = [e.time_range for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        span = (max(k.end for k in kernels) - min(k.start for k in kernels)) / 1e3 / PROFILE_STEPS
         print(f"{tag}: {ms:.2f} ms = {ms / floor:.3f}x valid floor ({floor:.2f} ms, "
               f"N_valid={n_valid}), peak beyond grads {peak:.0f} MiB")
         print(f"    kernels {busy:.2f} ms in {sum(calls.values()):.0f} launches a step (profiled); "
               f"the timed step minus that: {ms - busy:+.2f} ms")
+        print(f"    the profiled steps (back to back) span {span:.2f} ms a step from their first "
+              f"kernel's start to their last's end: {span - busy:+.2f} ms of it idle")
         for name, t in fam.most_common(TOP):
             print(f"    {t:8.2f} ms  {calls[name]:4.0f}x  {name}")
         rest = fam.most_common()[TOP:]
