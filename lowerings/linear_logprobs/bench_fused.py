@@ -3,12 +3,12 @@
     python -m lowerings.linear_logprobs.bench_fused [--shape qwen3-8b] [--all-valid]
         [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile [MODE]] [--recompute] [--cublas]
         [--workspace-mib MIB ...] [--trace DIR] [--host-profile]
-        [--targets {random,sampled,least}] [--logit-std S] [--cuda-graph]
+        [--targets {random,sampled,least}] [--logit-std S] [--cuda-graph] [--clocks]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run, peak memory beyond inputs and grads, the CUDA time of each kernel family of one
-step (torch.profiler) with their total, the timed step's time beyond it and the GPU's idle time
-between the profiled steps' kernels, and the host's time
+step (torch.profiler) with their total, the timed step's time beyond it, the GPU's idle time
+between a step's kernels (right after a synchronize, and queued), and the host's time
 to launch one step (a step is host-bound where that exceeds the step). The profiled kernels run
 right after a synchronize, at a higher clock than the power-capped timed loop, so their total
 can exceed the timed step. --trace DIR: the profiled steps' chrome trace (DIR/<tag>.json.gz):
@@ -31,11 +31,17 @@ small H, many blocks). --targets / --logit-std: bench.shapes.make_inputs' (defau
 worst case (each row re-referenced by the combine kernel, fused_cuda.E_HEADROOM); the logprobs'
 largest error against an fp32 reference is printed with it. --cuda-graph: the step captured as
 a CUDA graph and replayed (torch.cuda.graph; the host's launch cost gone), its time and whether
-its gradients equal an eager step's.
+its gradients equal an eager step's. --clocks: the median SM clock and board power (nvidia-smi,
+every 50 ms) while the floor's GEMMs and the step are timed: a step that runs at a lower clock
+than the floor under the same power cap loses to it on energy, not on its kernels' schedule.
 """
 import argparse
 import collections
+import contextlib
 import dataclasses
+import shutil
+import statistics
+import subprocess
 import time
 
 import torch
@@ -56,6 +62,33 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=2, rep=1500, return_mode="median")
 
 
+@contextlib.contextmanager
+def clocks(out: dict):
+    """nvidia-smi samples the GPU's SM clock and board power every 50 ms while the block runs;
+    out gets their medians (MHz, W), nothing where nvidia-smi is missing. Whether a timed loop
+    is slower than another because the power cap clocks the GPU lower while it runs."""
+    if shutil.which("nvidia-smi") is None:
+        yield
+        return
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    proc = subprocess.Popen(["nvidia-smi", "-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}",
+                             "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                             "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    try:
+        yield
+    finally:
+        proc.terminate()
+        rows = [line.split(",") for line in proc.communicate()[0].splitlines()]
+        rows = [r for r in rows if len(r) == 2 and all(v.strip().replace(".", "").isdigit() for v in r)]
+        if rows:
+            out["mhz"] = statistics.median(float(r[0]) for r in rows)
+            out["watts"] = statistics.median(float(r[1]) for r in rows)
+
+
+def clock_note(c: dict) -> str:
+    return f", SM clock {c['mhz']:.0f} MHz at {c['watts']:.0f} W (medians)" if c else ""
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
@@ -71,6 +104,8 @@ def main():
     ap.add_argument("--cuda-graph", action="store_true")
     ap.add_argument("--targets", default="random", choices=TARGETS)
     ap.add_argument("--logit-std", type=float, default=3.0)
+    ap.add_argument("--clocks", action="store_true",
+                    help="the SM clock and power (nvidia-smi) while the floor and the step are timed")
     args = ap.parse_args()
     x = make_inputs(SHAPES[args.shape], torch.device("cuda"), targets=args.targets,
                     logit_std=args.logit_std)
@@ -81,7 +116,11 @@ def main():
     rows = torch.nonzero(mask.reshape(-1))[:, 0]
     xv = h2[rows]
     dz = torch.randn(n_valid, w.shape[0], device="cuda", dtype=w.dtype)
-    floor = bench(lambda: xv @ w.T) + bench(lambda: dz @ w) + bench(lambda: dz.T @ xv)
+    floor_clock = {}
+    with clocks(floor_clock) if args.clocks else contextlib.nullcontext():
+        floor = bench(lambda: xv @ w.T) + bench(lambda: dz @ w) + bench(lambda: dz.T @ xv)
+    if args.clocks:
+        print(f"valid floor {floor:.2f} ms{clock_note(floor_clock)}")
     del dz
     if args.cublas:
         rows = cg_fused._budget_rows(h2, w, cg.GRPOConfig())
@@ -115,7 +154,9 @@ def main():
         torch.cuda.reset_peak_memory_stats()
         step()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        ms = bench(step)
+        step_clock = {}
+        with clocks(step_clock) if args.clocks else contextlib.nullcontext():
+            ms = bench(step)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(PROFILE_STEPS):
                 step()
@@ -127,15 +168,22 @@ def main():
                 fam[name] += e.device_time_total / 1e3 / PROFILE_STEPS
                 calls[name] += e.count / PROFILE_STEPS
         busy = sum(fam.values())
-        kernels = [e.time_range for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA]
-        span = (max(k.end for k in kernels) - min(k.start for k in kernels)) / 1e3 / PROFILE_STEPS
+        # idle GPU time between one step's kernels: the first step starts after a synchronize
+        # (the host's prologue shows), the later ones are queued behind it (the steady state)
+        kernels = sorted((e.time_range for e in prof.events()
+                          if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda k: k.start)
+        per = len(kernels) // PROFILE_STEPS
+        idle = [sum(max(0, b.start - a.end) for a, b in zip(kernels[i * per:(i + 1) * per],
+                                                           kernels[i * per + 1:(i + 1) * per]))
+                / 1e3 for i in range(PROFILE_STEPS)]
         print(f"{tag}: {ms:.2f} ms = {ms / floor:.3f}x valid floor ({floor:.2f} ms, "
-              f"N_valid={n_valid}), peak beyond grads {peak:.0f} MiB")
+              f"N_valid={n_valid}), peak beyond grads {peak:.0f} MiB{clock_note(step_clock)}")
         print(f"    kernels {busy:.2f} ms in {sum(calls.values()):.0f} launches a step (profiled); "
               f"the timed step minus that: {ms - busy:+.2f} ms")
-        print(f"    the profiled steps (back to back) span {span:.2f} ms a step from their first "
-              f"kernel's start to their last's end: {span - busy:+.2f} ms of it idle")
+        print(f"    GPU idle between a step's kernels: {idle[0]:.2f} ms in the first profiled step "
+              f"(after a synchronize), {sum(idle[1:]) / (PROFILE_STEPS - 1):.2f} ms in the later "
+              f"ones (queued back to back)")
         for name, t in fam.most_common(TOP):
             print(f"    {t:8.2f} ms  {calls[name]:4.0f}x  {name}")
         rest = fam.most_common()[TOP:]
