@@ -188,15 +188,20 @@ class _AttachGrads(torch.autograd.Function):
     def backward(ctx, g):
         dx, dw, db = ctx.saved_tensors
         # Eager 16/32-bit: scaled in place, so d_weight becomes weight.grad with no second
-        # [V, H] buffer; a second backward through the same graph (retain_graph=True) then fails
-        # autograd's saved-tensor version check rather than reuse scaled gradients. Traced, and
-        # float64 (gradcheck's repeated backward; memory is not its concern): out of place.
+        # [V, H] buffer (and no pass at all when g == 1); the mutating custom op bumps their
+        # version counters, so a second backward through the same graph (retain_graph=True)
+        # fails autograd's saved-tensor version check rather than reuse scaled gradients (on
+        # CUDA too, where scale_'s Triton kernel alone is invisible to autograd). Traced: out of
+        # place, a pass over dW a step (0.83 ms at qwen3-8b, H100): the same op there makes
+        # Inductor clone the saved gradients first (they are backward-graph inputs that nothing
+        # copies back to, so it cannot reinplace into them), a pass as well, two with g != 1.
+        # Float64 (gradcheck's repeated backward; memory is not its concern): out of place.
         in_place = not torch.compiler.is_compiling() and not any(
             t is not None and t.dtype == torch.float64 for t in (dx, dw, db))
 
         grads = [t if ok else None for t, ok in zip((dx, dw, db), ctx.has)]
-        if in_place:   # fp32 math, no pass at all when g == 1 (lowerings' scale_)
-            _op.scale_([t for t in grads if t is not None], g)
+        if in_place:   # fp32 math (lowerings' scale_)
+            _op.scale_grads_([t for t in grads if t is not None], g)
         else:
             grads = [None if t is None else (g * t).to(t.dtype) for t in grads]
         return (None, *grads, None, None, None)

@@ -282,6 +282,23 @@ def test_second_backward_is_an_error():
         out.loss.backward()
 
 
+def test_second_backward_is_an_error_when_the_scaling_is_invisible_to_autograd(monkeypatch):
+    """The same when the in-place scaling is a write autograd cannot see (the CUDA body's Triton
+    kernel; here a .data multiply): the scaling runs as a mutating custom op
+    (compiled_grpo::scale_grads_), whose call bumps the gradients' version counters."""
+    from lowerings.linear_logprobs import fused as lf
+
+    def invisible(tensors, g):
+        for t in tensors:
+            t.data.mul_(g)
+    monkeypatch.setattr(lf, "scale_", invisible)
+    inp = make_inputs(seed=12, device="cpu")
+    out = cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="fused"))
+    (2.0 * out.loss).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.loss.backward()
+
+
 def test_compile_static_shapes():
     """dynamic=False: every size a plain int (block bounds too), still one graph."""
     cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused", fused_workspace_mib=_mib(16))

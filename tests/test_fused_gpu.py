@@ -180,6 +180,13 @@ def test_incoming_gradient_scales_stored_grads():
         grads[c] = (h.grad.float(), w.grad.float())
     for one, scaled in zip(grads[1.0], grads[0.37]):
         torch.testing.assert_close(scaled, 0.37 * one, rtol=2**-7, atol=1e-30)
+    # the scaled gradients are not reused: a second backward through the graph is an error
+    # (the Triton scaling runs as the mutating custom op compiled_grpo::scale_grads_)
+    h = inp["hidden"].clone().requires_grad_()
+    out = cg.grpo_loss(**dict(inp, hidden=h), config=cfg)
+    (0.37 * out.loss).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.loss.backward()
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,

@@ -258,6 +258,20 @@ def scale_(tensors: list[Tensor], g: Tensor) -> None:
         _scale_kernel[(grid,)](t, g, t.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
 
 
+@torch.library.custom_op("compiled_grpo::scale_grads_", mutates_args=("tensors",))
+def scale_grads_(tensors: list[Tensor], g: Tensor) -> None:
+    """scale_ as a mutating custom op: a call bumps the tensors' version counters, so autograd
+    refuses a second backward through gradients it already scaled (on CUDA too: scale_'s Triton
+    body alone is invisible to autograd). Eager only (compiled_grpo/fused.py's _AttachGrads: in a
+    traced backward Inductor would clone the saved gradients before it)."""
+    scale_(tensors, g)
+
+
+@scale_grads_.register_fake
+def _(tensors, g):
+    return None
+
+
 # --- the two block steps as mutable custom ops ------------------------------------------------
 
 @torch.library.custom_op("compiled_grpo::fused_block_forward",
