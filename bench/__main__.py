@@ -31,6 +31,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls (the first compiles)")
+    ap.add_argument("--warmup-s", type=float, default=None,
+                    help="then untimed calls until this many seconds have passed (default: "
+                         "measure.WARMUP_S on CUDA, the GPU's sustained clock; 0 on CPU)")
     ap.add_argument("--reps", type=int, default=None, help="timed calls (default: sized to --target-s)")
     ap.add_argument("--target-s", type=float, default=None,
                     help="seconds of timed calls per provider (default 1.0 on CUDA, 0.2 on CPU)")
@@ -59,7 +62,8 @@ def main(argv=None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     shape_list = shapes.resolve(a.shapes or (["qwen3-8b"] if device.type == "cuda" else ["cpu-small"]))
     prov_list = providers.resolve(a.providers)
-    timing = measure.Timing(warmup=max(1, a.warmup), reps=a.reps,
+    warmup_s = a.warmup_s if a.warmup_s is not None else (measure.WARMUP_S if device.type == "cuda" else 0.0)
+    timing = measure.Timing(warmup=max(1, a.warmup), reps=a.reps, warmup_s=warmup_s,
                             target_s=a.target_s or (1.0 if device.type == "cuda" else 0.2))
     dtype = getattr(torch, a.dtype)
     params = providers.Params()

@@ -3,7 +3,8 @@
 Legend: B sequences, T tokens, H hidden, V vocab, N = B*T.
 
 Timing: CUDA events around each step (device time, host clock only on CPU), warm-up first (the
-first call compiles), then a median over repetitions sized to take ~target_s. Memory: peak
+first call compiles; on CUDA then untimed steps until warmup_s have passed: the GPU's sustained
+state, below), then a median over repetitions sized to take ~target_s. Memory: peak
 allocated during one extra step minus what was allocated before it (the inputs, with grads
 cleared), and that minus the bytes of dX and dW themselves. Agreement: relative error of loss,
 dX, dW against a float32 reference computed once per shape.
@@ -26,10 +27,18 @@ from bench.shapes import Shape, StepInputs
 
 MiB = float(1 << 20)
 
+# An H100 under GEMM load slows by ~4% in its first seconds as it heats (qwen3-8b valid floor:
+# 32.6 ms in the first 2.5 s from idle, 33.8-33.9 ms from 5 s on; the fused step 36.1 cold,
+# 36.8-37.6 hot; bench/results/thermal_drift_h100.txt). A provider timed from cold against a floor
+# timed hot, or the other way round, gains or loses that much in its ratio; every provider, the
+# floors too, therefore runs untimed for WARMUP_S seconds first and is timed at the sustained clock.
+WARMUP_S = 5.0
+
 
 @dataclasses.dataclass
 class Timing:
     warmup: int = 2  # the first compiles, the second is steady state but is not timed either
+    warmup_s: float = 0.0  # then untimed steps until this many seconds have passed (CUDA: WARMUP_S)
     reps: Optional[int] = None  # fixed count, or None: sized to target_s within [min, max]
     target_s: float = 1.0
     min_reps: int = 3
@@ -73,6 +82,11 @@ def time_step(step: Callable, x: StepInputs, device: torch.device, t: Timing) ->
         clear_grads(x)
         step()
     sync(device)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < t.warmup_s:   # to the GPU's sustained clock (WARMUP_S)
+        clear_grads(x)
+        step()
+        sync(device)
     reps = t.reps
     if reps is None:
         t0 = time.perf_counter()

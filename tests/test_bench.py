@@ -4,6 +4,8 @@ Only eager providers (no torch.compile) so the test stays within seconds; the co
 share run_one and differ only in their build function.
 """
 import csv
+import time
+import types
 
 import pytest
 import torch
@@ -171,3 +173,20 @@ def test_e2e_step_smoke(tmp_path):
     losses = [r["loss"] for r in rows]
     assert max(losses) - min(losses) < 1e-5, losses
     assert (tmp_path / "e2e.csv").exists()
+
+
+def test_time_step_warms_up_by_time_too():
+    """Timing.warmup_s: after the counted warm-up, untimed steps until that many seconds have
+    passed (the GPU's sustained clock, measure.WARMUP_S); 0 adds none."""
+    calls = []
+    x = types.SimpleNamespace(hidden=torch.zeros(1), weight=torch.zeros(1))
+
+    def step():
+        calls.append(time.perf_counter())
+        time.sleep(0.01)
+
+    measure.time_step(step, x, torch.device("cpu"), measure.Timing(warmup=2, reps=3))
+    assert len(calls) == 2 + 3
+    calls.clear()
+    measure.time_step(step, x, torch.device("cpu"), measure.Timing(warmup=2, reps=3, warmup_s=0.1))
+    assert len(calls) >= 2 + 3 + 5 and calls[-4] - calls[0] >= 0.1
