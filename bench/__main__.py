@@ -184,6 +184,11 @@ def _summary(row: dict) -> str:
             parts.append(f"{c.split('_')[0]} {row[c]:.1e}")
     if row.get("note"):
         parts.append(row["note"])
+    if row["ms"] > 1.02 * row["ms_min"]:   # a spread worth seeing: every repetition, in order
+        parts.append("reps " + " ".join(f"{t:.1f}" for t in row["times_ms"]))
+    moved = [f"{k} +{row[k]}" for k in ("num_device_alloc", "num_alloc_retries") if row.get(k)]
+    if moved:
+        parts.append("while timed: " + " ".join(moved))
     return ", ".join(parts)
 
 

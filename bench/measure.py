@@ -96,7 +96,9 @@ def time_step(step: Callable, x: StepInputs, device: torch.device, t: Timing) ->
         est = time.perf_counter() - t0
         reps = max(t.min_reps, min(t.max_reps, math.ceil(t.target_s / max(est, 1e-6))))
     times = []
+    extra = {}
     if device.type == "cuda":
+        before = torch.cuda.memory_stats(device)
         events = []
         for _ in range(reps):
             clear_grads(x)  # host-side; frees last step's grads so every step allocates its own
@@ -107,13 +109,17 @@ def time_step(step: Callable, x: StepInputs, device: torch.device, t: Timing) ->
             events.append((s, e))
         sync(device)
         times = [s.elapsed_time(e) for s, e in events]
+        # cudaMalloc calls and allocator retries (both can stall the host on the GPU) while timed
+        after = torch.cuda.memory_stats(device)
+        extra = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_alloc_retries")}
     else:
         for _ in range(reps):
             clear_grads(x)
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
-    return dict(ms=statistics.median(times), ms_min=min(times), reps=reps, first_call_s=first_call_s)
+    return dict(ms=statistics.median(times), ms_min=min(times), reps=reps, first_call_s=first_call_s,
+                times_ms=times, **extra)
 
 
 def memory_step(step: Callable, x: StepInputs, device: torch.device) -> tuple[dict, Optional[torch.Tensor]]:
