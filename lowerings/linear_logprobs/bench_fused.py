@@ -6,7 +6,7 @@
         [--targets {random,sampled,least}] [--logit-std S] [--cuda-graph] [--clocks]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
-the same run, peak memory beyond inputs and grads, the CUDA time of each kernel family of one
+the same run (each timed after 5 s of it untimed: the GPU's sustained clock, bench.measure.WARMUP_S), peak memory beyond inputs and grads, the CUDA time of each kernel family of one
 step (torch.profiler) with their total, the timed step's time beyond it, the GPU's idle time
 between a step's kernels (right after a synchronize, and queued), and the host's time
 to launch one step (a step is host-bound where that exceeds the step). The profiled kernels run
@@ -26,7 +26,7 @@ the mark the Triton steps are held to. --workspace-mib: the default step again w
 GRPOConfig.fused_workspace_mib (larger row blocks: fewer dW read-modify-writes and longer GEMMs,
 for more memory; the speed / memory trade-off of the 768 MiB bound). --host-profile: cProfile of
 the host's side of a few steps (what the launch time is spent on, where a step is host-bound:
-small H, many blocks). --targets / --logit-std: bench.shapes.make_inputs' (default random, 3.0);
+small H, many blocks), then the time in Triton's launcher per kernel. --targets / --logit-std: bench.shapes.make_inputs' (default random, 3.0);
 `--targets least --logit-std 8` puts every target below logp -48, the exp-scaled backward's
 worst case (each row re-referenced by the combine kernel, fused_cuda.E_HEADROOM); the logprobs'
 largest error against an fp32 reference is printed with it. --cuda-graph: the step captured as
@@ -48,6 +48,7 @@ import torch
 import triton.testing
 
 import compiled_grpo as cg
+from bench.measure import WARMUP_S
 from bench.shapes import SHAPES, TARGETS, _chunked_logprobs, make_inputs
 from compiled_grpo import fused as cg_fused
 from lowerings.linear_logprobs import cuda as dense
@@ -60,6 +61,16 @@ TOP = 16            # kernel families listed one by one
 
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=2, rep=1500, return_mode="median")
+
+
+def heat(fn, seconds: float = WARMUP_S):
+    """fn, untimed, until `seconds` have passed: the GPU at its sustained clock before the floor
+    and the step are timed (an H100 is ~4% faster in its first seconds from idle:
+    bench/results/thermal_drift_h100.txt; bench.measure.WARMUP_S)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
@@ -117,6 +128,7 @@ def main():
     xv = h2[rows]
     dz = torch.randn(n_valid, w.shape[0], device="cuda", dtype=w.dtype)
     floor_clock = {}
+    heat(lambda: (xv @ w.T, dz @ w, dz.T @ xv))
     with clocks(floor_clock) if args.clocks else contextlib.nullcontext():
         floor = bench(lambda: xv @ w.T) + bench(lambda: dz @ w) + bench(lambda: dz.T @ xv)
     if args.clocks:
@@ -155,6 +167,7 @@ def main():
         step()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         step_clock = {}
+        heat(step)
         with clocks(step_clock) if args.clocks else contextlib.nullcontext():
             ms = bench(step)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -226,6 +239,7 @@ def main():
                 step()
             torch.cuda.synchronize()
         print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+        launch_cost(step)
     if args.cuda_graph:
         graph_step(step, hidden, weight, floor)
     default_cfg = cfg
@@ -268,6 +282,40 @@ def main():
             variant(cuda_rows, "GEMM_TILES", {**cuda_rows.GEMM_TILES, 2: tiles},
                     f"GEMM_TILES[bf16]={tiles}")
         measure("default again (drift over the sweep)")
+
+
+def launch_cost(step):
+    """The host's time in Triton's launcher (JITFunction.run: argument binding, specialization,
+    the cache key, the launch) per kernel, over PROFILE_STEPS steps each started after a
+    synchronize, against the step's whole host time."""
+    from triton.runtime.jit import JITFunction
+    spent, calls = collections.Counter(), collections.Counter()
+    real = JITFunction.run
+
+    def timed(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real(self, *a, **k)
+        finally:
+            spent[self.fn.__name__] += time.perf_counter() - t0
+            calls[self.fn.__name__] += 1
+
+    host = 0.0
+    JITFunction.run = timed
+    try:
+        for _ in range(PROFILE_STEPS):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            host += time.perf_counter() - t0
+    finally:
+        JITFunction.run = real
+    torch.cuda.synchronize()
+    print(f"    Triton's launcher: {sum(spent.values()) / PROFILE_STEPS * 1e3:.2f} ms of "
+          f"{host / PROFILE_STEPS * 1e3:.2f} ms host time a step")
+    for name, t in spent.most_common():
+        print(f"      {name:32s} {calls[name] / PROFILE_STEPS:5.1f} a step, "
+              f"{t / calls[name] * 1e6:6.1f} us each")
 
 
 def graph_step(step, hidden, weight, floor):
