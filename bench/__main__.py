@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     shape_list = shapes.resolve(a.shapes or (["qwen3-8b"] if device.type == "cuda" else ["cpu-small"]))
     prov_list = providers.resolve(a.providers)
-    warmup_s = a.warmup_s if a.warmup_s is not None else (measure.WARMUP_S if device.type == "cuda" else 0.0)
+    warmup_s = a.warmup_s if a.warmup_s is not None else (
+        measure.WARMUP_S if device.type == "cuda" else 0.0)
     timing = measure.Timing(warmup=max(1, a.warmup), reps=a.reps, warmup_s=warmup_s,
                             target_s=a.target_s or (1.0 if device.type == "cuda" else 0.2))
     dtype = getattr(torch, a.dtype)

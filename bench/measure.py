@@ -111,7 +111,8 @@ def time_step(step: Callable, x: StepInputs, device: torch.device, t: Timing) ->
         times = [s.elapsed_time(e) for s, e in events]
         # cudaMalloc calls and allocator retries (both can stall the host on the GPU) while timed
         after = torch.cuda.memory_stats(device)
-        extra = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_alloc_retries")}
+        extra = {k: after.get(k, 0) - before.get(k, 0)
+                 for k in ("num_device_alloc", "num_alloc_retries")}
     else:
         for _ in range(reps):
             clear_grads(x)

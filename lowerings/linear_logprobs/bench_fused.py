@@ -6,10 +6,11 @@
         [--targets {random,sampled,least}] [--logit-std S] [--cuda-graph] [--clocks]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
-the same run (each timed after 5 s of it untimed: the GPU's sustained clock, bench.measure.WARMUP_S), peak memory beyond inputs and grads, the CUDA time of each kernel family of one
-step (torch.profiler) with their total, the timed step's time beyond it, the GPU's idle time
-between a step's kernels (right after a synchronize, and queued), and the host's time
-to launch one step (a step is host-bound where that exceeds the step). The profiled kernels run
+the same run (each timed after 5 s of it untimed: the GPU's sustained clock,
+bench.measure.WARMUP_S), peak memory beyond inputs and grads, the CUDA time of each kernel
+family of one step (torch.profiler) with their total, the timed step's time beyond it, the
+GPU's idle time between a step's kernels (right after a synchronize, and queued), and the
+host's time to launch one step (a step is host-bound where that exceeds the step). The profiled kernels run
 right after a synchronize, at a higher clock than the power-capped timed loop, so their total
 can exceed the timed step. --trace DIR: the profiled steps' chrome trace (DIR/<tag>.json.gz):
 where the GPU waits. --all-valid: every position valid (the all-positions target). --compile [MODE]:
@@ -26,7 +27,8 @@ the mark the Triton steps are held to. --workspace-mib: the default step again w
 GRPOConfig.fused_workspace_mib (larger row blocks: fewer dW read-modify-writes and longer GEMMs,
 for more memory; the speed / memory trade-off of the 768 MiB bound). --host-profile: cProfile of
 the host's side of a few steps (what the launch time is spent on, where a step is host-bound:
-small H, many blocks), then the time in Triton's launcher per kernel. --targets / --logit-std: bench.shapes.make_inputs' (default random, 3.0);
+small H, many blocks), then the time in Triton's launcher per kernel. --targets /
+--logit-std: bench.shapes.make_inputs' (default random, 3.0);
 `--targets least --logit-std 8` puts every target below logp -48, the exp-scaled backward's
 worst case (each row re-referenced by the combine kernel, fused_cuda.E_HEADROOM); the logprobs'
 largest error against an fp32 reference is printed with it. --cuda-graph: the step captured as
