@@ -177,6 +177,35 @@ def test_tma_matches_pointer_loads(monkeypatch):
     print("TMA vs pointer bitwise equal:", [torch.equal(a, c) for a, c in zip(*runs)])
 
 
+def test_tma_scratch_one_buffer_a_stream():
+    """Triton's global scratch (in-kernel tensor maps) comes from one buffer a (device, stream):
+    reused while big enough, grown when not, its own buffer on another stream, a fresh one
+    while a CUDA graph is captured; a kernel using it on a side stream and under graph replay
+    gives the default stream's result."""
+    import lowerings.linear_logprobs.cuda as tk
+    tk._SCRATCH.clear()
+    s0 = torch.cuda.current_stream().cuda_stream
+    a = tk._tma_alloc(1000, 128, s0)
+    assert tk._tma_alloc(600, 128, s0).data_ptr() == a.data_ptr()
+    big = tk._tma_alloc(5000, 128, s0)
+    assert big.numel() >= 5000 and tk._tma_alloc(10, 128, s0).data_ptr() == big.data_ptr()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert tk._tma_alloc(10, 128, side.cuda_stream).data_ptr() != big.data_ptr()
+    x, w, ids, _ = make(300, v=5000)
+    want = linear_logprobs(x, w, ids).logprobs
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got_side = linear_logprobs(x, w, ids).logprobs
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_graph = linear_logprobs(x, w, ids).logprobs
+    graph.replay()
+    torch.testing.assert_close(got_side, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_graph, want, rtol=0, atol=0)
+
+
 def _padded_mask(n, t=256, seed=0):
     """A right-padded [n / t, t] batch flattened: completion lengths ~ U[1, t]."""
     g = torch.Generator(device="cuda").manual_seed(seed)

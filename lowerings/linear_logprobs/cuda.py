@@ -118,14 +118,40 @@ def _prepare(hidden: Tensor, weight: Tensor, fp32_lm_head: bool):
     return x, w, ("ieee" if dt == torch.float32 else "tf32")
 
 
-def _tma_alloc(size: int, alignment: int, stream: Optional[int]) -> Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+# Triton's global scratch, one buffer a (device, stream), reused by every launch on it (see
+# _tma_alloc); at most SCRATCH_STREAMS streams are remembered (a process that makes a stream a
+# step does not pile up buffers).
+_SCRATCH: dict[tuple[int, int], Tensor] = {}
+SCRATCH_STREAMS = 8
+
+
+def _tma_alloc(size: int, alignment: int, stream: int) -> Tensor:
+    """Triton's launcher asks for `size` bytes of global scratch on `stream` before each launch of
+    a kernel with in-kernel tensor maps (size = programs x bytes a program) and drops the buffer
+    right after. Kernels on one stream run in order, so one buffer a stream serves them all: a
+    fresh torch.empty a launch cost ~5.8 ms of host time a step of the small-policy eager step
+    (H100, qwen2.5-0.5b, 32 such launches; bench/results/host_scratch_h100.txt), where the host
+    is the limit. Grown when a launch needs more (the old buffer goes back to the caching
+    allocator on the same stream, so later work on it is ordered after that launch). While a
+    CUDA graph is captured each launch takes a buffer of the graph's pool, as before (a cached
+    one would be shared across graphs and replays). The caching allocator's 512-byte alignment
+    covers Triton's (128)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    key = (torch.cuda.current_device(), stream)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < size:
+        if buf is None and len(_SCRATCH) >= SCRATCH_STREAMS:
+            _SCRATCH.clear()
+        buf = _SCRATCH[key] = torch.empty(size, dtype=torch.int8, device="cuda")
+    return buf
 
 
 def _ensure_allocator() -> None:
     """In-kernel descriptors need Triton's global scratch (a per-launch buffer holding each
-    program's tensor maps, ~256 bytes a program): install a torch allocator unless the thread
-    already has one (the setting is a ContextVar; Inductor's launcher installs its own)."""
+    program's tensor maps, ~256 bytes a program): install a torch allocator (_tma_alloc) unless
+    the thread already has one (the setting is a ContextVar; Inductor's launcher installs its
+    own)."""
     try:
         from triton.runtime._allocation import _NULL_ALLOCATOR, _allocator
         if _allocator.get() is not _NULL_ALLOCATOR:

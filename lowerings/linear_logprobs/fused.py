@@ -36,12 +36,14 @@ ops (``fused_block_forward`` / ``fused_block_backward``, opaque to Inductor: the
 Triton kernels themselves on CUDA and run PyTorch on CPU); ``grad_fn`` between them is plain
 torch code that Dynamo traces (compiled_grpo uses torch.func.grad of the loss functions). The
 ops mutate the workspace and the gradient buffers in place, so under torch.compile they become
-auto_functionalized nodes that Inductor reinplaces (as gemms.py).
+auto_functionalized nodes that Inductor reinplaces (as gemms.py). Plain eager calls run the ops'
+bodies directly (block_steps: the same code, without the op layers' host time).
 """
 from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lowerings.linear_logprobs import cpu as _cpu
 from lowerings.linear_logprobs import cuda as _dense
@@ -183,6 +185,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     scaled = cuda and allow_scaled and exp_scaled(cd, with_entropy and entropy_grad, softcap, need_b,
                                                   combine)
     ref = hidden.new_empty(3 * r, dtype=torch.float32)                        # [3 R] (scaled)
+    step_fwd, step_bwd = block_steps(hidden)
     lps, ents, lses = [], [], []
     # last block first: with the global order the blocks past the last valid row are empty and
     # the last one with valid rows is partial, so that one runs first and its dW step stores
@@ -196,18 +199,16 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
             rows = min((b + 1) * r, n) - r0
         else:
             r0, rows = b * r, r
-        lp_b, ent_b, lse_b = fused_block_forward(hidden, weight, ids_p, bias, perm, counts, ws,
-                                                 zoff, xg, b, r0, rows, ref=ref, scaled=scaled,
-                                                 **scal)
+        lp_b, ent_b, lse_b = step_fwd(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b,
+                                      r0, rows, ref=ref, scaled=scaled, **scal)
         idx = perm.narrow(0, r0, rows)                                       # [R'] original rows
         if combine is not None:
             lp_b, ent_b, lse_b = combine(idx, lp_b, ent_b, lse_b)
         g_lp, g_ent = grad_fn(r0, idx, lp_b, ent_b)
-        fused_block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse_b, ent_b,
-                             g_lp.to(lse_b.dtype).contiguous(),
-                             g_ent.to(lse_b.dtype).contiguous(), dx, dxp, dw, db, b, r0, rows,
-                             need_x=need_x, need_w=need_w, need_b=need_b, ref=ref,
-                             scaled=scaled, **scal)
+        step_bwd(weight, ids_p, perm, counts, ws, zoff, xg, lse_b, ent_b,
+                 g_lp.to(lse_b.dtype).contiguous(), g_ent.to(lse_b.dtype).contiguous(), dx, dxp,
+                 dw, db, b, r0, rows, need_x=need_x, need_w=need_w, need_b=need_b, ref=ref,
+                 scaled=scaled, **scal)
         lps.insert(0, lp_b), ents.insert(0, ent_b), lses.insert(0, lse_b)
     # back to the original order (padded rows: 0, the value computed past each block's count)
     perm_n = perm.narrow(0, 0, n)
@@ -221,6 +222,18 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         dx = reduce_dx(dx)
     return FusedResult(lp, ent, lse, dx if need_x else None,
                        dw if need_w else None, db.to(bias.dtype) if need_b else None)
+
+
+def block_steps(hidden: Tensor) -> tuple[Callable, Callable]:
+    """The two block steps: the custom ops wherever something traces the call (Dynamo, a
+    dispatch mode such as make_fx's or functionalization, fake or other tensor subclasses), so
+    it sees two opaque, mutating steps; their bodies themselves in plain eager, where the ops'
+    dispatcher, autograd, ADInplaceOrView and aliasing-check layers would only cost host time
+    (16 calls a step at 8 blocks; a small policy's eager step is host-bound: README)."""
+    if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            or type(hidden) is not Tensor):
+        return fused_block_forward, fused_block_backward
+    return _block_forward, _block_backward
 
 
 def exp_scaled(ws_dtype: torch.dtype, entropy_grad: bool, softcap: Optional[float],
@@ -274,9 +287,7 @@ def _(tensors, g):
 
 # --- the two block steps as mutable custom ops ------------------------------------------------
 
-@torch.library.custom_op("compiled_grpo::fused_block_forward",
-                         mutates_args=("ws", "zoff", "xg", "ref"))
-def fused_block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[Tensor],
+def _block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[Tensor],
                         perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor,
                         b: int, r0: int, rows: int, temperature: float, with_entropy: bool,
                         logit_scale: float, softcap: Optional[float], ref: Tensor, scaled: bool
@@ -298,6 +309,10 @@ def fused_block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Opt
     return tuple(torch.where(valid, t, 0) for t in (zt - lse, ent, lse))
 
 
+fused_block_forward = torch.library.custom_op(
+    "compiled_grpo::fused_block_forward", mutates_args=("ws", "zoff", "xg", "ref"))(_block_forward)
+
+
 @fused_block_forward.register_fake
 def _(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0, rows, temperature,
       with_entropy, logit_scale, softcap, ref, scaled):
@@ -305,9 +320,7 @@ def _(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0, rows, temp
     return tuple(hidden.new_empty(rows, dtype=dt) for _ in range(3))
 
 
-@torch.library.custom_op("compiled_grpo::fused_block_backward",
-                         mutates_args=("ws", "xg", "dx", "dxp", "dw", "db", "ref"))
-def fused_block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, ws: Tensor,
+def _block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, ws: Tensor,
                          zoff: Tensor, xg: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
                          g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int,
                          r0: int, rows: int, temperature: float, with_entropy: bool,
@@ -345,6 +358,11 @@ def fused_block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Te
         dw.copy_(part) if b == counts.shape[0] - 1 else dw.add_(part.to(dw.dtype))
     if need_b:
         db.add_(dz.sum(0).to(db.dtype))
+
+
+fused_block_backward = torch.library.custom_op(
+    "compiled_grpo::fused_block_backward",
+    mutates_args=("ws", "xg", "dx", "dxp", "dw", "db", "ref"))(_block_backward)
 
 
 @fused_block_backward.register_fake
