@@ -128,14 +128,14 @@ SCRATCH_STREAMS = 8
 def _tma_alloc(size: int, alignment: int, stream: int) -> Tensor:
     """Triton's launcher asks for `size` bytes of global scratch on `stream` before each launch of
     a kernel with in-kernel tensor maps (size = programs x bytes a program) and drops the buffer
-    right after. Kernels on one stream run in order, so one buffer a stream serves them all: a
-    fresh torch.empty a launch cost ~5.8 ms of host time a step of the small-policy eager step
-    (H100, qwen2.5-0.5b, 32 such launches; bench/results/host_scratch_h100.txt), where the host
-    is the limit. Grown when a launch needs more (the old buffer goes back to the caching
-    allocator on the same stream, so later work on it is ordered after that launch). While a
-    CUDA graph is captured each launch takes a buffer of the graph's pool, as before (a cached
-    one would be shared across graphs and replays). The caching allocator's 512-byte alignment
-    covers Triton's (128)."""
+    right after. Kernels on one stream run in order, so one buffer a stream serves them all. A
+    fresh torch.empty a launch (32 such launches a step at 8 blocks) costs the host-bound
+    small-policy eager step ~0.8 ms on one H100 host and ~6 ms on a slower one (qwen2.5-0.5b;
+    bench/results/host_scratch_h100.txt). Grown when a launch needs more (the old buffer goes
+    back to the caching allocator on the same stream, so later work on it is ordered after that
+    launch). While a CUDA graph is captured each launch takes a buffer of the graph's pool, as
+    before (a cached one would be shared across graphs and replays). The caching allocator's
+    512-byte alignment covers Triton's (128)."""
     if torch.cuda.is_current_stream_capturing():
         return torch.empty(size, dtype=torch.int8, device="cuda")
     key = (torch.cuda.current_device(), stream)
