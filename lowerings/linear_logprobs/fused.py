@@ -288,10 +288,10 @@ def _(tensors, g):
 # --- the two block steps as mutable custom ops ------------------------------------------------
 
 def _block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[Tensor],
-                        perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor,
-                        b: int, r0: int, rows: int, temperature: float, with_entropy: bool,
-                        logit_scale: float, softcap: Optional[float], ref: Tensor, scaled: bool
-                        ) -> tuple[Tensor, Tensor, Tensor]:
+                   perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor,
+                   b: int, r0: int, rows: int, temperature: float, with_entropy: bool,
+                   logit_scale: float, softcap: Optional[float], ref: Tensor, scaled: bool
+                   ) -> tuple[Tensor, Tensor, Tensor]:
     """Block b = rows [r0, r0 + rows) of the permuted order: xg <- its hidden rows, ws <- its
     logits (scaled: as e' = exp(z - R*) but at the targets, the references in ref),
     -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]."""
@@ -321,11 +321,11 @@ def _(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0, rows, temp
 
 
 def _block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, ws: Tensor,
-                         zoff: Tensor, xg: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
-                         g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int,
-                         r0: int, rows: int, temperature: float, with_entropy: bool,
-                         logit_scale: float, softcap: Optional[float], need_x: bool, need_w: bool,
-                         need_b: bool, ref: Tensor, scaled: bool) -> None:
+                    zoff: Tensor, xg: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
+                    g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int,
+                    r0: int, rows: int, temperature: float, with_entropy: bool,
+                    logit_scale: float, softcap: Optional[float], need_x: bool, need_w: bool,
+                    need_b: bool, ref: Tensor, scaled: bool) -> None:
     """ws <- dlogits of block b's valid rows; dx[perm rows] = ws @ W (dxp: scratch of the
     Triton body's split dX step); dw (+)= ws.T @ xg; db += column sums. Incoming vectors [rows]
     in the block's order. The blocks run from G - 1 down to 0: the first to run stores dW, the
