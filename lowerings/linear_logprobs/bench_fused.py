@@ -50,7 +50,7 @@ import torch
 import triton.testing
 
 import compiled_grpo as cg
-from bench.measure import WARMUP_S
+from bench.measure import WARMUP_S, keep_busy
 from bench.shapes import SHAPES, TARGETS, _chunked_logprobs, make_inputs
 from compiled_grpo import fused as cg_fused
 from lowerings.linear_logprobs import cuda as dense
@@ -68,11 +68,8 @@ def bench(fn):
 def heat(fn, seconds: float = WARMUP_S):
     """fn, untimed, until `seconds` have passed: the GPU at its sustained clock before the floor
     and the step are timed (an H100 is ~4% faster in its first seconds from idle:
-    bench/results/thermal_drift_h100.txt; bench.measure.WARMUP_S)."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        torch.cuda.synchronize()
+    bench/results/thermal_drift_h100.txt; bench.measure.keep_busy: queued back to back)."""
+    keep_busy(fn, seconds, torch.device("cuda"))
 
 
 @contextlib.contextmanager
