@@ -201,6 +201,9 @@ def test_tma_scratch_one_buffer_a_stream():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got_graph = linear_logprobs(x, w, ids).logprobs
+        cached = {t.data_ptr() for t in tk._SCRATCH.values()}
+        capture_stream = torch.cuda.current_stream().cuda_stream
+        assert tk._tma_alloc(10, 128, capture_stream).data_ptr() not in cached
     graph.replay()
     torch.testing.assert_close(got_side, want, rtol=0, atol=0)
     torch.testing.assert_close(got_graph, want, rtol=0, atol=0)
