@@ -25,7 +25,7 @@ alike (the outputs are viewed as ids.shape, so a static hidden would specialize 
 `mark_dynamic(ids, 0)` then raises ConstraintViolationError); note that `x.clone()` drops a mark.
 
 Measured on one H200 (torch 2.11, triton 3.6), N=16384, H=4096, V=151936 bf16:
-  GRPO loss fwd+bwd (`python -m bench --shapes qwen3-8b`, README "GPU results"): 122.9 ms eager
+  GRPO loss fwd+bwd (`python -m bench --shapes qwen3-8b`, bench/results/HISTORY.md): 122.9 ms eager
   = 1.33x the floor of three cuBLAS bf16 GEMMs of N*H*V (92.3 ms, same run), 124.3 ms = 1.35x
   inside torch.compile; peak beyond inputs+grads 58 / 61 MiB (N*V bf16 logits: 4748 MiB).
   The op alone (`python -m lowerings.linear_logprobs.bench_op --compile --tma=1 --profile`, before the
