@@ -89,12 +89,18 @@ def check_token_ids(token_ids: torch.Tensor, vocab_size: int, valid: torch.Tenso
                          f"{bad[:5].tolist()} (and {max(bad.numel() - 5, 0)} more)")
 
 
-def check_cu_seqlens(cu_seqlens, num_tokens, device) -> None:
-    """cu_seqlens [S + 1] int32/int64 on hidden's device, S >= 1; values 0 first, N last, non-decreasing.
+def check_cu_seqlens(cu_seqlens, num_tokens, device, max_seqlen=None) -> None:
+    """cu_seqlens [S + 1] int32/int64 on hidden's device, S >= 1; values 0 first, N last, non-decreasing;
+    with ``max_seqlen`` (a Python int >= 1) no sequence longer than it.
 
     Shapes and dtype are checked always; the values like token ids: ValueError in eager CPU code,
     ``torch._assert_async`` on other devices and under compile (no host sync).
     """
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt))):
+        raise TypeError(f"max_seqlen must be an int (a bound on the lengths of cu_seqlens' sequences) or None, "
+                        f"got {type(max_seqlen).__name__}")
+    if max_seqlen is not None and isinstance(max_seqlen, int) and max_seqlen < 1:
+        raise ValueError(f"max_seqlen must be >= 1, got {max_seqlen}")
     check_tensor("cu_seqlens", cu_seqlens, ndims=(1,), dtypes=INT_DTYPES, device=device)
     if cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens must have shape [S + 1] with S >= 1 sequences, got {tuple(cu_seqlens.shape)}")
@@ -106,3 +112,12 @@ def check_cu_seqlens(cu_seqlens, num_tokens, device) -> None:
         values = cu_seqlens.tolist()
         raise ValueError(f"{what}; N={num_tokens}, got {values[:8]}{' ...' if len(values) > 8 else ''} "
                          f"(S+1={len(values)})")
+    if max_seqlen is None:
+        return
+    fits = ((cu_seqlens[1:] - cu_seqlens[:-1]) <= max_seqlen).all()
+    what = "max_seqlen must bound the length of every sequence of cu_seqlens"
+    if torch.compiler.is_compiling() or cu_seqlens.device.type != "cpu":
+        torch._assert_async(fits, what)
+    elif not bool(fits):
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        raise ValueError(f"{what}: max_seqlen={max_seqlen}, the longest has {longest} tokens")

@@ -59,7 +59,7 @@ def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Ten
               old_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None, *,
               bias: Optional[Tensor] = None, sampling_ratio: Optional[Tensor] = None,
               sampling_per_token_logps: Optional[Tensor] = None,
-              num_items_in_batch=None, cu_seqlens: Optional[Tensor] = None,
+              num_items_in_batch=None, cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
               config: GRPOConfig = _DEFAULT, tp_group=None, vocab_start: Optional[int] = None) -> GRPOOutput:
     """GRPO-family loss of ``config.loss_type`` (README: loss table).
 
@@ -90,6 +90,12 @@ def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Ten
     take token_ids' shape. Every loss type, IS level, KL, normalizer and metric gives the value of
     the padded [S, T] layout of the same sequences (B = S, empty sequences included; L_i = the
     segment's valid tokens; dr_grpo's divisor S * max_completion_length), up to summation order.
+    ``max_seqlen`` (int, flash-attn's name): a bound on the sequences' lengths, checked (ValueError
+    in eager CPU code, a device assert elsewhere). Only the fused mode of the losses that couple a
+    sequence's tokens (GSPO, vespo, the off-policy mask: fused.sequence_coupled) reads it, to cut
+    the batch into blocks of whole sequences; without it they recompute. Pass a fixed bound such as
+    the generation's max completion length, not each batch's longest: inside torch.compile a
+    new value recompiles.
 
     Gradient: ``config.gradient_mode`` "fused" forms it while each row block's logits exist
     (6NHV FLOPs, a [R, V] workspace of ``fused_workspace_mib``; compiled_grpo/fused.py),
@@ -105,17 +111,17 @@ def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Ten
         logprob_fn = functools.partial(token_logprobs, tp_group=tp_group, vocab_start=vocab_start)
     return _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logprobs, ref_logprobs,
                       bias=bias, sampling_ratio=sampling_ratio, sampling_per_token_logps=sampling_per_token_logps,
-                      num_items_in_batch=num_items_in_batch, cu_seqlens=cu_seqlens, config=config,
-                      fusable=True, tp_group=tp_group, vocab_start=vocab_start)
+                      num_items_in_batch=num_items_in_batch, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                      config=config, fusable=True, tp_group=tp_group, vocab_start=vocab_start)
 
 
 def _check_packed(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio, cu_seqlens,
-                  sampling_logprobs=None) -> None:
+                  sampling_logprobs=None, max_seqlen=None) -> None:
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES)
     check_packed_hidden(hidden)
     tok, dev = tuple(hidden.shape[:-1]), hidden.device  # (N,) or (1, N)
     what = "[N]" if len(tok) == 1 else "[1, N]"
-    check_cu_seqlens(cu_seqlens, tok[-1], dev)
+    check_cu_seqlens(cu_seqlens, tok[-1], dev, max_seqlen)
     check_tensor("mask", mask, ndims=(len(tok),), device=dev)
     check_shape("mask", mask, tok, what)
     check_tensor("advantages", advantages, ndims=(1, len(tok)), dtypes=FLOAT_DTYPES, device=dev)
@@ -167,14 +173,17 @@ def _check_sampling(sampling_ratio, sampling_logprobs, config, mask, packed: boo
 
 
 def _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio,
-                  num_items_in_batch, config, cu_seqlens=None, sampling_logprobs=None) -> None:
+                  num_items_in_batch, config, cu_seqlens=None, sampling_logprobs=None, max_seqlen=None) -> None:
     if not isinstance(config, GRPOConfig):
         raise TypeError(f"config must be a compiled_grpo.GRPOConfig, got {type(config).__name__}")
     if cu_seqlens is None:
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen bounds the sequences of cu_seqlens (packed inputs); padded [B, T] "
+                             "inputs have T: pass cu_seqlens too, or leave max_seqlen None")
         _check_padded(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio, sampling_logprobs)
     else:
         _check_packed(hidden, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio, cu_seqlens,
-                      sampling_logprobs)
+                      sampling_logprobs, max_seqlen)
     _check_sampling(sampling_ratio, sampling_logprobs, config, mask, cu_seqlens is not None)
     if config.beta != 0.0 and ref_logprobs is None:
         raise ValueError(f"ref_logprobs is required when config.beta={config.beta} > 0 (the KL penalty needs "
@@ -272,7 +281,7 @@ def _option_metrics(terms: PerTokenLoss, samp, valid, cfg, segments) -> dict:
 
 def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logprobs=None, ref_logprobs=None, *,
                bias=None, sampling_ratio=None, sampling_per_token_logps=None, num_items_in_batch=None,
-               cu_seqlens=None, config: GRPOConfig = _DEFAULT, fusable: bool = False, tp_group=None,
+               cu_seqlens=None, max_seqlen=None, config: GRPOConfig = _DEFAULT, fusable: bool = False, tp_group=None,
                vocab_start=None) -> GRPOOutput:
     """The loss of grpo_loss with log-probs from ``logprob_fn``. ``fusable``: logprob_fn is
     grpo_loss's token_logprobs (or its TP partial over ``tp_group`` / ``vocab_start``), which the
@@ -280,7 +289,7 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
     cfg = config
     samp = sampling_per_token_logps
     _check_inputs(hidden, token_ids, advantages, mask, old_logprobs, ref_logprobs, sampling_ratio,
-                  num_items_in_batch, cfg, cu_seqlens, samp)
+                  num_items_in_batch, cfg, cu_seqlens, samp, max_seqlen)
     segments, out_shape = None, None
     if cu_seqlens is not None:  # packed: flatten HF's [1, N] to [N]; per-token outputs go back to token_ids' shape
         out_shape = token_ids.shape
@@ -304,11 +313,11 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
             tp_group is not None or vocab_start is not None or _tp.is_dtensor(weight)):
         shard = _tp.vocab_shard(weight, bias, tp_group, vocab_start)
     if fusable and _fused.use_fused(hidden, weight, bias, cfg, segments, shard, old_logprobs=old_logprobs,
-                                    sampling_logprobs=samp):
+                                    sampling_logprobs=samp, max_seqlen=max_seqlen):
         fused = _fused.fused_logprobs(hidden, weight, token_ids, bias, valid, adv.advantages, old_logprobs,
                                       ref_logprobs, sampling_ratio, num_items_in_batch, segments, cfg,
                                       want_entropy, per_token_loss, dtype, sampling_logprobs=samp,
-                                      shard=shard)
+                                      shard=shard, max_seqlen=max_seqlen)
         tok = fused.tok
     else:
         tok = logprob_fn(hidden, weight, token_ids, bias, mask=valid, temperature=cfg.temperature,

@@ -19,11 +19,16 @@ hand-written derivative exists: these are autograd's gradients of the loss funct
 Sequence-level importance sampling (GSPO) couples a sequence's tokens through its mean
 log-ratio, so a block must hold whole sequences: padded inputs are cut into blocks of
 k = R // T whole rows of [B, T] (valid rows first inside each block, by_block). Packed inputs
-(sequences of any length at any offset) or T > R cannot be cut so; for them "auto" uses the
-recompute path (a statistics pre-pass over all tokens would cost the same 2NHV the recompute
-does) and "fused" raises. The same holds for everything else that reads a whole sequence's
-current log-probs (``sequence_coupled``: VESPO's gamma weight, the off-policy sequence mask, a
-sequence_* vLLM IS weight with old_logprobs=None). What depends on inputs only (the vLLM IS
+are cut into blocks of k = R // max_seqlen whole sequences (sequences [b k, (b + 1) k) in block
+b's R slots, valid tokens first: lowerings' order_rows_grouped), which needs ``max_seqlen``, a
+bound on their lengths known on the host (grpo_loss's argument, flash-attn's name). Without it,
+or with T (max_seqlen) > R, "auto" uses the recompute path (a statistics pre-pass over all
+tokens would cost the same 2NHV the recompute does) and "fused" raises. The cost of whole
+sequences: a block holds k sequences however short they are, so blocks are as full as the
+sequences are long against T (max_seqlen); every extra block adds a read-modify-write of dW
+(up to ~1.35 ms at qwen3-8b on H100, README). The same holds for everything else that reads a
+whole sequence's current log-probs (``sequence_coupled``: VESPO's gamma weight, the off-policy
+sequence mask, a sequence_* vLLM IS weight with old_logprobs=None). What depends on inputs only (the vLLM IS
 weight from old and sampler log-probs, the normalizers) is formed once before the blocks.
 ``top_entropy_quantile < 1`` thresholds on a quantile of every token's current entropy, known
 only after the last block: never fused ("auto" recomputes, "fused" raises).
@@ -45,7 +50,7 @@ from torch import Tensor
 
 from compiled_grpo import distributed as _tp
 from compiled_grpo.logprobs import _prepare, check_model_scaling
-from compiled_grpo.loss import aggregate, masked_mean
+from compiled_grpo.loss import Segments, aggregate, masked_mean
 from lowerings.linear_logprobs import LinearLogprobs
 from lowerings.linear_logprobs import fused as _op
 from lowerings.linear_logprobs.cpu import _hint
@@ -124,9 +129,10 @@ def sequence_coupled(cfg, old_logprobs=None, sampling_logprobs=None) -> Optional
 
 
 def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, shard, old_logprobs=None,
-                  sampling_logprobs=None) -> Optional[str]:
+                  sampling_logprobs=None, max_seqlen: Optional[int] = None) -> Optional[str]:
     """None when the fused path computes this loss exactly, else the reason it cannot. ``shard``:
-    the VocabShard of a tensor-parallel head (weight is then its local rows), else None."""
+    the VocabShard of a tensor-parallel head (weight is then its local rows), else None.
+    ``max_seqlen``: grpo_loss's bound on packed sequences' lengths (None: unknown)."""
     if shard is not None and shard.vocab_size is None:
         return ("vocab_start (uneven vocab shards) leaves the global V unknown on each rank, so the "
                 "ranks could plan different row blocks; pass an even split or a DTensor weight")
@@ -138,15 +144,18 @@ def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, shard, old_logp
         return "top_entropy_quantile < 1 thresholds on the whole batch's current entropies"
     coupled = sequence_coupled(cfg, old_logprobs, sampling_logprobs)
     if coupled is not None:
-        if segments is not None:
-            return f"{coupled} on packed inputs needs whole sequences in a row block"
-        if _hint(hidden.shape[1]) > _budget_rows(hidden, weight, cfg, shard):
-            return f"{coupled} needs a whole sequence (T rows) in the workspace: raise fused_workspace_mib"
+        if segments is not None and max_seqlen is None:
+            return (f"{coupled} on packed inputs needs whole sequences in a row block: pass max_seqlen "
+                    f"(a bound on the lengths of cu_seqlens' sequences)")
+        longest = _hint(hidden.shape[1]) if segments is None else max_seqlen
+        if longest > _budget_rows(hidden, weight, cfg, shard):
+            what = "T" if segments is None else "max_seqlen"
+            return f"{coupled} needs a whole sequence ({what} rows) in the workspace: raise fused_workspace_mib"
     return None
 
 
 def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, shard, old_logprobs=None,
-              sampling_logprobs=None) -> bool:
+              sampling_logprobs=None, max_seqlen: Optional[int] = None) -> bool:
     """gradient_mode 'recompute' never, 'auto' on CUDA when exact and a gradient is wanted
     (tensor-parallel heads included: NCCL-measured, bench/tp.py), 'fused' whenever a gradient
     is wanted (any device: the CPU body serves the tests), raising when it cannot be exact."""
@@ -156,6 +165,10 @@ def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, shard, old_lo
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not wants_grad:   # nothing to fuse: the forward alone
         return False
+    if _hint(hidden.shape[:-1].numel()) == 0:
+        # no token (an empty packed batch): nothing to fuse, and the blocks' slots would index
+        # rows that do not exist (Dynamo specializes a size of 0, so this is no guard on N)
+        return False
     if cfg.gradient_mode == "auto" and not _auto_device_ok(hidden):
         # CPU: the recompute body streams 16 MiB tiles; the fused body's block holds several
         # [R, V] float32 temporaries (logits, p, dlogits) for no FLOP saving that matters there
@@ -163,7 +176,7 @@ def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, shard, old_lo
     if (cfg.gradient_mode == "auto" and _GUARD_LOCATION_BUG and torch.compiler.is_compiling()
             and sequence_coupled(cfg, old_logprobs, sampling_logprobs) is not None):
         return False   # see _guard_location_bug
-    why = why_not_fused(hidden, weight, cfg, segments, shard, old_logprobs, sampling_logprobs)
+    why = why_not_fused(hidden, weight, cfg, segments, shard, old_logprobs, sampling_logprobs, max_seqlen)
     if why is not None and cfg.gradient_mode == "fused":
         raise ValueError(f"GRPOConfig.gradient_mode='fused' cannot be exact here: {why}; use 'auto' or "
                          f"'recompute'")
@@ -212,9 +225,25 @@ def _linear_weights(fn, like: Tensor) -> Tensor:
     return torch.func.grad(fn)(torch.zeros_like(like))
 
 
-def _block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss):
+def _block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, grouped=None):
     """The loss terms of one block's rows, sum(w * l) + sum(e * H), a scalar: lp / ent [R'] in the
-    block's order, idx [R'] their original rows, per_tok the [N] inputs and weights."""
+    block's order, idx [R'] their original rows, per_tok the [N] inputs and weights. ``grouped``
+    (packed whole sequences: seg_ids [N], k, counts [G], R): block b = r0 // R holds sequences
+    [b k, (b + 1) k), its counts[b] valid tokens in the first slots (order_rows_grouped); the
+    slots past them (idx 0 there) are no token of the block, so they go to a sequence of their
+    own, k, and are masked."""
+    if grouped is not None:
+        seg_ids, k, counts, rows = grouped
+        b = r0 // rows
+        live = torch.arange(lp.shape[0], device=lp.device) < counts[b]      # [R] the valid tokens
+        segs = Segments(torch.where(live, seg_ids.index_select(0, idx) - b * k, k), k + 1)
+        take = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+        zero = lambda t: torch.where(live, t, 0)  # noqa: E731
+        ent_term = 0.0 if per_tok["ent_w"] is None else zero(take(per_tok["ent_w"]) * ent).sum()
+        terms = per_token_loss(lp, take(per_tok["old"]), take(per_tok["valid"]) & live, take(per_tok["adv"]),
+                               take(per_tok["sr"]), take(per_tok["ref"]), cfg, segs,
+                               sampling_logprobs=take(per_tok["samp"]))
+        return zero(take(per_tok["agg_w"]) * terms.per_token).sum() + ent_term
     if seq:   # back to the block's [k, T] rows, the layout the sequence reductions run over
         rows = lp.shape[0]
         lp = lp.new_zeros(rows).index_copy(0, idx - r0, lp).view(-1, t_len)
@@ -228,10 +257,10 @@ def _block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss):
     return (take(per_tok["agg_w"]) * terms.per_token).sum() + ent_term
 
 
-def _block_grads(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss):
+def _block_grads(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, grouped=None):
     """(dL/dlp, dL/dent) [R'] of one block: autograd of the loss functions (torch.func.grad)."""
     return torch.func.grad(_block_loss, argnums=(0, 1))(lp, ent, idx, r0, per_tok, cfg, seq, t_len,
-                                                       per_token_loss)
+                                                       per_token_loss, grouped)
 
 
 # Eager CUDA calls run the per-block gradient as one compiled graph (dynamic shapes: one compile
@@ -277,7 +306,8 @@ _AT_LIMIT = False   # set once the compiled block gradient met Dynamo's recompil
 
 def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logprobs, ref_logprobs,
                    sampling_ratio, num_items_in_batch, segments, cfg, want_entropy,
-                   per_token_loss, dtype, sampling_logprobs=None, shard=None) -> Fused:
+                   per_token_loss, dtype, sampling_logprobs=None, shard=None,
+                   max_seqlen: Optional[int] = None) -> Fused:
     """Run the fused schedule for grpo_loss (api.py). Inputs as grpo_loss after flattening
     packed ones; ``advantages`` broadcast (advantage_stats), ``per_token_loss`` api.py's and
     ``dtype`` its log-prob dtype;
@@ -289,7 +319,10 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     ``shard`` (tensor parallelism, distributed.py): weight / bias are this rank's vocab rows;
     each block's shard statistics are all-gathered and combined into the full vocab's
     (distributed.combine_shards) before its gradient is formed, every rank runs the same blocks,
-    and the ranks' parts of dX are summed once at the end. Each rank gets its dW / db shard."""
+    and the ranks' parts of dX are summed once at the end. Each rank gets its dW / db shard.
+
+    ``max_seqlen``: packed inputs' bound on a sequence's length, which sequence-coupled losses
+    need (blocks of k = R // max_seqlen whole sequences; why_not_fused checked it fits)."""
     check_model_scaling(cfg.logit_scale, cfg.final_logit_softcapping)
     if shard is not None:
         weight, bias = shard.weight, shard.bias
@@ -313,7 +346,16 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     n = valid.numel()
     budget = _budget_rows(hidden, weight, cfg, shard)
     compiling = torch.compiler.is_compiling()
-    if seq:   # blocks of k whole sequences of the padded [B, T]
+    grouped = seq and segments is not None
+    if grouped:   # blocks of k whole packed sequences, each in R slots (order_rows_grouped)
+        s_num = segments.num_sequences
+        k = max(1, budget // max_seqlen)
+        blocks = _compiled_blocks(s_num, k) if compiling else None
+        if blocks is None:
+            blocks = max(1, cdiv(_hint(s_num), k))
+        align = ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS
+        block_rows = min(budget, cdiv(k * max_seqlen, align) * align)
+    elif seq:   # blocks of k whole sequences of the padded [B, T]
         b_sz, t_sz = lead
         k = max(1, budget // _hint(t_sz))
         blocks = _compiled_blocks(b_sz, k) if compiling else None
@@ -333,7 +375,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             blocks = min(MAX_BLOCKS, max(1, cdiv(_hint(n), budget)))
             block_rows = cdiv(cdiv(n, blocks), align) * align
 
-    t_len = lead[1] if seq else None
+    t_len = lead[1] if seq and not grouped else None
     # token-level blocks only: with whole-sequence blocks (GSPO, vespo, ...) Dynamo 2.11 fails to
     # compile the gradient (InternalTorchDynamoError in tests/test_packed.py on CUDA: the guard
     # printing bug of _guard_location_bug), so those keep the eager torch.func path
@@ -345,6 +387,9 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         fn = _eager_call_block_grads if compiled else _block_grads
         if compiled:   # idx is perm's view at r0: storage offset 0 only for the block run last,
             idx = idx.clone()   # which would recompile the graph (0/1 specialization)
+        if grouped:
+            return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg, seq, t_len, per_token_loss,
+                      (segments.ids, k, plan[1], block_rows))
         return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg, seq, t_len, per_token_loss)
 
     need = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
@@ -364,12 +409,14 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             return lp, ent if ent_g is None else ent_g, lse
 
         tp = dict(combine=combine, reduce_dx=lambda dx: _tp.all_reduce_sum(dx, shard.group))
+    # grouped: sequence s in block s // k (the sequences are contiguous, so the blocks are too)
+    plan = _op.order_rows_grouped(flat_valid, segments.ids // k, blocks, block_rows) if grouped else None
     res = _op.fused_linear_logprobs(
         h2, weight, ids, bias, flat_valid, grad_fn, blocks=blocks,
         block_rows=block_rows, by_block=seq, temperature=cfg.temperature, with_entropy=want_entropy,
         logit_scale=cfg.logit_scale, softcap=cfg.final_logit_softcapping, need_x=need[0],
         need_w=need[1], need_b=need[2], entropy_grad=ent_w is not None,
-        allow_scaled=cfg.fused_scaled_backward, **tp)
+        allow_scaled=cfg.fused_scaled_backward, plan=plan, **tp)
     lp, ent, lse = (t.view(lead) for t in (res.logprobs, res.entropy, res.lse))
     tok = LinearLogprobs(lp, ent if want_entropy else None, lse)
     dx = None if res.d_hidden is None else res.d_hidden.view(hidden.shape)

@@ -248,3 +248,53 @@ def test_fused_allow_scaled_false_keeps_the_dlogits_pass(monkeypatch):
     xr = x.double().requires_grad_()
     (golden(xr, w, ids, None, 1.0)[0] * G_lp * mask).sum().backward()
     torch.testing.assert_close(res.d_hidden.double(), xr.grad, rtol=1e-4, atol=1e-4)
+
+
+# Packed whole sequences (compiled_grpo's sequence-coupled losses on cu_seqlens inputs): groups of
+# rows of any size, k of them a block, each block in R slots of its own (fk.order_rows_grouped).
+# 40 rows in sequences of 7, 3, 9, 0, 12, 5, 4 tokens, two a block: blocks of 10, 9, 17 and 4
+# rows in 4 x 20 slots, so every block has slots past its rows (perm 0 there, never read).
+_GROUP_LENGTHS = [7, 3, 9, 0, 12, 5, 4]
+
+
+@pytest.mark.parametrize("kind", ["right_padded", "scattered", "all_valid", "all_padded"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_fused_grouped_plan(monkeypatch, kind, scaled):
+    """The Triton block steps on a grouped plan: the gradients of the valid rows, every row's
+    outputs back in place through the plan's slots, padded rows' dX zero."""
+    monkeypatch.setattr(fck, "DX_SPLITS", 8)
+    if scaled:
+        monkeypatch.setattr(fck, "_fused_dlogits_kernel", _NoLaunch())
+    mask = MASKS[kind]
+    x, w, ids, _ = make(40, 24, 75, torch.float32, False, seed=6)
+    seq = torch.repeat_interleave(torch.arange(7), torch.tensor(_GROUP_LENGTHS))   # [40]
+    plan = fk.order_rows_grouped(mask, seq // 2, 4, 20)
+    res, G_lp, G_ent, _ = _fused_run(monkeypatch, x, w, ids, None, mask, 4, 20, False,
+                                     temperature=0.7, with_entropy=True, entropy_grad=not scaled,
+                                     plan=plan)
+    m = mask.double()
+    for got, ref in zip(res[:3], golden(x, w, ids, None, 0.7)):
+        torch.testing.assert_close(got.double(), ref * m, rtol=1e-5, atol=1e-4)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    out = golden(xr, wr, ids, None, 0.7)
+    (((out[0] * G_lp + (0 if scaled else out[1] * G_ent)) * m).sum()).backward()
+    for got, ref in ((res.d_hidden, xr.grad), (res.d_weight, wr.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(res.d_hidden[~mask], torch.zeros_like(res.d_hidden[~mask]))
+
+
+def test_order_rows_grouped():
+    """The plan itself: each group in its block's slots, valid rows first in their order, then
+    the group's padded rows, then perm 0; counts the valid rows; slot the inverse of perm."""
+    mask = MASKS["scattered"]
+    seq = torch.repeat_interleave(torch.arange(7), torch.tensor(_GROUP_LENGTHS))
+    blk = seq // 2
+    perm, counts, slot = fk.order_rows_grouped(mask, blk, 4, 20)
+    assert perm.shape == (80,) and counts.dtype == torch.int32
+    assert torch.equal(perm.index_select(0, slot), torch.arange(40))
+    for b in range(4):
+        rows = (blk == b).nonzero()[:, 0]
+        want = torch.cat([rows[mask[rows]], rows[~mask[rows]]])
+        got = perm[b * 20: b * 20 + 20]
+        assert torch.equal(got[: len(want)], want) and not got[len(want):].any()
+        assert counts[b] == mask[rows].sum()

@@ -185,10 +185,22 @@ def _packed(**over):
     (dict(old_logprobs=torch.randn(5, dtype=torch.float64)), ValueError, "old_logprobs"),
     (dict(ref_logprobs=torch.randn(1, 19, dtype=torch.float64)), ValueError, "ref_logprobs"),
     (dict(sampling_ratio=torch.ones(5, 1, dtype=torch.float64)), ValueError, "sampling_ratio"),
+    (dict(max_seqlen=6), ValueError, "max_seqlen=6, the longest has 7"),   # LENGTHS' longest: 7
+    (dict(max_seqlen=0), ValueError, "max_seqlen"),
+    (dict(max_seqlen=7.0), TypeError, "max_seqlen"),
+    (dict(max_seqlen=True), TypeError, "max_seqlen"),
+    (dict(max_seqlen=torch.tensor(7)), TypeError, "max_seqlen"),
 ])
 def test_errors_name_the_argument(over, exc, match):
     with pytest.raises(exc, match=match):
         cg.grpo_loss(**_packed(**over), config=cg.GRPOConfig(beta=0.04))
+
+
+def test_max_seqlen_only_with_cu_seqlens():
+    pad = padded_and_packed(seed=17)[0]
+    with pytest.raises(ValueError, match="max_seqlen bounds the sequences of cu_seqlens"):
+        cg.grpo_loss(**pad, max_seqlen=8, config=cg.GRPOConfig(beta=0.04))
+    cg.grpo_loss(**_packed(max_seqlen=7), config=cg.GRPOConfig(beta=0.04))   # a bound that holds
 
 
 def test_token_logprobs_errors():
@@ -206,6 +218,8 @@ def test_cu_seqlens_values_are_checked_under_compile():
     f = torch.compile(cg.grpo_loss, backend="aot_eager", fullgraph=True)
     with pytest.raises(RuntimeError, match="cu_seqlens"):
         f(**_packed(cu_seqlens=torch.tensor([0, 5, 4, 8, 15, 19])))
+    with pytest.raises(RuntimeError, match="max_seqlen must bound"):
+        f(**_packed(max_seqlen=6))
 
 
 # Packings for the compile tests: S and N both vary (none 0 or 1: Dynamo specializes those).

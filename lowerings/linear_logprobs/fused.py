@@ -9,7 +9,8 @@ gradient. A caller that can form the per-token gradient (dL/dlogp, dL/dentropy) 
 row block's statistics exist (grpo_loss: compiled_grpo/fused.py) hands in ``grad_fn`` and gets
 the gradients back with the outputs:
 
-    order rows: valid rows first, globally or inside each block (by_block)   perm [N], counts [G]
+    order rows: valid rows first, globally or inside each block (by_block), or the caller's
+                plan of whole groups (order_rows_grouped)          perm [N] or [G R], counts [G]
     per block b (rows [b R, (b + 1) R) of that order):
       fwd   logits tile z [n_b, V] once: online statistics -> (logp, entropy, lse) [R] and z kept
             in the workspace ws [R, V]                                          2 n_b H V
@@ -119,6 +120,30 @@ def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tup
     return perm, counts
 
 
+def order_rows_grouped(row_mask: Tensor, row_block: Tensor, blocks: int,
+                       block_rows) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``plan`` of fused_linear_logprobs for rows that come in groups of any size (whole
+    packed sequences): block b takes the rows with row_block == b (at most R of them: the caller
+    guarantees it), valid ones first, in R slots of its own. No host sync.
+
+    row_mask [N] bool, row_block [N] int64 in [0, G), non-decreasing (groups are contiguous)
+    -> perm [G R] int64 (slot -> row; 0 in the slots past a block's rows, never used), counts [G]
+    int32 (valid rows of each block), slot [N] int64 (row -> slot: the outputs' way back)."""
+    n, dev = row_mask.shape[0], row_mask.device
+    order = torch.argsort(row_block * 2 + (~row_mask).to(torch.int64), stable=True)   # [N]
+    sizes = torch.zeros(blocks, dtype=torch.int64, device=dev).index_add(
+        0, row_block, torch.ones_like(row_block))                                     # [G]
+    blk = row_block.index_select(0, order)                                            # [N]
+    first = (sizes.cumsum(0) - sizes).index_select(0, blk)    # [N] each row's block's first place
+    slot_sorted = blk * block_rows + torch.arange(n, device=dev) - first              # [N]
+    perm = torch.zeros(blocks * block_rows, dtype=torch.int64, device=dev).index_copy(
+        0, slot_sorted, order)                                                        # [G R]
+    slot = torch.empty_like(order).index_copy(0, order, slot_sorted)                  # [N]
+    counts = torch.zeros(blocks, dtype=torch.int32, device=dev).index_add(
+        0, row_block, row_mask.to(torch.int32))                                       # [G]
+    return perm, counts, slot
+
+
 def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
                           row_mask: Optional[Tensor], grad_fn: Callable, *, blocks: int,
                           block_rows, by_block: bool = False, temperature: float = 1.0,
@@ -127,7 +152,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                           need_w: bool = True, need_b: bool = False,
                           combine: Optional[Callable] = None,
                           reduce_dx: Optional[Callable] = None,
-                          entropy_grad: bool = True, allow_scaled: bool = True) -> FusedResult:
+                          entropy_grad: bool = True, allow_scaled: bool = True,
+                          plan: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> FusedResult:
     """hidden [N, H], weight [V, H], ids [N] in [0, V) (any value at padded rows), bias [V],
     row_mask [N] bool (None: every row valid), ``blocks`` G (a Python int) of ``block_rows`` R
     rows (G * R >= N; R may be symbolic). ``grad_fn(r0, idx, logprobs, entropy) -> (g_lp,
@@ -149,7 +175,12 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     ``entropy_grad`` False promises that grad_fn's g_ent is zero (entropy an output only, no
     entropy term in the loss): with no softcap, no d_bias and no vocab shards the Triton body
     then takes the exp-scaled backward (exp_scaled: no dlogits pass between the GEMMs), unless
-    ``allow_scaled`` is False (the in-place dlogits pass: one bf16 rounding fewer in dW)."""
+    ``allow_scaled`` is False (the in-place dlogits pass: one bf16 rounding fewer in dW).
+
+    ``plan`` (perm [G R], counts [G], slot [N]; order_rows_grouped) replaces the row order for
+    groups of rows that are not R-aligned (packed whole sequences): block b is slots
+    [b R, (b + 1) R), its counts[b] valid rows first, and grad_fn's idx holds row 0 in the slots
+    past the block's rows (the caller masks slots >= counts[b]; by_block is then ignored)."""
     hidden, weight = hidden.detach(), weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
     n, h = hidden.shape
@@ -159,8 +190,13 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     w_dtype = weight.dtype
     if _triton_body(hidden):   # one common dtype for the kernels, cast once (mixed heads)
         hidden, weight = _dense._prepare(hidden, weight, False)[:2]
-    perm, counts = order_rows(row_mask, block_rows, blocks, by_block)
-    if not by_block:
+    slot = None
+    if plan is not None:   # grouped blocks: R slots each, like the global order's
+        perm, counts, slot = plan
+        by_block = False
+    else:
+        perm, counts = order_rows(row_mask, block_rows, blocks, by_block)
+    if plan is None and not by_block:
         # every block R slots: the slots past N (G R >= N) read row 0 and, past every block's
         # count, are never used; with a static R and G the blocks' shapes are static under
         # dynamic N (no guard on each block's rows)
@@ -214,6 +250,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     perm_n = perm.narrow(0, 0, n)
 
     def unperm(parts):   # the blocks' slots -> [N] rows
+        if slot is not None:
+            return torch.cat(parts).index_select(0, slot)
         t = torch.cat(parts).narrow(0, 0, n)
         return torch.empty_like(t).index_copy_(0, perm_n, t)
 
@@ -350,8 +388,9 @@ def _block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor,
     if need_x:
         w = weight.to(cd)
         w = torch.where(torch.isinf(w), 0, w)
-        k = max(0, min(rows, dx.shape[0] - r0))   # the block's slots that are rows of dx
-        dx.index_copy_(0, perm.narrow(0, r0, k), (dz[:k] @ w).to(dx.dtype))
+        # added into the zeros of dx: a row's one valid slot adds its dX, every other slot
+        # (padded rows, the slots past N or past a grouped block's rows: perm 0) adds zeros
+        dx.index_add_(0, perm.narrow(0, r0, rows), (dz @ w).to(dx.dtype))
     if need_w:
         part = dz.T @ x                                                      # [V, H]
         # the first block run (the last: fused_linear_logprobs runs them last to first) stores
