@@ -6,6 +6,8 @@ packed call must give the padded call's loss, per-token outputs (at the packed r
 gradients, in float64 up to summation order. Lengths include an empty sequence, a fully masked
 one and masked tokens inside sequences.
 """
+import dataclasses
+import functools
 import itertools
 
 import pytest
@@ -268,6 +270,32 @@ def test_compile_once_for_many_packings(backend, name, device):
         for a, e in zip(*(o.metrics or () for o in (out, ref))):
             for x, y in zip(*(list(m.values()) if isinstance(m, dict) else [m] for m in (a, e))):
                 torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+        params = (inp["hidden"], inp["weight"])
+        for ga, ge in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(ref.loss, params)):
+            torch.testing.assert_close(ga, ge, rtol=rtol, atol=atol)
+    assert cnt.frame_count == 1
+
+
+def test_compile_once_for_many_packings_whole_sequence_blocks():
+    """GSPO in the fused mode on packed inputs (max_seqlen = 6 bounds every packing; 16-row blocks
+    of two whole sequences): one graph for every packing, N and S dynamic, the recompute path's
+    values. S stays within one step of fused.COMPILED_BLOCKS (3-4 sequences: 2 blocks); crossing
+    one recompiles, as for padded whole-row blocks. CPU: on CUDA with torch 2.11, "auto"
+    recomputes compiled sequence-coupled losses (fused._guard_location_bug)."""
+    cfg = cg.GRPOConfig(loss_type="grpo", importance_sampling_level="sequence", beta=0.04,
+                        gradient_mode="fused", fused_workspace_mib=16 * 64 * 4 / 2**20)
+    rec = dataclasses.replace(cfg, gradient_mode="recompute")
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(functools.partial(cg.grpo_loss, max_seqlen=6), backend=cnt, fullgraph=True)
+    for i, lengths in enumerate([(3, 0, 4), (2, 5, 1, 3), (4, 4, 4), (6, 1, 0, 5)]):
+        inp = _device_inputs(lengths, seed=i)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = compiled(**inp, config=cfg)
+        ref = cg.grpo_loss(**inp, config=rec)
+        rtol, atol = TOL["inductor"]
+        torch.testing.assert_close(out.loss, ref.loss, rtol=rtol, atol=atol)
+        torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=rtol, atol=atol)
         params = (inp["hidden"], inp["weight"])
         for ga, ge in zip(torch.autograd.grad(out.loss, params), torch.autograd.grad(ref.loss, params)):
             torch.testing.assert_close(ga, ge, rtol=rtol, atol=atol)
