@@ -3,7 +3,7 @@
     python -m lowerings.linear_logprobs.bench_fused [--shape qwen3-8b] [--all-valid]
         [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile [MODE]] [--recompute] [--cublas]
         [--workspace-mib MIB ...] [--trace DIR] [--host-profile]
-        [--targets {random,sampled,least}] [--logit-std S] [--cuda-graph] [--clocks]
+        [--targets {random,sampled,least}] [--logit-std S] [--cuda-graph] [--clocks] [--gspo]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run (each timed after 5 s of it untimed: the GPU's sustained clock,
@@ -36,6 +36,10 @@ a CUDA graph and replayed (torch.cuda.graph; the host's launch cost gone), its t
 its gradients equal an eager step's. --clocks: the median SM clock and board power (nvidia-smi,
 every 50 ms) while the floor's GEMMs and the step are timed: a step that runs at a lower clock
 than the floor under the same power cap loses to it on energy, not on its kernels' schedule.
+--gspo: GSPO (loss_type "grpo", sequence-level importance sampling) instead of DAPO: blocks of
+whole sequences (padded rows; a packed shape, e.g. qwen3-8b-packed, passes cu_seqlens and
+max_seqlen = the shape's T: blocks of R // T whole sequences, fused.order_rows_grouped).
+Packed shapes pass cu_seqlens with either loss.
 """
 import argparse
 import collections
@@ -116,6 +120,8 @@ def main():
     ap.add_argument("--logit-std", type=float, default=3.0)
     ap.add_argument("--clocks", action="store_true",
                     help="the SM clock and power (nvidia-smi) while the floor and the step are timed")
+    ap.add_argument("--gspo", action="store_true",
+                    help="GSPO (sequence-level importance sampling): whole-sequence row blocks")
     args = ap.parse_args()
     x = make_inputs(SHAPES[args.shape], torch.device("cuda"), targets=args.targets,
                     logit_std=args.logit_std)
@@ -143,14 +149,17 @@ def main():
               f"dX {per[1] * scale:.2f}, dW (beta=1) {per[2] * scale:.2f} ms; "
               f"sum {sum(per) * scale:.2f} = {sum(per) * scale / floor:.3f}x valid floor")
         del xb, zb, dwb
-    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04,
+    cfg = cg.GRPOConfig(loss_type="grpo" if args.gspo else "dapo", beta=0.04,
+                        importance_sampling_level="sequence" if args.gspo else "token",
                         gradient_mode="recompute" if args.recompute else "auto")
+    # packed shapes: cu_seqlens, and the padded twin's T as the bound whole-sequence blocks need
+    packed = dict(cu_seqlens=x.cu_seqlens, max_seqlen=SHAPES[args.shape].T) if x.packed else {}
     hidden = x.hidden.detach().requires_grad_()
     weight = x.weight.detach().requires_grad_()
 
     def loss_fn(hidden, weight):
         return cg.grpo_loss(hidden, weight, x.token_ids, x.advantages, mask, x.old_logprobs,
-                            x.ref_logprobs, config=cfg).loss
+                            x.ref_logprobs, config=cfg, **packed).loss
 
     fn = torch.compile(loss_fn, fullgraph=True, mode=args.compile) if args.compile else loss_fn
 
@@ -211,11 +220,12 @@ def main():
         torch.cuda.synchronize()
         print(f"    host: {host:.2f} ms to launch one step (CPU-bound where that exceeds the step)")
 
-    measure(cfg.gradient_mode + (f" compiled ({args.compile})" if args.compile else ""))
+    measure(cfg.gradient_mode + (" gspo" if args.gspo else "")
+            + (f" compiled ({args.compile})" if args.compile else ""))
     with torch.no_grad():   # the step's logprobs against fp32 ones (chunked, 1 GiB tiles)
         rows = torch.nonzero(mask.reshape(-1))[:, 0]
         lp = cg.grpo_loss(hidden, weight, x.token_ids, x.advantages, mask, x.old_logprobs,
-                          x.ref_logprobs, config=cfg).logprobs.reshape(-1)[rows]
+                          x.ref_logprobs, config=cfg, **packed).logprobs.reshape(-1)[rows]
         ref = _chunked_logprobs(h2.float(), w.float(), x.token_ids.reshape(-1),   # fp32 logits
                                 (1 << 28) // (4 * w.shape[0]))[rows]
         print(f"    logprobs ({args.targets} targets, logit std {args.logit_std:g}): "
