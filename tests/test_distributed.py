@@ -140,11 +140,12 @@ def _case_token_logprobs(rank, group, world, backend, sizes=None, vocab_start=Fa
            backend)
 
 
-def _case_grpo_loss(rank, group, world, backend, sizes=None, vocab_start=False, packed=False, cfg=CFG, seed=1):
+def _case_grpo_loss(rank, group, world, backend, sizes=None, vocab_start=False, packed=False, cfg=CFG, seed=1,
+                    max_seqlen=None):
     sizes = sizes or (6,) * world
     inp = _inputs(world, seed, V=sum(sizes), packed=packed)
     args = (inp["token_ids"], inp["advantages"], inp["mask"], inp["old_logprobs"], inp["ref_logprobs"])
-    kw = dict(config=cfg, cu_seqlens=inp.get("cu_seqlens"))
+    kw = dict(config=cfg, cu_seqlens=inp.get("cu_seqlens"), max_seqlen=max_seqlen)
 
     def tp(h, w, b, start):
         return cg.grpo_loss(h, w, *args, bias=b, tp_group=group, vocab_start=start if vocab_start else None, **kw)
@@ -313,6 +314,8 @@ def _cases(world):
              ("grpo_loss", dict(backend="eager", cfg=FUSED)),
              ("grpo_loss", dict(backend="eager", cfg=FUSED, packed=True)),
              ("grpo_loss", dict(backend="eager", cfg=FUSED_SEQ)),
+             # packed GSPO: blocks of one whole sequence (16 rows, max_seqlen 14), each in its own slots
+             ("grpo_loss", dict(backend="eager", cfg=FUSED_SEQ, packed=True, max_seqlen=14)),
              ("dtensor", dict(backend="eager", cfg=FUSED))]
     if world == 2:
         cases += [("grpo_loss", dict(backend="aot_eager", cfg=FUSED)), ("grpo_loss", dict(backend="aot_eager")),
