@@ -28,8 +28,9 @@ sequences: a block holds k sequences however short they are, so blocks are as fu
 sequences are long against T (max_seqlen); every extra block adds a read-modify-write of dW
 (up to ~1.35 ms at qwen3-8b on H100, README). The same holds for everything else that reads a
 whole sequence's current log-probs (``sequence_coupled``: VESPO's gamma weight, the off-policy
-sequence mask, a sequence_* vLLM IS weight with old_logprobs=None). What depends on inputs only (the vLLM IS
-weight from old and sampler log-probs, the normalizers) is formed once before the blocks.
+sequence mask, a sequence_* vLLM IS weight with old_logprobs=None). What depends on inputs only
+(the vLLM IS weight from old and sampler log-probs, the normalizers) is formed once before the
+blocks.
 ``top_entropy_quantile < 1`` thresholds on a quantile of every token's current entropy, known
 only after the last block: never fused ("auto" recomputes, "fused" raises).
 
