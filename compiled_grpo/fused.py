@@ -231,30 +231,24 @@ def _block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, grou
     block's order, idx [R'] their original rows, per_tok the [N] inputs and weights. ``grouped``
     (packed whole sequences: seg_ids [N], k, counts [G], R): block b = r0 // R holds sequences
     [b k, (b + 1) k), its counts[b] valid tokens in the first slots (order_rows_grouped); the
-    slots past them (idx 0 there) are no token of the block, so they go to a sequence of their
-    own, k, and are masked."""
+    slots past them (idx 0 there) are no token of the block: masked, in a sequence of their own, k."""
+    segs = live = None
     if grouped is not None:
         seg_ids, k, counts, rows = grouped
         b = r0 // rows
         live = torch.arange(lp.shape[0], device=lp.device) < counts[b]      # [R] the valid tokens
         segs = Segments(torch.where(live, seg_ids.index_select(0, idx) - b * k, k), k + 1)
-        take = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
-        zero = lambda t: torch.where(live, t, 0)  # noqa: E731
-        ent_term = 0.0 if per_tok["ent_w"] is None else zero(take(per_tok["ent_w"]) * ent).sum()
-        terms = per_token_loss(lp, take(per_tok["old"]), take(per_tok["valid"]) & live, take(per_tok["adv"]),
-                               take(per_tok["sr"]), take(per_tok["ref"]), cfg, segs,
-                               sampling_logprobs=take(per_tok["samp"]))
-        return zero(take(per_tok["agg_w"]) * terms.per_token).sum() + ent_term
-    if seq:   # back to the block's [k, T] rows, the layout the sequence reductions run over
+    if seq and grouped is None:   # back to the block's [k, T] rows, where the sequence sums run
         rows = lp.shape[0]
         lp = lp.new_zeros(rows).index_copy(0, idx - r0, lp).view(-1, t_len)
         take = lambda t: None if t is None else t.narrow(0, r0, rows).view(-1, t_len)  # noqa: E731
     else:
         take = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+    valid = take(per_tok["valid"]) if live is None else take(per_tok["valid"]) & live
     ent_term = 0.0 if per_tok["ent_w"] is None else (per_tok["ent_w"].index_select(0, idx) * ent).sum()
-    terms = per_token_loss(lp, take(per_tok["old"]), take(per_tok["valid"]), take(per_tok["adv"]),
-                           take(per_tok["sr"]), take(per_tok["ref"]), cfg,
-                           sampling_logprobs=take(per_tok["samp"]))
+    # per_token is 0 where not valid, so slots past a block's rows add nothing to the sum
+    terms = per_token_loss(lp, take(per_tok["old"]), valid, take(per_tok["adv"]), take(per_tok["sr"]),
+                           take(per_tok["ref"]), cfg, segs, sampling_logprobs=take(per_tok["samp"]))
     return (take(per_tok["agg_w"]) * terms.per_token).sum() + ent_term
 
 
@@ -388,10 +382,8 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         fn = _eager_call_block_grads if compiled else _block_grads
         if compiled:   # idx is perm's view at r0: storage offset 0 only for the block run last,
             idx = idx.clone()   # which would recompile the graph (0/1 specialization)
-        if grouped:
-            return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg, seq, t_len, per_token_loss,
-                      (segments.ids, k, plan[1], block_rows))
-        return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg, seq, t_len, per_token_loss)
+        return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg, seq, t_len, per_token_loss,
+                  (segments.ids, k, plan[1], block_rows) if grouped else None)
 
     need = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
     h2 = hidden.reshape(-1, hidden.shape[-1])                              # [N, H]
