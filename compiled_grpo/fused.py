@@ -12,7 +12,7 @@ where l = per_token_loss(p) (api.py: the one composition of loss.py's functions)
 d aggregate(l) / d l (the loss type's normalizer: it depends on the mask and
 num_items_in_batch, never on p, so it is formed once from aggregate itself) and e = d(-coef *
 masked_mean(H)) / d H. Token-level importance sampling makes d l_u / d p_t zero for u != t, so
-any block of rows can be differentiated alone: per block, ``torch.func.grad`` of
+any block of rows can be differentiated alone (fused_grads.py): per block, ``torch.func.grad`` of
 sum(w * per_token_loss(p_block)) + sum(e * H_block) at the block's log-probs. No second,
 hand-written derivative exists: these are autograd's gradients of the loss functions.
 
@@ -41,17 +41,15 @@ come back detached (only ``loss`` carries a gradient).
 """
 from __future__ import annotations
 
-import functools
-import os
-import warnings
 from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from compiled_grpo import distributed as _tp
+from compiled_grpo import fused_grads as _grads
 from compiled_grpo.logprobs import _prepare, check_model_scaling
-from compiled_grpo.loss import Segments, aggregate, masked_mean
+from compiled_grpo.loss import aggregate, masked_mean
 from lowerings.linear_logprobs import LinearLogprobs
 from lowerings.linear_logprobs import fused as _op
 from lowerings.linear_logprobs.cpu import _hint
@@ -226,79 +224,6 @@ def _linear_weights(fn, like: Tensor) -> Tensor:
     return torch.func.grad(fn)(torch.zeros_like(like))
 
 
-def _block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, grouped=None):
-    """The loss terms of one block's rows, sum(w * l) + sum(e * H), a scalar: lp / ent [R'] in the
-    block's order, idx [R'] their original rows, per_tok the [N] inputs and weights. ``grouped``
-    (packed whole sequences: seg_ids [N], k, counts [G], R): block b = r0 // R holds sequences
-    [b k, (b + 1) k), its counts[b] valid tokens in the first slots (order_rows_grouped); the
-    slots past them (idx 0 there) are no token of the block: masked, in a sequence of their own, k."""
-    segs = live = None
-    if grouped is not None:
-        seg_ids, k, counts, rows = grouped
-        b = r0 // rows
-        live = torch.arange(lp.shape[0], device=lp.device) < counts[b]      # [R] the valid tokens
-        segs = Segments(torch.where(live, seg_ids.index_select(0, idx) - b * k, k), k + 1)
-    if seq and grouped is None:   # back to the block's [k, T] rows, where the sequence sums run
-        rows = lp.shape[0]
-        lp = lp.new_zeros(rows).index_copy(0, idx - r0, lp).view(-1, t_len)
-        take = lambda t: None if t is None else t.narrow(0, r0, rows).view(-1, t_len)  # noqa: E731
-    else:
-        take = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
-    valid = take(per_tok["valid"]) if live is None else take(per_tok["valid"]) & live
-    ent_term = 0.0 if per_tok["ent_w"] is None else (per_tok["ent_w"].index_select(0, idx) * ent).sum()
-    # per_token is 0 where not valid, so slots past a block's rows add nothing to the sum
-    terms = per_token_loss(lp, take(per_tok["old"]), valid, take(per_tok["adv"]), take(per_tok["sr"]),
-                           take(per_tok["ref"]), cfg, segs, sampling_logprobs=take(per_tok["samp"]))
-    return (take(per_tok["agg_w"]) * terms.per_token).sum() + ent_term
-
-
-def _block_grads(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, grouped=None):
-    """(dL/dlp, dL/dent) [R'] of one block: autograd of the loss functions (torch.func.grad)."""
-    return torch.func.grad(_block_loss, argnums=(0, 1))(lp, ent, idx, r0, per_tok, cfg, seq, t_len,
-                                                       per_token_loss, grouped)
-
-
-# Eager CUDA calls run the per-block gradient as one compiled graph (dynamic shapes: one compile
-# per config, every block and N): otherwise its ~60 small kernels a block cost ~0.5 ms of launches
-# each (H200: qwen3-8b eager 46.7 vs compiled 43.6 ms; long, 32 blocks, 232 vs 200 ms). Inside a
-# user's torch.compile the function is traced inline instead. Token-level blocks only (see
-# fused_logprobs). COMPILED_GRPO_COMPILE_BLOCK_GRADS=0 turns it off (eager launches; no compile on
-# the first call).
-_BLOCK_GRADS_COMPILED = os.environ.get("COMPILED_GRPO_COMPILE_BLOCK_GRADS", "1") != "0"
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_block_grads():
-    return torch.compile(_block_grads, dynamic=True, fullgraph=True)
-
-
-def _eager_call_block_grads(*args):
-    """The compiled per-block gradient of an eager call, or the eager torch.func one once
-    Dynamo's recompile limit for it is reached. Each GRPOConfig (its values guard the graph) and
-    dtype is a graph of its own, so a process that runs more of them than
-    ``torch._dynamo.config.recompile_limit`` (8; a sweep over configs, a beta schedule) meets the
-    limit, which fullgraph=True turns into FailOnRecompileLimitHit (raised before anything runs)
-    instead of Dynamo's eager run. From then on the calls run under the "eager_on_recompile"
-    stance: the graphs already compiled keep serving their configs, the others run the same
-    gradient eagerly (more kernel launches), with one warning."""
-    global _AT_LIMIT
-    if _AT_LIMIT:
-        with torch.compiler.set_stance("eager_on_recompile"):
-            return _compiled_block_grads()(*args)
-    try:
-        return _compiled_block_grads()(*args)
-    except torch._dynamo.exc.FailOnRecompileLimitHit:
-        _AT_LIMIT = True
-        warnings.warn("compiled_grpo: the compiled per-block gradient of eager fused calls reached "
-                      "torch._dynamo.config.recompile_limit (one graph per GRPOConfig and dtype); "
-                      "new configs run it eagerly from now on (same values, more kernel launches)",
-                      stacklevel=3)
-        return _block_grads(*args)
-
-
-_AT_LIMIT = False   # set once the compiled block gradient met Dynamo's recompile limit
-
-
 def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logprobs, ref_logprobs,
                    sampling_ratio, num_items_in_batch, segments, cfg, want_entropy,
                    per_token_loss, dtype, sampling_logprobs=None, shard=None,
@@ -374,12 +299,12 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     # token-level blocks only: with whole-sequence blocks (GSPO, vespo, ...) Dynamo 2.11 fails to
     # compile the gradient (InternalTorchDynamoError in tests/test_packed.py on CUDA: the guard
     # printing bug of _guard_location_bug), so those keep the eager torch.func path
-    compiled = (_BLOCK_GRADS_COMPILED and not seq and _auto_device_ok(hidden)
+    compiled = (_grads.BLOCK_GRADS_COMPILED and not seq and _auto_device_ok(hidden)
                 and not torch.compiler.is_compiling())
 
     def grad_fn(r0, idx, lp, ent):
         # (by_block order: the block's original rows are [r0, r0 + rows), in some order)
-        fn = _eager_call_block_grads if compiled else _block_grads
+        fn = _grads.eager_call_block_grads if compiled else _grads.block_grads
         if compiled:   # idx is perm's view at r0: storage offset 0 only for the block run last,
             idx = idx.clone()   # which would recompile the graph (0/1 specialization)
         return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg, seq, t_len, per_token_loss,

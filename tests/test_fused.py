@@ -19,6 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import compiled_grpo as cg
 from compiled_grpo import fused as F
+from compiled_grpo import fused_grads as FG
 from helpers import make_inputs
 
 H, V = 16, 37
@@ -401,21 +402,21 @@ def test_eager_compiled_block_grads(level, monkeypatch):
     same float64 result as the eager torch.func path, one graph for every block and a second
     batch size. Whole-sequence blocks (GSPO) stay eager (no graph)."""
     monkeypatch.setattr(F, "_auto_device_ok", lambda t: True)
-    monkeypatch.setattr(F, "_AT_LIMIT", False)   # an earlier test may have met the recompile limit
-    F._compiled_block_grads.cache_clear()
+    monkeypatch.setattr(FG, "AT_LIMIT", False)   # an earlier test may have met the recompile limit
+    FG.compiled_block_grads.cache_clear()
     torch._dynamo.reset()
     cfg = cg.GRPOConfig(loss_type="grpo", beta=0.04, entropy_coef=0.01, importance_sampling_level=level,
                         gradient_mode="fused", fused_workspace_mib=_mib(16))
     cnt = CompileCounterWithBackend("eager")
-    monkeypatch.setattr(F, "_compiled_block_grads",
-                        functools.lru_cache(None)(lambda: torch.compile(F._block_grads, dynamic=True,
+    monkeypatch.setattr(FG, "compiled_block_grads",
+                        functools.lru_cache(None)(lambda: torch.compile(FG.block_grads, dynamic=True,
                                                                         fullgraph=True, backend=cnt)))
     for B, T in ((5, 9), (7, 9)):
         inp = make_inputs(B=B, T=T, H=H, V=V, seed=14)
         fast = _run(inp, cfg)
-        monkeypatch.setattr(F, "_BLOCK_GRADS_COMPILED", False)
+        monkeypatch.setattr(FG, "BLOCK_GRADS_COMPILED", False)
         slow = _run(inp, cfg)
-        monkeypatch.setattr(F, "_BLOCK_GRADS_COMPILED", True)
+        monkeypatch.setattr(FG, "BLOCK_GRADS_COMPILED", True)
         _assert_same(slow, fast)
     assert cnt.frame_count == (1 if level == "token" else 0), cnt.frame_count
 
@@ -426,11 +427,11 @@ def test_eager_block_grads_past_the_recompile_limit(monkeypatch):
     warning) where fullgraph=True would raise FailOnRecompileLimitHit, and the configs compiled
     before keep their graphs. Values equal the eager torch.func path's throughout."""
     monkeypatch.setattr(F, "_auto_device_ok", lambda t: True)
-    monkeypatch.setattr(F, "_AT_LIMIT", False)
+    monkeypatch.setattr(FG, "AT_LIMIT", False)
     torch._dynamo.reset()
     cnt = CompileCounterWithBackend("eager")
-    monkeypatch.setattr(F, "_compiled_block_grads",
-                        functools.lru_cache(None)(lambda: torch.compile(F._block_grads, dynamic=True,
+    monkeypatch.setattr(FG, "compiled_block_grads",
+                        functools.lru_cache(None)(lambda: torch.compile(FG.block_grads, dynamic=True,
                                                                         fullgraph=True, backend=cnt)))
     inp = make_inputs(B=5, T=9, H=H, V=V, seed=15)
     cfgs = [cg.GRPOConfig(loss_type="grpo", beta=beta, gradient_mode="fused", fused_workspace_mib=_mib(16))
@@ -442,11 +443,11 @@ def test_eager_block_grads_past_the_recompile_limit(monkeypatch):
                     fast = _run(inp, cfg)
             else:
                 fast = _run(inp, cfg)
-            monkeypatch.setattr(F, "_BLOCK_GRADS_COMPILED", False)
+            monkeypatch.setattr(FG, "BLOCK_GRADS_COMPILED", False)
             slow = _run(inp, cfg)
-            monkeypatch.setattr(F, "_BLOCK_GRADS_COMPILED", True)
+            monkeypatch.setattr(FG, "BLOCK_GRADS_COMPILED", True)
             _assert_same(slow, fast)
-    assert F._AT_LIMIT and cnt.frame_count == 2, cnt.frame_count
+    assert FG.AT_LIMIT and cnt.frame_count == 2, cnt.frame_count
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -1,0 +1,88 @@
+"""The per-block gradient of grpo_loss's fused-gradient mode (fused.py): (dL/dlogp, dL/dentropy)
+of one row block's tokens, ``torch.func.grad`` of the loss functions themselves (api.py's
+per_token_loss and the normalizer weights), so no second, hand-written derivative exists.
+
+Legend: N tokens, R' rows of a block (in the block's order), k whole sequences a block, G blocks.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+from compiled_grpo.loss import Segments
+
+
+def block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, grouped=None):
+    """The loss terms of one block's rows, sum(w * l) + sum(e * H), a scalar: lp / ent [R'] in the
+    block's order, idx [R'] their original rows, per_tok the [N] inputs and weights. ``grouped``
+    (packed whole sequences: seg_ids [N], k, counts [G], R): block b = r0 // R holds sequences
+    [b k, (b + 1) k), its counts[b] valid tokens in the first slots (order_rows_grouped); the
+    slots past them (idx 0 there) are no token of the block: masked, in a sequence of their own, k."""
+    segs = live = None
+    if grouped is not None:
+        seg_ids, k, counts, rows = grouped
+        b = r0 // rows
+        live = torch.arange(lp.shape[0], device=lp.device) < counts[b]      # [R] the valid tokens
+        segs = Segments(torch.where(live, seg_ids.index_select(0, idx) - b * k, k), k + 1)
+    if seq and grouped is None:   # back to the block's [k, T] rows, where the sequence sums run
+        rows = lp.shape[0]
+        lp = lp.new_zeros(rows).index_copy(0, idx - r0, lp).view(-1, t_len)
+        take = lambda t: None if t is None else t.narrow(0, r0, rows).view(-1, t_len)  # noqa: E731
+    else:
+        take = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+    valid = take(per_tok["valid"]) if live is None else take(per_tok["valid"]) & live
+    ent_term = 0.0 if per_tok["ent_w"] is None else (per_tok["ent_w"].index_select(0, idx) * ent).sum()
+    # per_token is 0 where not valid, so slots past a block's rows add nothing to the sum
+    terms = per_token_loss(lp, take(per_tok["old"]), valid, take(per_tok["adv"]), take(per_tok["sr"]),
+                           take(per_tok["ref"]), cfg, segs, sampling_logprobs=take(per_tok["samp"]))
+    return (take(per_tok["agg_w"]) * terms.per_token).sum() + ent_term
+
+
+def block_grads(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, grouped=None):
+    """(dL/dlp, dL/dent) [R'] of one block: autograd of the loss functions (torch.func.grad)."""
+    return torch.func.grad(block_loss, argnums=(0, 1))(lp, ent, idx, r0, per_tok, cfg, seq, t_len,
+                                                      per_token_loss, grouped)
+
+
+# Eager CUDA calls run the per-block gradient as one compiled graph (dynamic shapes: one compile
+# per config, every block and N): otherwise its ~60 small kernels a block cost ~0.5 ms of launches
+# each (H200: qwen3-8b eager 46.7 vs compiled 43.6 ms; long, 32 blocks, 232 vs 200 ms). Inside a
+# user's torch.compile the function is traced inline instead. Token-level blocks only (see
+# fused.fused_logprobs). COMPILED_GRPO_COMPILE_BLOCK_GRADS=0 turns it off (eager launches; no compile on
+# the first call).
+BLOCK_GRADS_COMPILED = os.environ.get("COMPILED_GRPO_COMPILE_BLOCK_GRADS", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_block_grads():
+    return torch.compile(block_grads, dynamic=True, fullgraph=True)
+
+
+def eager_call_block_grads(*args):
+    """The compiled per-block gradient of an eager call, or the eager torch.func one once
+    Dynamo's recompile limit for it is reached. Each GRPOConfig (its values guard the graph) and
+    dtype is a graph of its own, so a process that runs more of them than
+    ``torch._dynamo.config.recompile_limit`` (8; a sweep over configs, a beta schedule) meets the
+    limit, which fullgraph=True turns into FailOnRecompileLimitHit (raised before anything runs)
+    instead of Dynamo's eager run. From then on the calls run under the "eager_on_recompile"
+    stance: the graphs already compiled keep serving their configs, the others run the same
+    gradient eagerly (more kernel launches), with one warning."""
+    global AT_LIMIT
+    if AT_LIMIT:
+        with torch.compiler.set_stance("eager_on_recompile"):
+            return compiled_block_grads()(*args)
+    try:
+        return compiled_block_grads()(*args)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        AT_LIMIT = True
+        warnings.warn("compiled_grpo: the compiled per-block gradient of eager fused calls reached "
+                      "torch._dynamo.config.recompile_limit (one graph per GRPOConfig and dtype); "
+                      "new configs run it eagerly from now on (same values, more kernel launches)",
+                      stacklevel=3)
+        return block_grads(*args)
+
+
+AT_LIMIT = False   # set once the compiled block gradient met Dynamo's recompile limit
