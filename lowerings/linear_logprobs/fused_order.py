@@ -1,0 +1,56 @@
+"""The row order of the fused-gradient schedule (fused.py): which rows each row block takes, valid
+rows first, as device tensors (no host sync): perm (slot -> row), counts (valid rows a block)
+and, for groups of rows of any size, slot (row -> slot).
+
+Legend: N rows, G blocks of R rows (slots).
+"""
+import torch
+from torch import Tensor
+
+from lowerings.linear_logprobs import cuda_rows as _rows
+
+
+def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tuple[Tensor, Tensor]:
+    """perm [N] int64 and counts [G] int32 (valid rows of each block), no host sync.
+    Global order (by_block False): all valid rows first (a stable sort), so blocks are full
+    until the last valid row and later blocks are empty. by_block: each block of R original
+    rows keeps its rows, valid ones first (for losses whose gradient needs whole sequences:
+    a block then holds whole sequences). One block is the global order either way (and a
+    by_block index of arange(N) // N trips Inductor's CPU scatter codegen)."""
+    if by_block and blocks > 1:
+        n = row_mask.shape[0]
+        block = torch.arange(n, device=row_mask.device) // block_rows      # [N]
+        perm = torch.argsort(block * 2 + (~row_mask).to(torch.int64), stable=True)
+        counts = torch.zeros(blocks, dtype=torch.int32, device=row_mask.device).index_add(
+            0, block, row_mask.to(torch.int32))
+    else:
+        perm, total = _rows.order_rows(row_mask)                           # [N], [1] int32
+        start = torch.arange(blocks, device=row_mask.device, dtype=torch.int32) * block_rows
+        counts = (total - start).clamp(min=0).clamp(max=block_rows).to(torch.int32)
+    return perm, counts
+
+
+def order_rows_grouped(row_mask: Tensor, row_block: Tensor, blocks: int,
+                       block_rows) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``plan`` of fused_linear_logprobs for rows that come in groups of any size (whole
+    packed sequences): block b takes the rows with row_block == b (at most R of them: the caller
+    guarantees it), valid ones first, each kind in row order, in R slots of its own. No host
+    sync; sorts and searchsorted, no scatter into [G] (Inductor's CPU code for an index_add
+    into a [1] buffer fails its vectorized-store assert: G = 1 is common).
+
+    row_mask [N] bool, row_block [N] int64 in [0, G) -> perm [G R] int64 (slot -> row; 0 in the
+    slots past a block's rows, never used), counts [G] int32 (valid rows of each block), slot [N]
+    int64 (row -> slot: the outputs' way back)."""
+    n, dev = row_mask.shape[0], row_mask.device
+    key = row_block * 2 + (~row_mask).to(torch.int64)                                 # [N]
+    order = torch.argsort(key, stable=True)                          # [N] rows in slot order
+    key_s = key.index_select(0, order)                                                # [N] sorted
+    blk = torch.div(key_s, 2, rounding_mode="floor")                                  # [N]
+    first = torch.searchsorted(key_s, blk * 2)                # [N] each row's block's first place
+    slot_sorted = blk * block_rows + torch.arange(n, device=dev) - first              # [N]
+    perm = torch.zeros(blocks * block_rows, dtype=torch.int64, device=dev).index_copy(
+        0, slot_sorted, order)                                                        # [G R]
+    slot = slot_sorted.index_select(0, torch.argsort(order))                          # [N]
+    even = torch.arange(blocks, device=dev, dtype=torch.int64) * 2                    # [G]
+    counts = (torch.searchsorted(key_s, even + 1) - torch.searchsorted(key_s, even)).to(torch.int32)
+    return perm, counts, slot
