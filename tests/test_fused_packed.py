@@ -1,0 +1,96 @@
+"""grpo_loss's fused-gradient mode on packed inputs with losses that couple a sequence's tokens
+(GSPO, vespo, the off-policy mask, a sequence_* IS weight without old log-probs): blocks of
+k = R // max_seqlen whole sequences (lowerings' fused_order.order_rows_grouped), against the
+recompute path in float64, the mode selection, and torch.compile(fullgraph=True). The plan and
+the Triton block steps on it: tests/test_fused_interpret.py; dynamic N and S:
+tests/test_packed.py; hypothesis against the reference: tests/test_properties.py."""
+import dataclasses
+import functools
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import compiled_grpo as cg
+from compiled_grpo import fused as F
+from fused_cases import _assert_same, _mib, _option_inputs, _packed, _run
+
+# --- packed whole sequences (max_seqlen) ----------------------------------------------------------
+# Sequence-coupled losses on cu_seqlens inputs: blocks of k = R // max_seqlen whole sequences
+# (lowerings' order_rows_grouped). Sequences of 9, 3, 6, 0, 5, 8, 2 tokens (one empty, masked
+# tokens inside them); 16-row blocks hold one 9-bounded sequence (k = 1: 7 blocks), 32-row blocks
+# three (3 blocks, the last one short), 64 rows all of them (one block).
+_SEQ_LENGTHS = [9, 3, 6, 0, 5, 8, 2]
+PACKED_SEQ_CASES = {
+    "gspo_grpo": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
+    "gspo_dapo_entropy": dict(loss_type="dapo", importance_sampling_level="sequence", entropy_coef=0.01),
+    "gspo_dr_grpo_delta": dict(loss_type="dr_grpo", importance_sampling_level="sequence", delta=1.5,
+                               max_completion_length=9),
+    "vespo": dict(loss_type="vespo"),
+    "opsm_sampler": dict(off_policy_mask_threshold=0.02, vllm_importance_sampling_correction=False),
+    "is_sequence_onpolicy": dict(vllm_importance_sampling_mode="sequence_truncate"),
+}
+
+
+def _packed_seq_inputs(name, seed=21):
+    with_samp = name in ("opsm_sampler", "is_sequence_onpolicy")
+    inp = _option_inputs(with_samp, name != "is_sequence_onpolicy", B=7, T=9, seed=seed)
+    _, packed, cu, _ = _packed(inp, _SEQ_LENGTHS)
+    return packed, cu
+
+
+@pytest.mark.parametrize("name", PACKED_SEQ_CASES)
+@pytest.mark.parametrize("rows,blocks", [(16, 7), (32, 3), (64, 1)])
+def test_packed_sequence_losses_fused(name, rows, blocks, monkeypatch):
+    """float64: fused on packed whole-sequence blocks = the recompute path (loss, log-probs,
+    grads, metrics), with the grouped plan of `blocks` blocks actually taken."""
+    plans = []
+    real = F._op.order_rows_grouped
+    monkeypatch.setattr(F._op, "order_rows_grouped", lambda *a: plans.append(a[2]) or real(*a))
+    packed, cu = _packed_seq_inputs(name)
+    kw = dict(PACKED_SEQ_CASES[name], metrics="with_entropy", fused_workspace_mib=_mib(rows))
+    rec = _run(packed, cg.GRPOConfig(gradient_mode="recompute", **kw), cu_seqlens=cu)
+    fus = _run(packed, cg.GRPOConfig(gradient_mode="fused", **kw), cu_seqlens=cu, max_seqlen=9)
+    assert plans == [blocks]
+    _assert_same(rec, fus)
+    for k, v in rec[0].metrics._asdict().items():
+        if torch.is_tensor(v):
+            torch.testing.assert_close(getattr(fus[0].metrics, k), v, rtol=1e-12, atol=1e-12, msg=k)
+
+
+def test_packed_sequence_losses_fused_selection():
+    """Which packed sequence-coupled calls fuse: with max_seqlen bounding the sequences and
+    fitting the workspace. "auto" on CPU recomputes; on CUDA it would fuse (why_not_fused None)."""
+    packed, cu = _packed_seq_inputs("gspo_grpo")
+    cfg = cg.GRPOConfig(importance_sampling_level="sequence", fused_workspace_mib=_mib(16))
+    segs = object()
+    why = lambda **kw: F.why_not_fused(packed["hidden"], packed["weight"], cfg, segs, None, **kw)  # noqa: E731
+    assert "max_seqlen" in why()
+    assert why(max_seqlen=16) is None
+    assert "raise fused_workspace_mib" in why(max_seqlen=17)
+    with pytest.raises(ValueError, match="gradient_mode='fused'.*pass max_seqlen"):
+        cg.grpo_loss(**packed, cu_seqlens=cu, config=dataclasses.replace(cfg, gradient_mode="fused"))
+    with pytest.raises(ValueError, match="gradient_mode='fused'.*max_seqlen rows"):
+        cg.grpo_loss(**packed, cu_seqlens=cu, max_seqlen=40, config=dataclasses.replace(cfg, gradient_mode="fused"))
+    # a bound above the longest sequence is as good (blocks of fewer sequences)
+    rec = _run(packed, dataclasses.replace(cfg, gradient_mode="recompute"), cu_seqlens=cu)
+    fus = _run(packed, dataclasses.replace(cfg, gradient_mode="fused"), cu_seqlens=cu, max_seqlen=12)
+    _assert_same(rec, fus)
+
+
+def test_packed_sequence_losses_fused_compile():
+    """torch.compile(fullgraph=True): one frame, the eager values; new sequence lengths with the
+    same N and S reuse the graph (the block plan is read on the device from cu_seqlens)."""
+    cfg = cg.GRPOConfig(loss_type="grpo", importance_sampling_level="sequence", beta=0.04,
+                        gradient_mode="fused", fused_workspace_mib=_mib(32))
+    packed, cu = _packed_seq_inputs("gspo_grpo")
+    cnt = CompileCounterWithBackend("inductor")
+    fn = torch.compile(functools.partial(cg.grpo_loss, config=cfg, max_seqlen=9), backend=cnt, fullgraph=True)
+    for lengths in (_SEQ_LENGTHS, [2, 9, 8, 5, 0, 6, 3]):
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(lengths).cumsum(0)])
+        eager = _run(packed, cfg, cu_seqlens=cu, max_seqlen=9)
+        leaves = {k: packed[k].detach().clone().requires_grad_() for k in ("hidden", "weight")}
+        out = fn(**dict(packed, **leaves), cu_seqlens=cu)
+        out.loss.backward()
+        _assert_same(eager, (out, (leaves["hidden"].grad, leaves["weight"].grad)))
+    assert cnt.frame_count == 1
