@@ -20,13 +20,14 @@ def block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, group
     block's order, idx [R'] their original rows, per_tok the [N] inputs and weights. ``grouped``
     (packed whole sequences: seg_ids [N], k, counts [G], R): block b = r0 // R holds sequences
     [b k, (b + 1) k), its counts[b] valid tokens in the first slots (order_rows_grouped); the
-    slots past them (idx 0 there) are no token of the block: masked, in a sequence of their own, k."""
+    slots past them (idx 0 there) are no token of the block: masked."""
     segs = live = None
     if grouped is not None:
         seg_ids, k, counts, rows = grouped
         b = r0 // rows
         live = torch.arange(lp.shape[0], device=lp.device) < counts[b]      # [R] the valid tokens
-        segs = Segments(torch.where(live, seg_ids.index_select(0, idx) - b * k, k), k + 1)
+        # the slots past them (idx 0) land in some sequence of the block, masked like any token
+        segs = Segments((seg_ids.index_select(0, idx) - b * k).clamp(0, k - 1), k)
     if seq and grouped is None:   # back to the block's [k, T] rows, where the sequence sums run
         rows = lp.shape[0]
         lp = lp.new_zeros(rows).index_copy(0, idx - r0, lp).view(-1, t_len)
