@@ -96,6 +96,55 @@ def test_three_way_gpu_far_targets():
         assert e["fused"] <= 2 * e["recompute"] + 1e-5, (what, e)
 
 
+def _packed_gpu(inp):
+    """The padded inputs' valid tokens packed (cu_seqlens; the mask is a prefix of each row)."""
+    keep = inp["mask"]
+    lengths = keep.sum(1)
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    packed = {k: (v[keep] if torch.is_tensor(v) and v.dim() >= 2 and k != "weight" else v)
+              for k, v in inp.items()}
+    return dict(packed, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("loss_type,scaled", [("grpo", True), ("grpo", False), ("dapo", True)])
+def test_three_way_gpu_packed_gspo(loss_type, scaled, monkeypatch):
+    """GSPO on packed inputs (cu_seqlens, max_seqlen = T): blocks of R // 256 whole sequences
+    (the grouped plan, fused_order.order_rows_grouped; 400 MiB holds ~1300 rows: 2 blocks of 8
+    sequences), bf16, H=4096, V=151936: within 2x of eager bf16's error and of the recompute
+    path's; bitwise repeatable and free of host syncs."""
+    import compiled_grpo.fused as F
+    plans = []
+    real = F._op.order_rows_grouped
+    monkeypatch.setattr(F._op, "order_rows_grouped", lambda *a: plans.append(a[2]) or real(*a))
+    inp = dict(_packed_gpu(_gpu_inputs(B=8, T=256, seed=5)), max_seqlen=256)
+    kw = dict(loss_type=loss_type, beta=0.04, importance_sampling_level="sequence",
+              fused_workspace_mib=400.0, fused_scaled_backward=scaled)
+    errs = _three_way(inp, **kw)
+    print(loss_type, scaled, errs)
+    for what, e in errs.items():
+        assert e["fused"] <= 2 * e["pt"] + 1e-5, (what, e)
+        assert e["fused"] <= 2 * e["recompute"] + 1e-5, (what, e)
+    assert plans and all(g >= 2 for g in plans), plans
+    cfg = cg.GRPOConfig(gradient_mode="fused", **kw)
+    assert F.why_not_fused(inp["hidden"], inp["weight"], cfg, object(), None, max_seqlen=256) is None
+
+    def step():
+        h = inp["hidden"].clone().requires_grad_()
+        w = inp["weight"].clone().requires_grad_()
+        out = cg.grpo_loss(**dict(inp, hidden=h, weight=w), config=cfg)
+        out.loss.backward()
+        return out.loss.detach(), out.logprobs, h.grad, w.grad
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        a, b = step(), step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize("entropy_coef", [0.01, 0.0])   # the dlogits pass; the exp-scaled backward
 def test_fused_gpu_no_host_sync_deterministic_and_compiled(entropy_coef):
     """Eager under set_sync_debug_mode("error"), twice bitwise equal; compiled (fullgraph) equal
