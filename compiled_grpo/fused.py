@@ -296,10 +296,11 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             block_rows = cdiv(cdiv(n, blocks), align) * align
 
     t_len = lead[1] if seq and not grouped else None
-    # token-level blocks only: with whole-sequence blocks (GSPO, vespo, ...) Dynamo 2.11 fails to
-    # compile the gradient (InternalTorchDynamoError in tests/test_packed.py on CUDA: the guard
-    # printing bug of _guard_location_bug), so those keep the eager torch.func path
-    compiled = (_grads.BLOCK_GRADS_COMPILED and not seq and _auto_device_ok(hidden)
+    # token-level and packed whole-sequence blocks: with padded whole-sequence blocks ([k, T]
+    # views) Dynamo 2.11 fails to compile the gradient (InternalTorchDynamoError in
+    # tests/test_packed.py on CUDA: the guard printing bug of _guard_location_bug), so those keep
+    # the eager torch.func path
+    compiled = (_grads.BLOCK_GRADS_COMPILED and (not seq or grouped) and _auto_device_ok(hidden)
                 and not torch.compiler.is_compiling())
 
     def grad_fn(r0, idx, lp, ent):

@@ -26,8 +26,9 @@ def block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, group
         seg_ids, k, counts, rows = grouped
         b = r0 // rows
         live = torch.arange(lp.shape[0], device=lp.device) < counts[b]      # [R] the valid tokens
-        # the slots past them (idx 0) land in some sequence of the block, masked like any token
-        segs = Segments((seg_ids.index_select(0, idx) - b * k).clamp(0, k - 1), k)
+        # the slots past them (idx 0) go to the block's last sequence, masked like any token:
+        # the ids stay non-decreasing (the valid slots are in row order), as Segments' sums need
+        segs = Segments(torch.where(live, seg_ids.index_select(0, idx) - b * k, k - 1), k)
     if seq and grouped is None:   # back to the block's [k, T] rows, where the sequence sums run
         rows = lp.shape[0]
         lp = lp.new_zeros(rows).index_copy(0, idx - r0, lp).view(-1, t_len)

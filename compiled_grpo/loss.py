@@ -31,21 +31,71 @@ class Segments(NamedTuple):
     """Packed layout: sequence s owns the flat tokens ``cu_seqlens[s]:cu_seqlens[s + 1]``.
 
     ``ids`` [N] int64 is each token's sequence, ``torch.searchsorted(cu_seqlens[1:], arange(N),
-    right=True)`` (a zero-length sequence owns no token); ``num_sequences`` is S =
-    ``cu_seqlens.shape[0] - 1``, a size (a SymInt under dynamic shapes), never read from tensor
-    data. Per-sequence sums are ``index_add`` into [S]: no host sync, no data-dependent shape.
+    right=True)`` (a zero-length sequence owns no token), so non-decreasing; ``num_sequences`` is
+    S = ``cu_seqlens.shape[0] - 1``, a size (a SymInt under dynamic shapes), never read from tensor
+    data; ``cu_seqlens`` [S + 1] the sequences' offsets (None: found from ``ids`` by searchsorted).
+
+    Per-sequence sums are ``torch.segment_reduce`` over the offsets and broadcasts are
+    ``index_select``, each the other's gradient (``_SegmentSum`` / ``_SegmentBroadcast``): no host
+    sync, no data-dependent shape, and bitwise deterministic on CUDA too. An ``index_add`` into
+    [S] (and index_select's own backward, also one) adds with atomics on CUDA, eager and in
+    Inductor's code: a GSPO loss and its gradients then differed between identical steps.
     """
 
-    ids: Tensor         # [N] int64
+    ids: Tensor         # [N] int64, non-decreasing
     num_sequences: int  # S
+    cu_seqlens: Optional[Tensor] = None   # [S + 1] int32/int64: 0, ..., N
+
+    def offsets(self) -> Tensor:
+        """[S + 1] each sequence's first token, and N last."""
+        if self.cu_seqlens is not None:
+            return self.cu_seqlens
+        s = torch.arange(self.num_sequences + 1, device=self.ids.device, dtype=self.ids.dtype)
+        return torch.searchsorted(self.ids, s)   # [S + 1] (ids sorted; ids[-1] < S)
 
     def sum(self, x: Tensor) -> Tensor:
         """[N] -> [S]: sum over each sequence's tokens (0 for an empty sequence)."""
-        return x.new_zeros(self.num_sequences).index_add(0, self.ids, x)  # [S]
+        return _SegmentSum.apply(x, self.ids, self.offsets())  # [S]
 
     def broadcast(self, x: Tensor) -> Tensor:
         """[S] -> [N]: each token takes its sequence's value."""
-        return x.index_select(0, self.ids)  # [N]
+        return _SegmentBroadcast.apply(x, self.ids, self.offsets())  # [N]
+
+
+class _SegmentSum(torch.autograd.Function):
+    """[N] -> [S] sums in a fixed order (CUDA: CUB's segmented reduce); gradient: a broadcast.
+    Functions with setup_context: torch.func.grad (the fused mode's block gradient) and
+    torch.compile (segment_reduce runs as its ATen kernel there) both take them."""
+
+    @staticmethod
+    def forward(x: Tensor, ids: Tensor, offsets: Tensor) -> Tensor:
+        return torch.segment_reduce(x, "sum", offsets=offsets, unsafe=True)   # [S]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1], inputs[2])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ids, offsets = ctx.saved_tensors
+        return _SegmentBroadcast.apply(grad, ids, offsets), None, None
+
+
+class _SegmentBroadcast(torch.autograd.Function):
+    """[S] -> [N] by index_select; gradient: the fixed-order sums of _SegmentSum."""
+
+    @staticmethod
+    def forward(x: Tensor, ids: Tensor, offsets: Tensor) -> Tensor:
+        return x.index_select(0, ids)   # [N]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1], inputs[2])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ids, offsets = ctx.saved_tensors
+        return _SegmentSum.apply(grad, ids, offsets), None, None
 
 
 def segments_from_cu_seqlens(cu_seqlens: Tensor, num_tokens) -> Segments:
@@ -55,7 +105,7 @@ def segments_from_cu_seqlens(cu_seqlens: Tensor, num_tokens) -> Segments:
     # with the sliced boundaries, Inductor's CUDA code (torch 2.11) produced ids >= S (a device-side
     # "index out of bounds" assert in the gather); the whole tensor compiles right on CPU and CUDA.
     ids = torch.searchsorted(cu_seqlens, pos, right=True) - 1  # [N] int64
-    return Segments(ids, cu_seqlens.shape[0] - 1)
+    return Segments(ids, cu_seqlens.shape[0] - 1, cu_seqlens)
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
