@@ -267,14 +267,15 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     budget = _budget_rows(hidden, weight, cfg, shard)
     compiling = torch.compiler.is_compiling()
     grouped = seq and segments is not None
-    if grouped:   # blocks of k whole packed sequences, each in R slots (order_rows_grouped)
-        s_num = segments.num_sequences
-        k = max(1, budget // max_seqlen)
-        blocks = _compiled_blocks(s_num, k) if compiling else None
+    if grouped:   # whole packed sequences, next-fit into blocks of R slots (pack_sequences)
+        s_num, block_rows = segments.num_sequences, budget
+        blocks = None
+        if compiling:   # a step at least the bound: cdiv(S, k) or 2 cdiv(N, R) - 1 blocks
+            by_seq = _compiled_blocks(s_num, max(1, block_rows // max_seqlen))
+            by_rows = _compiled_blocks(2 * cdiv(n, block_rows) - 1, 1)
+            blocks = by_seq if by_rows is None else by_rows if by_seq is None else min(by_seq, by_rows)
         if blocks is None:
-            blocks = max(1, cdiv(_hint(s_num), k))
-        align = ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS
-        block_rows = min(budget, cdiv(k * max_seqlen, align) * align)
+            blocks = _op.next_fit_blocks(_hint(s_num), _hint(n), block_rows, max_seqlen)
     elif seq:   # blocks of k whole sequences of the padded [B, T]
         b_sz, t_sz = lead
         k = max(1, budget // _hint(t_sz))
@@ -309,7 +310,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         if compiled:   # idx is perm's view at r0: storage offset 0 only for the block run last,
             idx = idx.clone()   # which would recompile the graph (0/1 specialization)
         return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg, seq, t_len, per_token_loss,
-                  (segments.ids, k, plan[1], block_rows) if grouped else None)
+                  (segments.ids, segments.num_sequences, plan[1], block_rows) if grouped else None)
 
     need = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
     h2 = hidden.reshape(-1, hidden.shape[-1])                              # [N, H]
@@ -328,8 +329,11 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             return lp, ent if ent_g is None else ent_g, lse
 
         tp = dict(combine=combine, reduce_dx=lambda dx: _tp.all_reduce_sum(dx, shard.group))
-    # grouped: sequence s in block s // k (the sequences are contiguous, so the blocks are too)
-    plan = _op.order_rows_grouped(flat_valid, segments.ids // k, blocks, block_rows) if grouped else None
+    plan = None
+    if grouped:   # the sequences are contiguous and next-fit keeps their order: so are the blocks
+        seq_block = _op.pack_sequences(segments.offsets(), block_rows, blocks)          # [S]
+        plan = _op.order_rows_grouped(flat_valid, seq_block.index_select(0, segments.ids), blocks,
+                                      block_rows)
     res = _op.fused_linear_logprobs(
         h2, weight, ids, bias, flat_valid, grad_fn, blocks=blocks,
         block_rows=block_rows, by_block=seq, temperature=cfg.temperature, with_entropy=want_entropy,

@@ -18,17 +18,17 @@ from compiled_grpo.loss import Segments
 def block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, grouped=None):
     """The loss terms of one block's rows, sum(w * l) + sum(e * H), a scalar: lp / ent [R'] in the
     block's order, idx [R'] their original rows, per_tok the [N] inputs and weights. ``grouped``
-    (packed whole sequences: seg_ids [N], k, counts [G], R): block b = r0 // R holds sequences
-    [b k, (b + 1) k), its counts[b] valid tokens in the first slots (order_rows_grouped); the
-    slots past them (idx 0 there) are no token of the block: masked."""
+    (packed whole sequences: seg_ids [N], S, counts [G], R): block b = r0 // R holds whole
+    sequences (fused_order.pack_sequences), its counts[b] valid tokens in the first slots in row
+    order (order_rows_grouped); the slots past them are no token of the block: masked. Their
+    sums run over all S sequences' ids (those of other blocks are empty here)."""
     segs = live = None
     if grouped is not None:
-        seg_ids, k, counts, rows = grouped
-        b = r0 // rows
-        live = torch.arange(lp.shape[0], device=lp.device) < counts[b]      # [R] the valid tokens
-        # the slots past them (idx 0) go to the block's last sequence, masked like any token:
-        # the ids stay non-decreasing (the valid slots are in row order), as Segments' sums need
-        segs = Segments(torch.where(live, seg_ids.index_select(0, idx) - b * k, k - 1), k)
+        seg_ids, s_num, counts, rows = grouped
+        live = torch.arange(lp.shape[0], device=lp.device) < counts[r0 // rows]   # [R] valid tokens
+        # the slots past them go to the last sequence, masked like any token: the ids stay
+        # non-decreasing (the valid slots are in row order), as Segments' sums need
+        segs = Segments(torch.where(live, seg_ids.index_select(0, idx), s_num - 1), s_num)
     if seq and grouped is None:   # back to the block's [k, T] rows, where the sequence sums run
         rows = lp.shape[0]
         lp = lp.new_zeros(rows).index_copy(0, idx - r0, lp).view(-1, t_len)

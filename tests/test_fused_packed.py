@@ -17,9 +17,10 @@ from fused_cases import _assert_same, _mib, _option_inputs, _packed, _run
 
 # --- packed whole sequences (max_seqlen) ----------------------------------------------------------
 # Sequence-coupled losses on cu_seqlens inputs: blocks of k = R // max_seqlen whole sequences
-# (lowerings' order_rows_grouped). Sequences of 9, 3, 6, 0, 5, 8, 2 tokens (one empty, masked
-# tokens inside them); 16-row blocks hold one 9-bounded sequence (k = 1: 7 blocks), 32-row blocks
-# three (3 blocks, the last one short), 64 rows all of them (one block).
+# packed next-fit into blocks of R rows (lowerings' pack_sequences, order_rows_grouped). Sequences
+# of 9, 3, 6, 0, 5, 8, 2 tokens (one empty, masked tokens inside them); 16-row blocks: 9+3, 6+0+5,
+# 8+2 in 5 launched blocks (the bound 2 cdiv(33, 16) - 1; two stay empty), 32-row blocks:
+# 9+3+6+0+5+8, 2 in 3 (six sequences in a block where k = R // max_seqlen = 3), 64 rows: one.
 _SEQ_LENGTHS = [9, 3, 6, 0, 5, 8, 2]
 PACKED_SEQ_CASES = {
     "gspo_grpo": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
@@ -40,7 +41,7 @@ def _packed_seq_inputs(name, seed=21):
 
 
 @pytest.mark.parametrize("name", PACKED_SEQ_CASES)
-@pytest.mark.parametrize("rows,blocks", [(16, 7), (32, 3), (64, 1)])
+@pytest.mark.parametrize("rows,blocks", [(16, 5), (32, 3), (64, 1)])
 def test_packed_sequence_losses_fused(name, rows, blocks, monkeypatch):
     """float64: fused on packed whole-sequence blocks = the recompute path (loss, log-probs,
     grads, metrics), with the grouped plan of `blocks` blocks actually taken."""
@@ -56,6 +57,37 @@ def test_packed_sequence_losses_fused(name, rows, blocks, monkeypatch):
     for k, v in rec[0].metrics._asdict().items():
         if torch.is_tensor(v):
             torch.testing.assert_close(getattr(fus[0].metrics, k), v, rtol=1e-12, atol=1e-12, msg=k)
+
+
+def _next_fit(lengths, rows):
+    out, b, fill = [], 0, 0
+    for n in lengths:
+        if fill + n > rows:
+            b, fill = b + 1, 0
+        fill += n
+        out.append(b)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pack_sequences_is_next_fit(seed):
+    """pack_sequences (pointer doubling on the device) = a sequential next-fit over the lengths,
+    zero-length sequences included, within next_fit_blocks' bound; the same compiled with
+    dynamic shapes."""
+    import random
+    from lowerings.linear_logprobs.fused_order import next_fit_blocks, pack_sequences
+    rng = random.Random(seed)
+    compiled = torch.compile(pack_sequences, fullgraph=True, dynamic=True)
+    for _ in range(200):
+        bound = rng.randint(1, 50)
+        rows = rng.randint(bound, 120)
+        lengths = [rng.choice([0, rng.randint(0, bound)]) for _ in range(rng.randint(1, 40))]
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        blocks = next_fit_blocks(len(lengths), int(cu[-1]), rows, bound)
+        want = _next_fit(lengths, rows)
+        assert max(want) < blocks
+        assert pack_sequences(cu, rows, blocks).tolist() == want, (lengths, rows)
+    assert compiled(cu.int(), rows, blocks).tolist() == want
 
 
 def test_packed_sequence_losses_fused_selection():

@@ -277,18 +277,19 @@ def test_compile_once_for_many_packings(backend, name, device):
 
 
 def test_compile_once_for_many_packings_whole_sequence_blocks():
-    """GSPO in the fused mode on packed inputs (max_seqlen = 6 bounds every packing; 16-row blocks
-    of two whole sequences): one graph for every packing, N and S dynamic, the recompute path's
-    values. S stays within one step of fused.COMPILED_BLOCKS (3-4 sequences: 2 blocks); crossing
-    one recompiles, as for padded whole-row blocks. CPU: on CUDA with torch 2.11, "auto"
-    recomputes compiled sequence-coupled losses (fused._guard_location_bug)."""
+    """GSPO in the fused mode on packed inputs (max_seqlen = 6 bounds every packing; whole
+    sequences next-fit into 16-row blocks, 2 of them here): one graph for every packing, N and S
+    dynamic, the recompute path's values. The block count stays within one step of
+    fused.COMPILED_BLOCKS (3-4 sequences of 17-18 tokens: min(cdiv(S, 16 // 6), 2 cdiv(N, 16) - 1)
+    = 2 blocks); crossing one recompiles, as for padded whole-row blocks. CPU: on CUDA with torch
+    2.11, "auto" recomputes compiled sequence-coupled losses (fused._guard_location_bug)."""
     cfg = cg.GRPOConfig(loss_type="grpo", importance_sampling_level="sequence", beta=0.04,
                         gradient_mode="fused", fused_workspace_mib=16 * 64 * 4 / 2**20)
     rec = dataclasses.replace(cfg, gradient_mode="recompute")
     torch._dynamo.reset()
     cnt = CompileCounterWithBackend("inductor")
     compiled = torch.compile(functools.partial(cg.grpo_loss, max_seqlen=6), backend=cnt, fullgraph=True)
-    for i, lengths in enumerate([(3, 0, 4), (2, 5, 1, 3), (4, 4, 4), (6, 1, 0, 5)]):
+    for i, lengths in enumerate([(6, 5, 6), (5, 6, 4, 3), (6, 0, 6, 6), (6, 1, 6, 5)]):
         inp = _device_inputs(lengths, seed=i)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             out = compiled(**inp, config=cfg)

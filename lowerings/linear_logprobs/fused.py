@@ -51,7 +51,8 @@ from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs import fused_cuda as _fcuda
 from lowerings.linear_logprobs.cuda import cdiv, sm_count   # sm_count: wave_rows, callers
-from lowerings.linear_logprobs.fused_order import order_rows, order_rows_grouped  # noqa: F401 (callers)
+from lowerings.linear_logprobs.fused_order import (next_fit_blocks, order_rows, order_rows_grouped,  # noqa: F401 (callers)
+                                                   pack_sequences)
 
 
 class FusedResult(NamedTuple):

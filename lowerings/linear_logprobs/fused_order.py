@@ -1,8 +1,9 @@
 """The row order of the fused-gradient schedule (fused.py): which rows each row block takes, valid
 rows first, as device tensors (no host sync): perm (slot -> row), counts (valid rows a block)
-and, for groups of rows of any size, slot (row -> slot).
+and, for groups of rows of any size, slot (row -> slot); and which block each packed sequence
+goes to (pack_sequences).
 
-Legend: N rows, G blocks of R rows (slots).
+Legend: N rows, G blocks of R rows (slots), S packed sequences.
 """
 import torch
 from torch import Tensor
@@ -54,3 +55,35 @@ def order_rows_grouped(row_mask: Tensor, row_block: Tensor, blocks: int,
     even = torch.arange(blocks, device=dev, dtype=torch.int64) * 2                    # [G]
     counts = (torch.searchsorted(key_s, even + 1) - torch.searchsorted(key_s, even)).to(torch.int32)
     return perm, counts, slot
+
+
+def next_fit_blocks(num_sequences: int, num_rows: int, block_rows: int, max_seqlen: int) -> int:
+    """A bound on the blocks pack_sequences fills (host ints): next-fit puts at least k = R //
+    max_seqlen sequences in every block but the last, and any two neighbouring blocks hold more
+    than R rows (else the second's first sequence had fit the first): G <= cdiv(S, k) and
+    G <= 2 cdiv(N, R) - 1."""
+    k = max(1, block_rows // max_seqlen)
+    return max(1, min(-(-num_sequences // k), 2 * -(-num_rows // block_rows) - 1))
+
+
+def pack_sequences(cu_seqlens: Tensor, block_rows, blocks: int) -> Tensor:
+    """[S] int64: the row block of each packed sequence, next-fit in order (a block takes the
+    following sequences while their rows fit its R), on the device with no host sync and no
+    sequential loop: nxt[i] = the largest t with cu[t] <= cu[i] + R (the block that starts at
+    sequence i ends before t), and the blocks' first sequences nxt^j(0), j < G, by doubling
+    (log2 G gathers of [S + 1]). The caller bounds every length by R (max_seqlen) and launches
+    G >= the blocks filled (next_fit_blocks); blocks past the last sequence stay empty.
+
+    cu_seqlens [S + 1] int32/int64 (0, ..., N) -> [S] int64 in [0, G)."""
+    cu = cu_seqlens.to(torch.int64)                                                   # [S + 1]
+    n_seq = cu.shape[0] - 1
+    step = torch.arange(1, n_seq + 2, device=cu.device).clamp(max=n_seq)          # [S + 1]
+    # a sequence longer than R (excluded by the caller) still moves on, so the chain ends at S
+    nxt = torch.maximum(torch.searchsorted(cu, cu + block_rows, right=True) - 1, step)
+    first = cu.new_zeros(1)                                                           # [1]
+    while first.shape[0] < blocks:   # first holds nxt^j(0), j < m; jump is nxt^m
+        first = torch.cat([first, nxt.index_select(0, first)])
+        nxt = nxt.index_select(0, nxt)
+    first = first[:blocks]                                  # [G] non-decreasing, S once all placed
+    seqs = torch.arange(n_seq, device=cu.device)                                      # [S]
+    return torch.searchsorted(first, seqs, right=True) - 1
