@@ -49,7 +49,7 @@ from torch import Tensor
 from compiled_grpo import distributed as _tp
 from compiled_grpo import fused_grads as _grads
 from compiled_grpo.logprobs import _prepare, check_model_scaling
-from compiled_grpo.loss import aggregate, masked_mean
+from compiled_grpo.loss import Segments, aggregate, masked_mean
 from lowerings.linear_logprobs import LinearLogprobs
 from lowerings.linear_logprobs import fused as _op
 from lowerings.linear_logprobs.cpu import _hint
@@ -266,8 +266,11 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     n = valid.numel()
     budget = _budget_rows(hidden, weight, cfg, shard)
     compiling = torch.compiler.is_compiling()
-    grouped = seq and segments is not None
-    if grouped:   # whole packed sequences, next-fit into blocks of R slots (pack_sequences)
+    if seq:   # whole sequences next-fit into blocks of R slots by their valid tokens
+        if segments is None:   # padded [B, T]: row b is sequence b, T tokens long
+            b_sz, max_seqlen = lead
+            segments = Segments(torch.arange(n, device=valid.device) // max_seqlen, b_sz,
+                                torch.arange(b_sz + 1, device=valid.device) * max_seqlen)
         s_num, block_rows = segments.num_sequences, budget
         blocks = None
         if compiling:   # a step at least the bound: cdiv(S, k) or 2 cdiv(N, R) - 1 blocks
@@ -275,14 +278,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             by_rows = _compiled_blocks(2 * cdiv(n, block_rows) - 1, 1)
             blocks = by_seq if by_rows is None else by_rows if by_seq is None else min(by_seq, by_rows)
         if blocks is None:
-            blocks = _op.next_fit_blocks(_hint(s_num), _hint(n), block_rows, max_seqlen)
-    elif seq:   # blocks of k whole sequences of the padded [B, T]
-        b_sz, t_sz = lead
-        k = max(1, budget // _hint(t_sz))
-        blocks = _compiled_blocks(b_sz, k) if compiling else None
-        if blocks is None:
-            blocks = max(1, cdiv(_hint(b_sz), k))
-        block_rows = cdiv(b_sz, blocks) * t_sz
+            blocks = _op.next_fit_blocks(_hint(s_num), _hint(n), block_rows, _hint(max_seqlen))
     else:   # several blocks: whole dX waves where the budget holds one (see wave_rows)
         align = ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS
         wave = _op.wave_rows(hidden, weight)
@@ -296,21 +292,16 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             blocks = min(MAX_BLOCKS, max(1, cdiv(_hint(n), budget)))
             block_rows = cdiv(cdiv(n, blocks), align) * align
 
-    t_len = lead[1] if seq and not grouped else None
-    # token-level and packed whole-sequence blocks: with padded whole-sequence blocks ([k, T]
-    # views) Dynamo 2.11 fails to compile the gradient (InternalTorchDynamoError in
-    # tests/test_packed.py on CUDA: the guard printing bug of _guard_location_bug), so those keep
-    # the eager torch.func path
-    compiled = (_grads.BLOCK_GRADS_COMPILED and (not seq or grouped) and _auto_device_ok(hidden)
+    # the per-block gradient as one compiled graph in eager CUDA calls (fused_grads)
+    compiled = (_grads.BLOCK_GRADS_COMPILED and _auto_device_ok(hidden)
                 and not torch.compiler.is_compiling())
 
     def grad_fn(r0, idx, lp, ent):
-        # (by_block order: the block's original rows are [r0, r0 + rows), in some order)
         fn = _grads.eager_call_block_grads if compiled else _grads.block_grads
         if compiled:   # idx is perm's view at r0: storage offset 0 only for the block run last,
             idx = idx.clone()   # which would recompile the graph (0/1 specialization)
-        return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg, seq, t_len, per_token_loss,
-                  (segments.ids, segments.num_sequences, plan[1], block_rows) if grouped else None)
+        return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg, per_token_loss,
+                  (segments.ids, segments.num_sequences, plan[1], block_rows) if seq else None)
 
     need = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
     h2 = hidden.reshape(-1, hidden.shape[-1])                              # [N, H]
@@ -330,13 +321,16 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
 
         tp = dict(combine=combine, reduce_dx=lambda dx: _tp.all_reduce_sum(dx, shard.group))
     plan = None
-    if grouped:   # the sequences are contiguous and next-fit keeps their order: so are the blocks
-        seq_block = _op.pack_sequences(segments.offsets(), block_rows, blocks)          # [S]
+    if seq:   # next-fit keeps the sequences' order: each block is a run of whole sequences
+        flat_n = flat_valid.to(torch.int64)
+        done = torch.cat([flat_n.new_zeros(1), flat_n.cumsum(0)])             # [N + 1]
+        cu_valid = done.index_select(0, segments.offsets().to(torch.int64))   # [S + 1]
+        seq_block = _op.pack_sequences(cu_valid, block_rows, blocks)           # [S]
         plan = _op.order_rows_grouped(flat_valid, seq_block.index_select(0, segments.ids), blocks,
                                       block_rows)
     res = _op.fused_linear_logprobs(
         h2, weight, ids, bias, flat_valid, grad_fn, blocks=blocks,
-        block_rows=block_rows, by_block=seq, temperature=cfg.temperature, with_entropy=want_entropy,
+        block_rows=block_rows, by_block=False, temperature=cfg.temperature, with_entropy=want_entropy,
         logit_scale=cfg.logit_scale, softcap=cfg.final_logit_softcapping, need_x=need[0],
         need_w=need[1], need_b=need[2], entropy_grad=ent_w is not None,
         allow_scaled=cfg.fused_scaled_backward, plan=plan, **tp)

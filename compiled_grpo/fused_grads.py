@@ -15,13 +15,14 @@ import torch
 from compiled_grpo.loss import Segments
 
 
-def block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, grouped=None):
+def block_loss(lp, ent, idx, r0, per_tok, cfg, per_token_loss, grouped=None):
     """The loss terms of one block's rows, sum(w * l) + sum(e * H), a scalar: lp / ent [R'] in the
-    block's order, idx [R'] their original rows, per_tok the [N] inputs and weights. ``grouped``
-    (packed whole sequences: seg_ids [N], S, counts [G], R): block b = r0 // R holds whole
-    sequences (fused_order.pack_sequences), its counts[b] valid tokens in the first slots in row
-    order (order_rows_grouped); the slots past them are no token of the block: masked. Their
-    sums run over all S sequences' ids (those of other blocks are empty here)."""
+    block's order, idx [R'] their original rows, per_tok the [N] inputs and weights (flat:
+    padded [B, T] inputs as B sequences of T tokens). ``grouped`` (whole sequences: seg_ids [N],
+    S, counts [G], R): block b = r0 // R holds whole sequences (fused_order.pack_sequences), its
+    counts[b] valid tokens in the first slots in row order (order_rows_grouped); the slots past
+    them are no token of the block: masked. Their sums run over all S sequences' ids (those of
+    other blocks are empty here)."""
     segs = live = None
     if grouped is not None:
         seg_ids, s_num, counts, rows = grouped
@@ -29,12 +30,7 @@ def block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, group
         # the slots past them go to the last sequence, masked like any token: the ids stay
         # non-decreasing (the valid slots are in row order), as Segments' sums need
         segs = Segments(torch.where(live, seg_ids.index_select(0, idx), s_num - 1), s_num)
-    if seq and grouped is None:   # back to the block's [k, T] rows, where the sequence sums run
-        rows = lp.shape[0]
-        lp = lp.new_zeros(rows).index_copy(0, idx - r0, lp).view(-1, t_len)
-        take = lambda t: None if t is None else t.narrow(0, r0, rows).view(-1, t_len)  # noqa: E731
-    else:
-        take = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+    take = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
     valid = take(per_tok["valid"]) if live is None else take(per_tok["valid"]) & live
     ent_term = 0.0 if per_tok["ent_w"] is None else (per_tok["ent_w"].index_select(0, idx) * ent).sum()
     # per_token is 0 where not valid, so slots past a block's rows add nothing to the sum
@@ -43,9 +39,9 @@ def block_loss(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, group
     return (take(per_tok["agg_w"]) * terms.per_token).sum() + ent_term
 
 
-def block_grads(lp, ent, idx, r0, per_tok, cfg, seq, t_len, per_token_loss, grouped=None):
+def block_grads(lp, ent, idx, r0, per_tok, cfg, per_token_loss, grouped=None):
     """(dL/dlp, dL/dent) [R'] of one block: autograd of the loss functions (torch.func.grad)."""
-    return torch.func.grad(block_loss, argnums=(0, 1))(lp, ent, idx, r0, per_tok, cfg, seq, t_len,
+    return torch.func.grad(block_loss, argnums=(0, 1))(lp, ent, idx, r0, per_tok, cfg,
                                                       per_token_loss, grouped)
 
 

@@ -263,9 +263,9 @@ def test_compile_static_shapes():
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_eager_compiled_block_grads(level, monkeypatch):
-    """Eager calls on CUDA run the per-block gradient of token-level blocks compiled (dynamic):
-    same float64 result as the eager torch.func path, one graph for every block and a second
-    batch size. Whole-sequence blocks (GSPO) stay eager (no graph)."""
+    """Eager calls on CUDA run the per-block gradient compiled (dynamic): same float64 result as
+    the eager torch.func path, one graph for every block and a second batch size, token-level
+    and whole-sequence (GSPO) blocks alike."""
     monkeypatch.setattr(F, "_auto_device_ok", lambda t: True)
     monkeypatch.setattr(FG, "AT_LIMIT", False)   # an earlier test may have met the recompile limit
     FG.compiled_block_grads.cache_clear()
@@ -283,7 +283,7 @@ def test_eager_compiled_block_grads(level, monkeypatch):
         slow = _run(inp, cfg)
         monkeypatch.setattr(FG, "BLOCK_GRADS_COMPILED", True)
         _assert_same(slow, fast)
-    assert cnt.frame_count == (1 if level == "token" else 0), cnt.frame_count
+    assert cnt.frame_count == 1, cnt.frame_count
 
 
 def test_eager_block_grads_past_the_recompile_limit(monkeypatch):

@@ -284,17 +284,19 @@ def test_fused_grouped_plan(monkeypatch, kind, scaled):
 
 
 def test_order_rows_grouped():
-    """The plan itself: each group in its block's slots, valid rows first in their order, then
-    the group's padded rows, then perm 0; counts the valid rows; slot the inverse of perm."""
+    """The plan itself: each group's valid rows in their block's slots, in row order, then perm
+    0; masked rows take no slot (slot G R, the 0 after the blocks); counts the valid rows; slot
+    the inverse of perm on the valid rows."""
     mask = MASKS["scattered"]
     seq = torch.repeat_interleave(torch.arange(7), torch.tensor(_GROUP_LENGTHS))
     blk = seq // 2
     perm, counts, slot = fk.order_rows_grouped(mask, blk, 4, 20)
     assert perm.shape == (80,) and counts.dtype == torch.int32
-    assert torch.equal(perm.index_select(0, slot), torch.arange(40))
+    assert torch.equal(slot[~mask], torch.full_like(slot[~mask], 80))
+    assert torch.equal(perm.index_select(0, slot[mask]), torch.arange(40)[mask])
     for b in range(4):
         rows = (blk == b).nonzero()[:, 0]
-        want = torch.cat([rows[mask[rows]], rows[~mask[rows]]])
+        want = rows[mask[rows]]
         got = perm[b * 20: b * 20 + 20]
         assert torch.equal(got[: len(want)], want) and not got[len(want):].any()
         assert counts[b] == mask[rows].sum()

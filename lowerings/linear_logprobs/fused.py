@@ -136,9 +136,9 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     ``allow_scaled`` is False (the in-place dlogits pass: one bf16 rounding fewer in dW).
 
     ``plan`` (perm [G R], counts [G], slot [N]; order_rows_grouped) replaces the row order for
-    groups of rows that are not R-aligned (packed whole sequences): block b is slots
-    [b R, (b + 1) R), its counts[b] valid rows first, and grad_fn's idx holds row 0 in the slots
-    past the block's rows (the caller masks slots >= counts[b]; by_block is then ignored)."""
+    groups of rows that are not R-aligned (whole sequences): block b is slots [b R, (b + 1) R),
+    its counts[b] valid rows first, and grad_fn's idx holds row 0 in the slots past them (the
+    caller masks slots >= counts[b]; by_block is then ignored); masked rows' outputs are 0."""
     hidden, weight = hidden.detach(), weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
     n, h = hidden.shape
@@ -208,8 +208,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     perm_n = perm.narrow(0, 0, n)
 
     def unperm(parts):   # the blocks' slots -> [N] rows
-        if slot is not None:
-            return torch.cat(parts).index_select(0, slot)
+        if slot is not None:   # masked rows: slot G R, a 0 after the blocks' slots
+            return torch.cat(parts + [parts[0].new_zeros(1)]).index_select(0, slot)
         t = torch.cat(parts).narrow(0, 0, n)
         return torch.empty_like(t).index_copy_(0, perm_n, t)
 

@@ -34,14 +34,15 @@ def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tup
 def order_rows_grouped(row_mask: Tensor, row_block: Tensor, blocks: int,
                        block_rows) -> tuple[Tensor, Tensor, Tensor]:
     """The ``plan`` of fused_linear_logprobs for rows that come in groups of any size (whole
-    packed sequences): block b takes the rows with row_block == b (at most R of them: the caller
-    guarantees it), valid ones first, each kind in row order, in R slots of its own. No host
-    sync; sorts and searchsorted, no scatter into [G] (Inductor's CPU code for an index_add
-    into a [1] buffer fails its vectorized-store assert: G = 1 is common).
+    sequences): block b takes the valid rows with row_block == b (at most R of them: the caller
+    guarantees it), in row order, in R slots of its own; masked rows take no slot (their outputs
+    are the 0 past the last slot, G R). No host sync; sorts and searchsorted, no scatter into
+    [G] (Inductor's CPU code for an index_add into a [1] buffer fails its vectorized-store
+    assert: G = 1 is common).
 
     row_mask [N] bool, row_block [N] int64 in [0, G) -> perm [G R] int64 (slot -> row; 0 in the
     slots past a block's rows, never used), counts [G] int32 (valid rows of each block), slot [N]
-    int64 (row -> slot: the outputs' way back)."""
+    int64 in [0, G R] (row -> slot: the outputs' way back)."""
     n, dev = row_mask.shape[0], row_mask.device
     key = row_block * 2 + (~row_mask).to(torch.int64)                                 # [N]
     order = torch.argsort(key, stable=True)                          # [N] rows in slot order
@@ -49,8 +50,10 @@ def order_rows_grouped(row_mask: Tensor, row_block: Tensor, blocks: int,
     blk = torch.div(key_s, 2, rounding_mode="floor")                                  # [N]
     first = torch.searchsorted(key_s, blk * 2)                # [N] each row's block's first place
     slot_sorted = blk * block_rows + torch.arange(n, device=dev) - first              # [N]
-    perm = torch.zeros(blocks * block_rows, dtype=torch.int64, device=dev).index_copy(
-        0, slot_sorted, order)                                                        # [G R]
+    # masked rows (odd keys) to the one slot past the blocks: perm's extra entry is dropped
+    slot_sorted = torch.where(key_s % 2 == 0, slot_sorted, blocks * block_rows)
+    perm = torch.zeros(blocks * block_rows + 1, dtype=torch.int64, device=dev).index_copy(
+        0, slot_sorted, order)[:blocks * block_rows]                                 # [G R]
     slot = slot_sorted.index_select(0, torch.argsort(order))                          # [N]
     even = torch.arange(blocks, device=dev, dtype=torch.int64) * 2                    # [G]
     counts = (torch.searchsorted(key_s, even + 1) - torch.searchsorted(key_s, even)).to(torch.int32)
