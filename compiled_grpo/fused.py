@@ -17,20 +17,22 @@ sum(w * per_token_loss(p_block)) + sum(e * H_block) at the block's log-probs. No
 hand-written derivative exists: these are autograd's gradients of the loss functions.
 
 Sequence-level importance sampling (GSPO) couples a sequence's tokens through its mean
-log-ratio, so a block must hold whole sequences: padded inputs are cut into blocks of
-k = R // T whole rows of [B, T] (valid rows first inside each block, by_block). Packed inputs
-are cut into blocks of k = R // max_seqlen whole sequences (sequences [b k, (b + 1) k) in block
-b's R slots, valid tokens first: lowerings' order_rows_grouped), which needs ``max_seqlen``, a
-bound on their lengths known on the host (grpo_loss's argument, flash-attn's name). Without it,
-or with T (max_seqlen) > R, "auto" uses the recompute path (a statistics pre-pass over all
-tokens would cost the same 2NHV the recompute does) and "fused" raises. The cost of whole
-sequences: a block holds k sequences however short they are, so blocks are as full as the
-sequences are long against T (max_seqlen); every extra block adds a read-modify-write of dW
-(up to ~1.35 ms at qwen3-8b on H100, README). The same holds for everything else that reads a
-whole sequence's current log-probs (``sequence_coupled``: VESPO's gamma weight, the off-policy
-sequence mask, a sequence_* vLLM IS weight with old_logprobs=None). What depends on inputs only
-(the vLLM IS weight from old and sampler log-probs, the normalizers) is formed once before the
-blocks.
+log-ratio, so a block must hold whole sequences: padded rows of [B, T] (B sequences of T) and
+packed sequences alike are packed next-fit, in order, by their valid tokens into blocks of R
+slots (lowerings' fused_order.pack_sequences: on the device, no host sync; order_rows_grouped
+puts each block's valid tokens in its slots, masked tokens get none), and the block's gradient
+sums per sequence with ``Segments``. Every sequence must fit a block, which packed inputs
+guarantee on the host with ``max_seqlen`` (grpo_loss's argument, flash-attn's name; padded ones
+with T). Without it, or with T (max_seqlen) > R, "auto" uses the recompute path (a statistics
+pre-pass over all tokens would cost the same 2NHV the recompute does) and "fused" raises. The
+cost of whole sequences: blocks end where the next sequence does not fit, so they are less
+full than token blocks, and every extra block adds a read-modify-write of dW (up to ~1.35 ms at
+qwen3-8b on H100, README) and a partial wave to its GEMMs. The host launches the next-fit bound
+min(cdiv(S, R // T), 2 cdiv(N, R) - 1) of blocks; the ones past the last sequence are empty.
+The same holds for everything else that reads a whole sequence's current log-probs
+(``sequence_coupled``: VESPO's gamma weight, the off-policy sequence mask, a sequence_* vLLM IS
+weight with old_logprobs=None). What depends on inputs only (the vLLM IS weight from old and
+sampler log-probs, the normalizers) is formed once before the blocks.
 ``top_entropy_quantile < 1`` thresholds on a quantile of every token's current entropy, known
 only after the last block: never fused ("auto" recomputes, "fused" raises).
 
@@ -242,7 +244,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     and the ranks' parts of dX are summed once at the end. Each rank gets its dW / db shard.
 
     ``max_seqlen``: packed inputs' bound on a sequence's length, which sequence-coupled losses
-    need (blocks of k = R // max_seqlen whole sequences; why_not_fused checked it fits)."""
+    need (whole sequences next-fit into R-row blocks; why_not_fused checked it fits)."""
     check_model_scaling(cfg.logit_scale, cfg.final_logit_softcapping)
     if shard is not None:
         weight, bias = shard.weight, shard.bias

@@ -2,7 +2,7 @@
 of one row block's tokens, ``torch.func.grad`` of the loss functions themselves (api.py's
 per_token_loss and the normalizer weights), so no second, hand-written derivative exists.
 
-Legend: N tokens, R' rows of a block (in the block's order), k whole sequences a block, G blocks.
+Legend: N tokens, R' rows of a block (in the block's order), S sequences, G blocks.
 """
 from __future__ import annotations
 
@@ -47,10 +47,10 @@ def block_grads(lp, ent, idx, r0, per_tok, cfg, per_token_loss, grouped=None):
 
 # Eager CUDA calls run the per-block gradient as one compiled graph (dynamic shapes: one compile
 # per config, every block and N): otherwise its ~60 small kernels a block cost ~0.5 ms of launches
-# each (H200: qwen3-8b eager 46.7 vs compiled 43.6 ms; long, 32 blocks, 232 vs 200 ms). Inside a
-# user's torch.compile the function is traced inline instead. Token-level blocks only (see
-# fused.fused_logprobs). COMPILED_GRPO_COMPILE_BLOCK_GRADS=0 turns it off (eager launches; no compile on
-# the first call).
+# each (H200: qwen3-8b eager 46.7 vs compiled 43.6 ms; long, 32 blocks, 232 vs 200 ms; H100 GSPO
+# on whole-sequence blocks: host-bound, 58 ms of launches for a 48 ms step). Inside a user's
+# torch.compile the function is traced inline instead. COMPILED_GRPO_COMPILE_BLOCK_GRADS=0 turns
+# it off (eager launches; no compile on the first call).
 BLOCK_GRADS_COMPILED = os.environ.get("COMPILED_GRPO_COMPILE_BLOCK_GRADS", "1") != "0"
 
 

@@ -36,9 +36,9 @@ a CUDA graph and replayed (torch.cuda.graph; the host's launch cost gone), its t
 its gradients equal an eager step's. --clocks: the median SM clock and board power (nvidia-smi,
 every 50 ms) while the floor's GEMMs and the step are timed: a step that runs at a lower clock
 than the floor under the same power cap loses to it on energy, not on its kernels' schedule.
---gspo: GSPO (loss_type "grpo", sequence-level importance sampling) instead of DAPO: blocks of
-whole sequences (padded rows; a packed shape, e.g. qwen3-8b-packed, passes cu_seqlens and
-max_seqlen = the shape's T: blocks of R // T whole sequences, fused.order_rows_grouped).
+--gspo: GSPO (loss_type "grpo", sequence-level importance sampling) instead of DAPO: whole
+sequences next-fit into the row blocks by their valid tokens (fused_order.pack_sequences; a
+packed shape, e.g. qwen3-8b-packed, passes cu_seqlens and max_seqlen = the shape's T).
 Packed shapes pass cu_seqlens with either loss.
 """
 import argparse
