@@ -33,7 +33,9 @@ class Segments(NamedTuple):
     ``ids`` [N] int64 is each token's sequence, ``torch.searchsorted(cu_seqlens[1:], arange(N),
     right=True)`` (a zero-length sequence owns no token), so non-decreasing; ``num_sequences`` is
     S = ``cu_seqlens.shape[0] - 1``, a size (a SymInt under dynamic shapes), never read from tensor
-    data; ``cu_seqlens`` [S + 1] the sequences' offsets (None: found from ``ids`` by searchsorted).
+    data; ``cu_seqlens`` [S + 1] the sequences' offsets (None: found from ``ids`` by searchsorted,
+    which needs ids non-decreasing, each sequence's tokens contiguous; build Segments with
+    :func:`segments_from_cu_seqlens`).
 
     Per-sequence sums are ``torch.segment_reduce`` over the offsets and broadcasts are
     ``index_select``, each the other's gradient (``_SegmentSum`` / ``_SegmentBroadcast``): no host
