@@ -274,6 +274,9 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             segments = Segments(torch.arange(n, device=valid.device) // max_seqlen, b_sz,
                                 torch.arange(b_sz + 1, device=valid.device) * max_seqlen)
         s_num, block_rows = segments.num_sequences, budget
+        wave = _op.wave_rows(hidden, weight)   # whole dX waves, as token blocks, if T still fits
+        if wave is not None and budget // wave * wave >= max_seqlen:
+            block_rows = budget // wave * wave
         blocks = None
         if compiling:   # a step at least the bound: cdiv(S, k) or 2 cdiv(N, R) - 1 blocks
             by_seq = _compiled_blocks(s_num, max(1, block_rows // max_seqlen))
