@@ -64,6 +64,10 @@ class Segments(NamedTuple):
         return _SegmentBroadcast.apply(x, self.ids, self.offsets())  # [N]
 
 
+def _save_segments(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], inputs[2])   # ids [N], offsets [S + 1]
+
+
 class _SegmentSum(torch.autograd.Function):
     """[N] -> [S] sums in a fixed order (CUDA: CUB's segmented reduce); gradient: a broadcast.
     Functions with setup_context: torch.func.grad (the fused mode's block gradient) and
@@ -73,14 +77,11 @@ class _SegmentSum(torch.autograd.Function):
     def forward(x: Tensor, ids: Tensor, offsets: Tensor) -> Tensor:
         return torch.segment_reduce(x, "sum", offsets=offsets, unsafe=True)   # [S]
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1], inputs[2])
+    setup_context = staticmethod(_save_segments)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        ids, offsets = ctx.saved_tensors
-        return _SegmentBroadcast.apply(grad, ids, offsets), None, None
+        return _SegmentBroadcast.apply(grad, *ctx.saved_tensors), None, None
 
 
 class _SegmentBroadcast(torch.autograd.Function):
@@ -90,14 +91,11 @@ class _SegmentBroadcast(torch.autograd.Function):
     def forward(x: Tensor, ids: Tensor, offsets: Tensor) -> Tensor:
         return x.index_select(0, ids)   # [N]
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1], inputs[2])
+    setup_context = staticmethod(_save_segments)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        ids, offsets = ctx.saved_tensors
-        return _SegmentSum.apply(grad, ids, offsets), None, None
+        return _SegmentSum.apply(grad, *ctx.saved_tensors), None, None
 
 
 def segments_from_cu_seqlens(cu_seqlens: Tensor, num_tokens) -> Segments:

@@ -363,3 +363,24 @@ def test_cuda_step_has_no_host_sync(compiled):
             fn(**x, **extra, config=cfg).loss.backward()
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+def test_segments_sum_and_broadcast_are_each_others_gradient():
+    """Segments.sum (torch.segment_reduce) and .broadcast (index_select) through their autograd
+    Functions: fp64 gradcheck and gradgradcheck (a zero-length sequence included), the ids-only
+    form (offsets by searchsorted) equal to the cu_seqlens one, and torch.func.grad of them
+    under torch.compile(fullgraph=True, dynamic=True) equal to eager."""
+    cu = torch.tensor([0, 3, 3, 7, 10])
+    seg = cg.segments_from_cu_seqlens(cu, 10)
+    bare = cg.Segments(seg.ids, seg.num_sequences)
+    x = torch.randn(10, dtype=torch.float64, requires_grad=True)
+
+    def f(x, s=seg):
+        return (s.broadcast(torch.exp(s.sum(x) / 3)) * x).sum()
+
+    assert torch.autograd.gradcheck(f, (x,)) and torch.autograd.gradgradcheck(f, (x,))
+    torch.testing.assert_close(torch.func.grad(f)(x.detach(), bare), torch.func.grad(f)(x.detach()),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(seg.sum(x.detach())[1], torch.zeros((), dtype=torch.float64))
+    compiled = torch.compile(torch.func.grad(f), fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(x.detach()), torch.func.grad(f)(x.detach()))
