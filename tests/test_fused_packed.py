@@ -1,6 +1,6 @@
 """grpo_loss's fused-gradient mode on packed inputs with losses that couple a sequence's tokens
-(GSPO, vespo, the off-policy mask, a sequence_* IS weight without old log-probs): blocks of
-k = R // max_seqlen whole sequences (lowerings' fused_order.order_rows_grouped), against the
+(GSPO, vespo, the off-policy mask, a sequence_* IS weight without old log-probs): whole
+sequences next-fit into row blocks (lowerings' fused_order.pack_sequences, order_rows_grouped), against the
 recompute path in float64, the mode selection, and torch.compile(fullgraph=True). The plan and
 the Triton block steps on it: tests/test_fused_interpret.py; dynamic N and S:
 tests/test_packed.py; hypothesis against the reference: tests/test_properties.py."""
@@ -16,11 +16,11 @@ from compiled_grpo import fused as F
 from fused_cases import _assert_same, _mib, _option_inputs, _packed, _run
 
 # --- packed whole sequences (max_seqlen) ----------------------------------------------------------
-# Sequence-coupled losses on cu_seqlens inputs: blocks of k = R // max_seqlen whole sequences
-# packed next-fit into blocks of R rows (lowerings' pack_sequences, order_rows_grouped). Sequences
-# of 9, 3, 6, 0, 5, 8, 2 tokens (one empty, masked tokens inside them); 16-row blocks: 9+3, 6+0+5,
-# 8+2 in 5 launched blocks (the bound 2 cdiv(33, 16) - 1; two stay empty), 32-row blocks:
-# 9+3+6+0+5+8, 2 in 3 (six sequences in a block where k = R // max_seqlen = 3), 64 rows: one.
+# Sequence-coupled losses on cu_seqlens inputs: whole sequences packed next-fit, by their valid
+# tokens, into blocks of R rows (lowerings' pack_sequences, order_rows_grouped). Sequences of 9,
+# 3, 6, 0, 5, 8, 2 tokens (one empty, masked tokens inside them): 16-row blocks launch the bound
+# min(cdiv(7, 16 // 9), 2 cdiv(33, 16) - 1) = 5 blocks (the later ones stay empty), 32-row blocks
+# min(cdiv(7, 3), 3) = 3 (more than k = 3 sequences fit one), 64 rows one.
 _SEQ_LENGTHS = [9, 3, 6, 0, 5, 8, 2]
 PACKED_SEQ_CASES = {
     "gspo_grpo": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
