@@ -1,7 +1,7 @@
 """grpo_loss's fused-gradient mode on packed inputs with losses that couple a sequence's tokens
 (GSPO, vespo, the off-policy mask, a sequence_* IS weight without old log-probs): whole
-sequences next-fit into row blocks (lowerings' fused_order.pack_sequences, order_rows_grouped), against the
-recompute path in float64, the mode selection, and torch.compile(fullgraph=True). The plan and
+sequences next-fit into row blocks (lowerings' fused_order.pack_sequences, order_rows_grouped),
+against the recompute path in float64, the mode selection, and torch.compile(fullgraph=True). The plan and
 the Triton block steps on it: tests/test_fused_interpret.py; dynamic N and S:
 tests/test_packed.py; hypothesis against the reference: tests/test_properties.py."""
 import dataclasses
