@@ -1,7 +1,7 @@
 """python -m bench [--shapes NAME ...] [--providers NAME ...] [--out DIR]
 
-Times GRPO (DAPO, beta=0.04) loss forward+backward for every provider at every shape, in one
-process, with the compute floor measured in the same run; appends to DIR/results.csv, draws
+Times GRPO (DAPO, beta=0.04; --gspo: with GSPO's sequence-level ratio) loss forward+backward for
+every provider at every shape, in one process, with the compute floor measured in the same run; appends to DIR/results.csv, draws
 DIR/results.png and prints the run as Markdown. See bench/README.md for the method.
 """
 from __future__ import annotations
@@ -43,6 +43,10 @@ def parse(argv=None) -> argparse.Namespace:
                     help="target token ids: uniform over V (default), sampled from the policy's own "
                          "softmax (on-policy rollouts: peaked, realistic), or each row's least likely "
                          "token (a stress input)")
+    ap.add_argument("--gspo", action="store_true",
+                    help="GSPO's sequence-level importance ratio (TRL importance_sampling_level="
+                         "'sequence') in place of DAPO's token-level one, same clip, KL and "
+                         "normalizer; providers without per-sequence sums are skipped")
     ap.add_argument("--cpu-threads", type=int, default=1,
                     help="torch threads on CPU (default 1: on shared cores each OpenMP barrier can wait "
                          "a scheduler slice, ~15 ms, which swamps tiny shapes)")
@@ -67,7 +71,7 @@ def main(argv=None) -> int:
     timing = measure.Timing(warmup=max(1, a.warmup), reps=a.reps, warmup_s=warmup_s,
                             target_s=a.target_s or (1.0 if device.type == "cuda" else 0.2))
     dtype = getattr(torch, a.dtype)
-    params = providers.Params()
+    params = providers.Params(importance_sampling_level="sequence" if a.gspo else "token")
     header = dict(report.run_header(device), dtype=a.dtype)
     writer = report.CsvWriter(f"{a.out}/results.csv")
     _log(f"bench: {header['device']}, torch {header['torch']}, commit {header['commit']}, "
@@ -80,9 +84,10 @@ def main(argv=None) -> int:
         return a.time_limit_s is not None and time.perf_counter() - t_run > a.time_limit_s
     for shape in shape_list:
         info = dict(header, shape=shape.name, B=shape.B, T=shape.T, H=shape.H, V=shape.V, N=shape.N,
-                    targets=a.targets)
+                    targets=a.targets, is_level=params.importance_sampling_level)
         _log(f"== {shape.name}: B={shape.B} T={shape.T} H={shape.H} V={shape.V} N={shape.N}"
              f"{' (padded twin; packed: its valid tokens)' if shape.packed else ''}, targets {a.targets}, "
+             f"{'GSPO (sequence-level ratio), ' if a.gspo else ''}"
              f"6NHV = {shape.useful_flops / 1e12:.2f} TFLOP")
         x = ref = None
         if over_limit():

@@ -17,11 +17,14 @@ from bench.shapes import StepInputs, cap_logits
 
 @dataclasses.dataclass(frozen=True)
 class Params:
-    """The loss configuration every provider is given: DAPO with a k3 KL term to the reference."""
+    """The loss configuration every provider is given: DAPO with a k3 KL term to the reference;
+    importance_sampling_level "sequence" (`--gspo`): GSPO's sequence-level ratio (TRL 1.16
+    importance_sampling_level="sequence") with the same clip, KL and DAPO normalizer."""
     beta: float = 0.04
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     temperature: float = 1.0
+    importance_sampling_level: str = "token"
 
 
 def naive_logprobs(hidden, weight, token_ids, temperature: float, softcap: Optional[float] = None):
@@ -35,13 +38,14 @@ def naive_logprobs(hidden, weight, token_ids, temperature: float, softcap: Optio
     return torch.log_softmax(logits, dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T]
 
 
-def dapo_per_token(logp, old_logp, ref_logp, advantages, p: Params):
+def dapo_per_token(logp, old_logp, ref_logp, advantages, p: Params, log_weight=None):
     """TRL 1.16 `_compute_loss`, loss_type="dapo", token-level IS, k3 KL; no clamps.
 
     coef = exp(logp - old); loss_t = -min(coef*A, clip(coef, 1-eps_low, 1+eps_high)*A)
                                      + beta * (exp(ref - logp) - (ref - logp) - 1)
+    log_weight (sequence level, sequence_log_weight): coef = exp(log_weight) instead.
     """
-    coef_1 = torch.exp(logp - old_logp)  # [B, T]
+    coef_1 = torch.exp(logp - old_logp if log_weight is None else log_weight)  # [B, T] or [B, 1]
     coef_2 = torch.clamp(coef_1, 1 - p.epsilon_low, 1 + p.epsilon_high)  # [B, T]
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [B, 1] or per token [B, T]
     per_token = -torch.min(coef_1 * adv, coef_2 * adv)  # [B, T]
@@ -51,9 +55,23 @@ def dapo_per_token(logp, old_logp, ref_logp, advantages, p: Params):
     return per_token
 
 
-def dapo_loss(logp, old_logp, ref_logp, advantages, mask, p: Params):
+def sequence_log_weight(logp, old_logp, mask, seq=None, num_seq: int = 0):
+    """TRL 1.16 GSPO: log w_i = sum_t m (logp - old) / max(sum_t m, 1) per sequence: over the rows
+    of [B, T] ([B, 1]), or over the sequence ids seq [N] of compacted tokens [1, N] (index_add:
+    the bench's user code, not compiled_grpo's), broadcast back to them ([1, N])."""
+    log_ratio = torch.where(mask > 0, logp - old_logp, 0)
+    if seq is None:
+        return log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    total = log_ratio.new_zeros(num_seq).index_add(0, seq, log_ratio[0])           # [S]
+    count = log_ratio.new_zeros(num_seq).index_add(0, seq, mask[0].to(log_ratio.dtype))
+    return (total / count.clamp(min=1.0)).index_select(0, seq)[None]               # [1, N]
+
+
+def dapo_loss(logp, old_logp, ref_logp, advantages, mask, p: Params, seq=None, num_seq: int = 0):
     """DAPO normalizer: sum over all completion tokens / their count (one process)."""
-    per_token = dapo_per_token(logp, old_logp, ref_logp, advantages, p)  # [B, T]
+    log_weight = (sequence_log_weight(logp, old_logp, mask, seq, num_seq)
+                  if p.importance_sampling_level == "sequence" else None)
+    per_token = dapo_per_token(logp, old_logp, ref_logp, advantages, p, log_weight)  # [B, T]
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
 
@@ -105,6 +123,8 @@ class _Valid:
     old_logprobs: torch.Tensor  # [N_valid]
     ref_logprobs: torch.Tensor  # [N_valid]
     ones: torch.Tensor  # [N_valid] fp32, the all-valid mask
+    seq: torch.Tensor  # [N_valid] int64, each token's sequence (the GSPO sums)
+    num_seq: int  # S
 
     def hidden(self, x: StepInputs) -> torch.Tensor:  # [N_valid, H]
         h = x.hidden.view(-1, x.hidden.shape[-1])
@@ -115,13 +135,18 @@ def compact(x: StepInputs) -> _Valid:
     """hidden[mask], ids[mask], ... with the index computed once here (one host sync, outside the
     timed step: how TRL's trainer and padding-free pipelines hand tokens to a fused head)."""
     if x.packed:
-        return _Valid(None, x.token_ids, x.token_advantages, x.old_logprobs, x.ref_logprobs, x.mask)
+        pos = torch.arange(x.token_ids.shape[0], device=x.cu_seqlens.device)
+        seq = torch.searchsorted(x.cu_seqlens.long(), pos, right=True) - 1         # [N]
+        return _Valid(None, x.token_ids, x.token_advantages, x.old_logprobs, x.ref_logprobs, x.mask,
+                      seq, x.cu_seqlens.shape[0] - 1)
     rows = x.mask.reshape(-1).nonzero().squeeze(1)  # [N_valid]
     adv = x.advantages[:, None].expand_as(x.mask).reshape(-1)
     return _Valid(rows, x.token_ids.reshape(-1)[rows], adv[rows], x.old_logprobs.reshape(-1)[rows],
-                  x.ref_logprobs.reshape(-1)[rows], torch.ones_like(rows, dtype=torch.float32))
+                  x.ref_logprobs.reshape(-1)[rows], torch.ones_like(rows, dtype=torch.float32),
+                  rows // x.mask.shape[1], x.mask.shape[0])
 
 
 def _valid_dapo(logp: torch.Tensor, v: _Valid, p: Params) -> torch.Tensor:
     """The bench's DAPO math (dapo_loss) on compacted per-token log-probs [N_valid]."""
-    return dapo_loss(logp[None], v.old_logprobs[None], v.ref_logprobs[None], v.advantages[None], v.ones[None], p)
+    return dapo_loss(logp[None], v.old_logprobs[None], v.ref_logprobs[None], v.advantages[None], v.ones[None], p,
+                     v.seq, v.num_seq)

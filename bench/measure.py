@@ -263,7 +263,8 @@ def rel_err(x: Optional[torch.Tensor], ref: torch.Tensor) -> Optional[float]:
 def run_one(pr: Provider, shape: Shape, x: StepInputs, p: Params, device: torch.device,
             timing: Timing, ref: Optional[Reference], log: Callable[[str], None]) -> dict:
     row: dict = dict(provider=pr.name)
-    why = pr.check(device) or pr.accepts(x)
+    why = pr.check(device) or pr.accepts(x) or (
+        pr.sequence_level(x) if p.importance_sampling_level == "sequence" else None)
     if why is not None:
         row["status"] = f"skip: {why}"
         return row

@@ -29,6 +29,14 @@ def _any_inputs(x: StepInputs) -> Optional[str]:
     return None
 
 
+def _no_sequences(x: StepInputs) -> Optional[str]:
+    return "no per-sequence importance ratio here (GSPO)"
+
+
+def _padded_sequences(x: StepInputs) -> Optional[str]:
+    return "packed input as one [1, N] row: no per-sequence ratio (GSPO)" if x.packed else None
+
+
 Step = Callable[[], Optional[torch.Tensor]]
 
 
@@ -39,6 +47,9 @@ class Provider:
     build: Callable[[StepInputs, Params], ContextManager[Step]]
     pass_provider: bool = False  # expects compiled_grpo counters to move (the Inductor pass fired)
     accepts: Callable[[StepInputs], Optional[str]] = _any_inputs  # reason it cannot take these inputs
+    # the same for the sequence-level loss (`--gspo`): providers that never sum per sequence
+    # (one [1, N] row of compacted tokens) would compute another loss
+    sequence_level: Callable[[StepInputs], Optional[str]] = _no_sequences
 
 
 # ---- availability checks --------------------------------------------------------------------
@@ -167,7 +178,8 @@ def _cg_config(cg, p: Params, mode: str = "auto", softcap: Optional[float] = Non
     if softcap is not None:
         kw["final_logit_softcapping"] = softcap
     return cg.GRPOConfig(loss_type="dapo", beta=p.beta, epsilon_low=p.epsilon_low,
-                         epsilon_high=p.epsilon_high, temperature=p.temperature, **kw)
+                         epsilon_high=p.epsilon_high, temperature=p.temperature,
+                         importance_sampling_level=p.importance_sampling_level, **kw)
 
 
 def _cg_packed(x: StepInputs) -> Optional[str]:
@@ -188,6 +200,10 @@ def _compiled_grpo(compile_it: bool, mode: str = "auto"):
         import compiled_grpo as cg
         cfg = _cg_config(cg, p, mode, x.softcap)
         kw = dict(cu_seqlens=x.cu_seqlens) if x.packed else {}
+        if x.packed and p.importance_sampling_level == "sequence":
+            # the bound whole-sequence blocks need, from the batch on the host as a trainer
+            # computes flash-attn's max_seqlen (once, outside the timed step)
+            kw["max_seqlen"] = int((x.cu_seqlens[1:] - x.cu_seqlens[:-1]).max())
 
         def loss_fn(*a):
             return cg.grpo_loss(*a, config=cfg, **kw).loss
@@ -225,19 +241,22 @@ def _compiled_grpo_valid(x, p):
 PROVIDERS: dict[str, Provider] = {
     pr.name: pr
     for pr in [
-        Provider("floor", _always, _floor(False)),
-        Provider("floor_valid", _always, _floor(True)),
-        Provider("naive_eager", _always, _naive_eager),
-        Provider("naive_compile", _always, _compiled_naive(False)),
+        Provider("floor", _always, _floor(False), sequence_level=_any_inputs),
+        Provider("floor_valid", _always, _floor(True), sequence_level=_any_inputs),
+        Provider("naive_eager", _always, _naive_eager, sequence_level=_padded_sequences),
+        Provider("naive_compile", _always, _compiled_naive(False), sequence_level=_padded_sequences),
         Provider("liger", _need("liger_kernel.chunked_loss"), _liger, accepts=_padded_only_no_softcap),
         Provider("cce", _need("cut_cross_entropy", cuda_only=True), _cce, accepts=_no_softcap),
-        Provider("trl_chunked", _need("trl.kernels.chunked_logprob"), _trl_chunked),
+        Provider("trl_chunked", _need("trl.kernels.chunked_logprob"), _trl_chunked,
+                 sequence_level=_any_inputs),
         Provider("liger_cute", _liger_cute_check, _liger_cute, accepts=_no_softcap),
         Provider("compiled_grpo_valid", _need_cg("grpo_loss"), _compiled_grpo_valid),
-        Provider("compiled_grpo", _need_cg("grpo_loss"), _compiled_grpo(False), accepts=_cg_packed),
-        Provider("compiled_grpo+compile", _need_cg("grpo_loss"), _compiled_grpo(True), accepts=_cg_packed),
+        Provider("compiled_grpo", _need_cg("grpo_loss"), _compiled_grpo(False), accepts=_cg_packed,
+                 sequence_level=_any_inputs),
+        Provider("compiled_grpo+compile", _need_cg("grpo_loss"), _compiled_grpo(True), accepts=_cg_packed,
+                 sequence_level=_any_inputs),
         Provider("compiled_grpo_recompute", _need_cg("grpo_loss"), _compiled_grpo(False, "recompute"),
-                 accepts=_cg_packed),
+                 accepts=_cg_packed, sequence_level=_any_inputs),
         Provider("naive_compile+pass", _need_cg("enable_naive_logprob_fusion"), _compiled_naive(True),
                  pass_provider=True),
     ]

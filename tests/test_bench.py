@@ -190,3 +190,61 @@ def test_time_step_warms_up_by_time_too():
     calls.clear()
     measure.time_step(step, x, torch.device("cpu"), measure.Timing(warmup=2, reps=3, warmup_s=0.1))
     assert len(calls) >= 2 + 3 + 5 and calls[-4] - calls[0] >= 0.1
+
+
+def test_gspo_providers_agree_with_the_reference(tmp_path):
+    """--gspo end to end: the bench's own math (padded naive, TRL on compacted tokens with
+    per-sequence sums) and compiled_grpo (padded, and packed with max_seqlen) run and agree with
+    cg.reference_grpo_loss as closely as their DAPO rows do; the providers that never sum per
+    sequence are skipped, saying so."""
+    args = ["--device", "cpu", "--shapes", "cpu-tiny", "cpu-tiny-packed", "--targets", "sampled", "--gspo",
+            "--providers", "naive_eager", "trl_chunked", "compiled_grpo_valid", "compiled_grpo",
+            "--out", str(tmp_path), "--reps", "1", "--warmup", "1"]
+    assert main(args) == 0
+    by = {(r["shape"], r["provider"]): r for r in _rows(tmp_path)}
+    assert all(r["is_level"] == "sequence" for r in by.values())
+    for key in [("cpu-tiny", "naive_eager"), ("cpu-tiny", "trl_chunked"), ("cpu-tiny", "compiled_grpo"),
+                ("cpu-tiny-packed", "trl_chunked"), ("cpu-tiny-packed", "compiled_grpo")]:
+        assert by[key]["status"] == "ok", (key, by[key]["status"])
+        assert float(by[key]["loss_rel_err"]) < 1e-2, (key, by[key]["loss_rel_err"])
+        assert float(by[key]["dw_rel_err"]) < 5e-2, (key, by[key]["dw_rel_err"])
+    assert by[("cpu-tiny", "compiled_grpo_valid")]["status"].startswith("skip: no per-sequence")
+    assert by[("cpu-tiny-packed", "naive_eager")]["status"].startswith("skip: packed input as one")
+
+
+@pytest.mark.parametrize("compacted", [False, True])
+def test_gspo_math_equals_compiled_grpo_in_float64(compacted):
+    """The bench's GSPO math (dapo.py: padded rows, or compacted tokens with sequence ids as
+    the TRL provider runs it) = cg.grpo_loss with importance_sampling_level="sequence" in
+    float64, loss and gradients, off policy (old log-probs 0.3 away: near on-policy the two
+    ratio levels have the same first-order gradient, which would hide a token-level mistake)."""
+    import compiled_grpo as cg
+    from bench import dapo
+    x = shapes.make_inputs(shapes.SHAPES["cpu-tiny"], torch.device("cpu"), torch.float64,
+                           old_noise=0.3, targets="sampled")
+    x = x._replace(old_logprobs=x.old_logprobs.double(), ref_logprobs=x.ref_logprobs.double(),
+                   advantages=x.advantages.double(), mask=x.mask.double())
+    p = dapo.Params(importance_sampling_level="sequence")
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=p.beta, importance_sampling_level="sequence",
+                        log_ratio_clamp=None, gradient_mode="recompute")
+    h = x.hidden.detach().requires_grad_()
+    want = cg.grpo_loss(h, x.weight, x.token_ids, x.advantages, x.mask > 0, x.old_logprobs,
+                        x.ref_logprobs, config=cfg).loss
+    (gw,) = torch.autograd.grad(want, h)
+    h2 = x.hidden.detach().requires_grad_()
+    if compacted:
+        v = dapo.compact(x)
+        logp = dapo.naive_logprobs(v.hidden(x._replace(hidden=h2)), x.weight, v.token_ids, p.temperature)
+        got = dapo._valid_dapo(logp, v, p)
+    else:
+        got = dapo.naive_loss(h2, x.weight, x.token_ids, x.advantages, x.mask, x.old_logprobs,
+                              x.ref_logprobs, p)
+    (gg,) = torch.autograd.grad(got, h2)
+    # naive_logprobs takes log_softmax in fp32 (as RL code does): agreement to fp32, not fp64
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(gg, gw, rtol=1e-5, atol=1e-8)
+    h3 = x.hidden.detach().requires_grad_()
+    token = dapo.naive_loss(h3, x.weight, x.token_ids, x.advantages, x.mask, x.old_logprobs,
+                            x.ref_logprobs, dapo.Params())
+    (gt,) = torch.autograd.grad(token, h3)
+    assert (gt - gw).norm() > 1e-2 * gw.norm()   # the token-level ratio would fail the checks above
