@@ -51,7 +51,8 @@ from torch import Tensor
 from compiled_grpo import distributed as _tp
 from compiled_grpo import fused_grads as _grads
 from compiled_grpo.logprobs import _prepare, check_model_scaling
-from compiled_grpo.loss import Segments, aggregate, masked_mean
+from compiled_grpo.loss import aggregate, masked_mean
+from compiled_grpo.segments import Segments
 from lowerings.linear_logprobs import LinearLogprobs
 from lowerings.linear_logprobs import fused as _op
 from lowerings.linear_logprobs.cpu import _hint

@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from compiled_grpo.loss import Segments
+from compiled_grpo.segments import segments_from_ids
 
 
 def block_loss(lp, ent, idx, r0, per_tok, cfg, per_token_loss, grouped=None):
@@ -29,7 +29,7 @@ def block_loss(lp, ent, idx, r0, per_tok, cfg, per_token_loss, grouped=None):
         live = torch.arange(lp.shape[0], device=lp.device) < counts[r0 // rows]   # [R] valid tokens
         # the slots past them go to the last sequence, masked like any token: the ids stay
         # non-decreasing (the valid slots are in row order), as Segments' sums need
-        segs = Segments(torch.where(live, seg_ids.index_select(0, idx), s_num - 1), s_num)
+        segs = segments_from_ids(torch.where(live, seg_ids.index_select(0, idx), s_num - 1), s_num)
     take = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
     valid = take(per_tok["valid"]) if live is None else take(per_tok["valid"]) & live
     ent_term = 0.0 if per_tok["ent_w"] is None else (per_tok["ent_w"].index_select(0, idx) * ent).sum()
