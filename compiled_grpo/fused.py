@@ -336,7 +336,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
                                       block_rows)
     res = _op.fused_linear_logprobs(
         h2, weight, ids, bias, flat_valid, grad_fn, blocks=blocks,
-        block_rows=block_rows, by_block=False, temperature=cfg.temperature, with_entropy=want_entropy,
+        block_rows=block_rows, temperature=cfg.temperature, with_entropy=want_entropy,
         logit_scale=cfg.logit_scale, softcap=cfg.final_logit_softcapping, need_x=need[0],
         need_w=need[1], need_b=need[2], entropy_grad=ent_w is not None,
         allow_scaled=cfg.fused_scaled_backward, plan=plan, **tp)

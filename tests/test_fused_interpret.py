@@ -15,8 +15,12 @@ import triton.language as tl
 from lowerings.linear_logprobs.kernels_fused import _dx_splits
 
 
-def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,
+def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, whole_blocks,
                dlogits_tile=(16, 16, 1), **kw):
+    """whole_blocks: block b takes its R original rows [b R, (b + 1) R) (a grouped plan of those
+    groups, as whole sequences get); else the global valid-first order. Returns the result, the
+    random incoming gradients and the rows grad_fn saw: every row in slot order (global order),
+    or each block's valid rows (whole blocks: its other slots are masked by the caller)."""
     monkeypatch.setattr(rk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     monkeypatch.setattr(rk, "DW_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     monkeypatch.setattr(fck, "DLOGITS_TILE", dlogits_tile)
@@ -29,32 +33,46 @@ def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,
         seen.append((r0, idx.clone()))   # the blocks run last to first
         return G_lp[idx], G_ent[idx]
 
+    if whole_blocks:
+        kw["plan"] = fk.order_rows_grouped(mask, torch.arange(x.shape[0]) // block_rows, blocks,
+                                           block_rows)
     res = fk.fused_linear_logprobs(x, w, ids, b, mask, grad_fn, blocks=blocks,
-                                   block_rows=block_rows, by_block=by_block, need_b=b is not None,
-                                   **kw)
-    # token-level blocks are G x R slots; those past N (row 0 again, past every count) are dropped
+                                   block_rows=block_rows, need_b=b is not None, **kw)
     in_order = [i for _, i in sorted(seen, key=lambda s: s[0])]
+    if whole_blocks:
+        counts = kw["plan"][1].tolist()
+        return res, G_lp, G_ent, [i[:c] for i, c in zip(in_order, counts)]
+    # token-level blocks are G x R slots; those past N (row 0 again, past every count) are dropped
     return res, G_lp, G_ent, torch.cat(in_order)[:x.shape[0]]
 
 
+def _assert_seen(seen, mask, whole_blocks):
+    """Every row handed to grad_fn once (global order); whole blocks: each block's valid rows,
+    those of its 10 original rows, in row order."""
+    if whole_blocks:
+        for i, rows in enumerate(seen):
+            want = torch.arange(i * 10, (i + 1) * 10)
+            assert torch.equal(rows, want[mask[want]])
+    else:
+        assert sorted(seen.tolist()) == list(range(40))
+
+
 @pytest.mark.parametrize("kind", ["right_padded", "scattered", "all_valid", "all_padded"])
-@pytest.mark.parametrize("blocks,block_rows,by_block,dlogits_tile", [
+@pytest.mark.parametrize("blocks,block_rows,whole_blocks,dlogits_tile", [
     (1, 40, False, (16, 16, 1)), (3, 16, False, (16, 16, 1)), (4, 10, True, (16, 16, 1)),
     (3, 16, False, (8, 32, 1))])   # dlogits tiles wider than the stored-max tiles: per-column maxima
 # fused_cuda.DW_PERSISTENT; DX_SPLITS: 1 = one K loop, 8 = split over V where the dX grid is
 # small (here always: 4 "SMs" in the interpreter, _sms), partials summed by the reduce kernel
 @pytest.mark.parametrize("persistent,dx_splits", [(False, 1), (True, 1), (True, 8)])
-def test_fused_blocks(monkeypatch, kind, blocks, block_rows, by_block, dlogits_tile, persistent,
+def test_fused_blocks(monkeypatch, kind, blocks, block_rows, whole_blocks, dlogits_tile, persistent,
                       dx_splits):
     monkeypatch.setattr(fck, "DW_PERSISTENT", persistent)
     monkeypatch.setattr(fck, "DX_SPLITS", dx_splits)
     mask = MASKS[kind]
     x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=3)
-    res, G_lp, G_ent, seen = _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, by_block,
+    res, G_lp, G_ent, seen = _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, whole_blocks,
                                         dlogits_tile, temperature=0.7, with_entropy=True)
-    assert sorted(seen.tolist()) == list(range(40))          # every row handed to grad_fn once
-    if by_block:   # whole blocks of original rows
-        assert all(set(seen[i * 10:(i + 1) * 10].tolist()) == set(range(i * 10, (i + 1) * 10)) for i in range(4))
+    _assert_seen(seen, mask, whole_blocks)
     m = mask.double()
     for got, ref in zip(res[:3], golden(x, w, ids, b, 0.7)):
         torch.testing.assert_close(got.double(), ref * m, rtol=1e-5, atol=1e-4)
@@ -153,7 +171,7 @@ class _NoLaunch:
         return _no_dlogits_pass
 
 
-_LAYOUTS = [(1, 40, False), (3, 16, False), (4, 10, True)]   # (blocks, block_rows, by_block)
+_LAYOUTS = [(1, 40, False), (3, 16, False), (4, 10, True)]   # (blocks, block_rows, whole_blocks)
 _KINDS = ["right_padded", "scattered", "all_valid", "all_padded"]
 # fused_cuda's (E_LEAD, E_HEADROOM): the defaults (every row stored against its target logit +
 # 16), over every mask and layout with the dX step split 8 ways, and unsplit on two masks; a
@@ -171,9 +189,9 @@ _EXP_CASES = ([(k, *lay, 8, 16.0, 32.0, 16) for k in _KINDS for lay in _LAYOUTS]
                  for k, sh in (("right_padded", 1), ("all_valid", 2))])   # 1: one walks all
 
 
-@pytest.mark.parametrize("kind,blocks,block_rows,by_block,dx_splits,lead,headroom,shares",
+@pytest.mark.parametrize("kind,blocks,block_rows,whole_blocks,dx_splits,lead,headroom,shares",
                          _EXP_CASES)
-def test_fused_exp_scaled(monkeypatch, kind, blocks, block_rows, by_block, dx_splits, lead,
+def test_fused_exp_scaled(monkeypatch, kind, blocks, block_rows, whole_blocks, dx_splits, lead,
                           headroom, shares):
     """The exp-scaled backward (fused.exp_scaled: no entropy gradient, no softcap, no d_bias):
     ws holds e = exp(z - R*), the dlogits are c * e' (the target's entry replaced), applied as
@@ -188,9 +206,9 @@ def test_fused_exp_scaled(monkeypatch, kind, blocks, block_rows, by_block, dx_sp
     mask = MASKS[kind]
     x, w, ids, _ = make(40, 24, 75, torch.float32, False, seed=3)
     res, G_lp, _, seen = _fused_run(monkeypatch, x, w, ids, None, mask, blocks, block_rows,
-                                    by_block, temperature=0.7, logit_scale=1.3,
+                                    whole_blocks, temperature=0.7, logit_scale=1.3,
                                     with_entropy=True, entropy_grad=False)
-    assert sorted(seen.tolist()) == list(range(40))
+    _assert_seen(seen, mask, whole_blocks)
     m = mask.double()
     for got, ref in zip(res[:3], golden(x, w, ids, None, 0.7, 1.3)):
         torch.testing.assert_close(got.double(), ref * m, rtol=1e-5, atol=1e-4)

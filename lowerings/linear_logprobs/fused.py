@@ -9,8 +9,8 @@ gradient. A caller that can form the per-token gradient (dL/dlogp, dL/dentropy) 
 row block's statistics exist (grpo_loss: compiled_grpo/fused.py) hands in ``grad_fn`` and gets
 the gradients back with the outputs:
 
-    order rows: valid rows first, globally or inside each block (by_block), or the caller's
-                plan of whole groups (order_rows_grouped)          perm [N] or [G R], counts [G]
+    order rows: valid rows first (order_rows), or the caller's plan of whole groups
+                (order_rows_grouped)                                     perm [G R], counts [G]
     per block b (rows [b R, (b + 1) R) of that order):
       fwd   logits tile z [n_b, V] once: online statistics -> (logp, entropy, lse) [R] and z kept
             in the workspace ws [R, V]                                          2 n_b H V
@@ -104,7 +104,7 @@ def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:
 
 def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
                           row_mask: Optional[Tensor], grad_fn: Callable, *, blocks: int,
-                          block_rows, by_block: bool = False, temperature: float = 1.0,
+                          block_rows, temperature: float = 1.0,
                           with_entropy: bool = False, logit_scale: float = 1.0,
                           softcap: Optional[float] = None, need_x: bool = True,
                           need_w: bool = True, need_b: bool = False,
@@ -117,7 +117,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     rows (G * R >= N; R may be symbolic). ``grad_fn(r0, idx, logprobs, entropy) -> (g_lp,
     g_ent)``, each [R'] for the R' rows of the block starting at r0, in their computed order
     (idx [R'] int64: each row's original index; rows past the block's valid count have idx of
-    padded rows; by_block: idx is a permutation of [r0, r0 + R')): the gradient
+    padded rows): the gradient
     of the caller's loss w.r.t. those rows' log-probs and entropies (g_ent ignored unless
     with_entropy). Returns the outputs in the original row order and the gradients of
     sum(g_lp * logprobs + g_ent * entropy) w.r.t. hidden, weight and bias (None where not
@@ -138,7 +138,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     ``plan`` (perm [G R], counts [G], slot [N]; order_rows_grouped) replaces the row order for
     groups of rows that are not R-aligned (whole sequences): block b is slots [b R, (b + 1) R),
     its counts[b] valid rows first, and grad_fn's idx holds row 0 in the slots past them (the
-    caller masks slots >= counts[b]; by_block is then ignored); masked rows' outputs are 0."""
+    caller masks slots >= counts[b]); masked rows' outputs are 0."""
     hidden, weight = hidden.detach(), weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
     n, h = hidden.shape
@@ -151,15 +151,13 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     slot = None
     if plan is not None:   # grouped blocks: R slots each, like the global order's
         perm, counts, slot = plan
-        by_block = False
     else:
-        perm, counts = order_rows(row_mask, block_rows, blocks, by_block)
-    if plan is None and not by_block:
+        perm, counts = order_rows(row_mask, block_rows, blocks)
         # every block R slots: the slots past N (G R >= N) read row 0 and, past every block's
         # count, are never used; with a static R and G the blocks' shapes are static under
         # dynamic N (no guard on each block's rows)
         perm = torch.cat([perm, perm.new_zeros(blocks * block_rows - n)])   # [G R]
-    ids_p = ids.index_select(0, perm).contiguous()                          # [N] or [G R]
+    ids_p = ids.index_select(0, perm).contiguous()                          # [G R]
     cd = ws_dtype(hidden, weight)
     cuda = _triton_body(hidden)
     r = block_rows
@@ -186,13 +184,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     # dW (a write of [V, H]) while the full blocks after it add to it, their read of dW hidden
     # under their GEMMs (H100, qwen3-8b, 271 of 2048 rows: 1.35 ms for its reduce-add, README)
     for b in reversed(range(blocks)):
-        # builtin min: plain ints stay ints (torch.sym_min of two ints is a graph break under
-        # Dynamo), SymInts become sym_min
-        if by_block:
-            r0 = min(b * r, n)
-            rows = min((b + 1) * r, n) - r0
-        else:
-            r0, rows = b * r, r
+        r0, rows = b * r, r
         lp_b, ent_b, lse_b = step_fwd(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b,
                                       r0, rows, ref=ref, scaled=scaled, **scal)
         idx = perm.narrow(0, r0, rows)                                       # [R'] original rows

@@ -11,23 +11,13 @@ from torch import Tensor
 from lowerings.linear_logprobs import cuda_rows as _rows
 
 
-def order_rows(row_mask: Tensor, block_rows, blocks: int, by_block: bool) -> tuple[Tensor, Tensor]:
-    """perm [N] int64 and counts [G] int32 (valid rows of each block), no host sync.
-    Global order (by_block False): all valid rows first (a stable sort), so blocks are full
-    until the last valid row and later blocks are empty. by_block: each block of R original
-    rows keeps its rows, valid ones first (for losses whose gradient needs whole sequences:
-    a block then holds whole sequences). One block is the global order either way (and a
-    by_block index of arange(N) // N trips Inductor's CPU scatter codegen)."""
-    if by_block and blocks > 1:
-        n = row_mask.shape[0]
-        block = torch.arange(n, device=row_mask.device) // block_rows      # [N]
-        perm = torch.argsort(block * 2 + (~row_mask).to(torch.int64), stable=True)
-        counts = torch.zeros(blocks, dtype=torch.int32, device=row_mask.device).index_add(
-            0, block, row_mask.to(torch.int32))
-    else:
-        perm, total = _rows.order_rows(row_mask)                           # [N], [1] int32
-        start = torch.arange(blocks, device=row_mask.device, dtype=torch.int32) * block_rows
-        counts = (total - start).clamp(min=0).clamp(max=block_rows).to(torch.int32)
+def order_rows(row_mask: Tensor, block_rows, blocks: int) -> tuple[Tensor, Tensor]:
+    """perm [N] int64 and counts [G] int32 (valid rows of each block), no host sync: all valid
+    rows first (a stable sort), so blocks are full until the last valid row and later blocks
+    are empty. (Whole sequences in a block: order_rows_grouped.)"""
+    perm, total = _rows.order_rows(row_mask)                               # [N], [1] int32
+    start = torch.arange(blocks, device=row_mask.device, dtype=torch.int32) * block_rows
+    counts = (total - start).clamp(min=0).clamp(max=block_rows).to(torch.int32)
     return perm, counts
 
 
