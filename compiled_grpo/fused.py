@@ -52,7 +52,7 @@ from compiled_grpo import distributed as _tp
 from compiled_grpo import fused_grads as _grads
 from compiled_grpo.logprobs import _prepare, check_model_scaling
 from compiled_grpo.loss import aggregate, masked_mean
-from compiled_grpo.segments import Segments
+from compiled_grpo.segments import segments_from_cu_seqlens
 from lowerings.linear_logprobs import LinearLogprobs
 from lowerings.linear_logprobs import fused as _op
 from lowerings.linear_logprobs.cpu import _hint
@@ -272,8 +272,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     if seq:   # whole sequences next-fit into blocks of R slots by their valid tokens
         if segments is None:   # padded [B, T]: row b is sequence b, T tokens long
             b_sz, max_seqlen = lead
-            segments = Segments(torch.arange(n, device=valid.device) // max_seqlen, b_sz,
-                                torch.arange(b_sz + 1, device=valid.device) * max_seqlen)
+            segments = segments_from_cu_seqlens(torch.arange(b_sz + 1, device=valid.device) * max_seqlen, n)
         s_num, block_rows = segments.num_sequences, budget
         wave = _op.wave_rows(hidden, weight)   # whole dX waves, as token blocks, if T still fits
         if wave is not None and budget // wave * wave >= max_seqlen:
