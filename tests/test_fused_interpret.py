@@ -7,11 +7,13 @@ import pytest
 import torch
 from interpret import DTYPE_16, MASKS, golden, make, small_tiles  # noqa: F401 (autouse fixture)
 
+import lowerings.linear_logprobs.cuda as tk
 import lowerings.linear_logprobs.cuda_rows as rk
 import lowerings.linear_logprobs.fused as fk
 import lowerings.linear_logprobs.fused_cuda as fck
 import triton
 import triton.language as tl
+from lowerings.linear_logprobs.kernels import _fwd_plan
 from lowerings.linear_logprobs.kernels_fused import _dx_splits
 
 
@@ -160,6 +162,63 @@ def test_dx_splits(n, h_blocks, sms, max_rows, want):
     _dx_splits_probe[(1,)](torch.tensor([n, h_blocks, sms, max_rows], dtype=torch.int32), out,
                            S_MAX=8, BLOCK_M=128)
     assert out.tolist() == [want, triton.cdiv(n, 128) * 128]
+
+
+@triton.jit
+def _fwd_plan_probe(args_ptr, out_ptr, S_CAP: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
+    nb, s, cols = _fwd_plan(tl.load(args_ptr), tl.load(args_ptr + 1), tl.load(args_ptr + 2),
+                            tl.load(args_ptr + 3), S_CAP, BLOCK_N, BLOCK_V)
+    tl.store(out_ptr, nb)
+    tl.store(out_ptr + 1, s)
+    tl.store(out_ptr + 2, cols)
+
+
+@pytest.mark.parametrize("n,v,sms,want", [
+    (2048, 151936, 132, (16, 33, 4608)),   # a full qwen3-8b block: the host's pick (4 waves)
+    (271, 151936, 132, (3, 43, 3584)),     # its tail: one wave of 3584 columns, not of 4608
+    (1100, 151936, 132, (9, 29, 5376)),    # a block of whole sequences: 2 waves, not 3
+    (0, 151936, 132, (0, 60, 2560)),       # an empty block: no program runs (nb = 0)
+    (16, 75, 4, (1, 3, 32)),               # the interpreter's tiles of 16 (BV 16, s_lo 2)
+])
+def test_fwd_plan(n, v, sms, want):
+    """The forward's splits picked on the device (kernels._fwd_plan) as its docstring states,
+    and as cuda.fwd_plan computes them on the host for the grid, over every row count of
+    a few shapes too (a device pick past the grid would leave rows without statistics)."""
+    bn, bv = (128, 256) if v > 1000 else (16, 16)
+    s_lo = triton.cdiv(v, 8192 if v > 1000 else 48)
+    out = torch.zeros(3, dtype=torch.int32)
+
+    def device(n):
+        _fwd_plan_probe[(1,)](torch.tensor([n, v, sms, s_lo], dtype=torch.int32), out,
+                              S_CAP=64, BLOCK_N=bn, BLOCK_V=bv)
+        return tuple(out.tolist())
+
+    assert device(n) == want
+    for k in range(0, 2048 // bn + 2, 3 if v > 1000 else 1):
+        assert device(k * bn) == tk._fwd_plan(k * bn, v, bn, bv, sms, s_lo, 64)
+    rows = 2048 if v > 1000 else 48
+    assert tk._fwd_plan_programs(rows, v, bn, bv, sms, s_lo, 64) >= want[0] * want[1]
+
+
+@pytest.mark.parametrize("kind", ["right_padded", "scattered"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_fused_host_splits(monkeypatch, kind, scaled):
+    """cuda.FWD_DEVICE_SPLITS off (the A/B setting): the host's splits for R rows, the same
+    results (the device pick takes 3 splits of these 16-row blocks, the host 2)."""
+    monkeypatch.setattr(tk, "FWD_DEVICE_SPLITS", False)
+    mask = MASKS[kind]
+    x, w, ids, _ = make(40, 24, 75, torch.float32, False, seed=5)
+    res, G_lp, G_ent, _ = _fused_run(monkeypatch, x, w, ids, None, mask, 3, 16, False,
+                                     with_entropy=True, entropy_grad=not scaled)
+    m = mask.double()
+    for got, ref in zip(res[:3], golden(x, w, ids, None, 1.0)):
+        torch.testing.assert_close(got.double(), ref * m, rtol=1e-5, atol=1e-4)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    out = golden(xr, wr, ids, None, 1.0)
+    ((out[0] * G_lp + (0 if scaled else out[1] * G_ent)) * m).sum().backward()
+    for got, ref in ((res.d_hidden, xr.grad), (res.d_weight, wr.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
 
 
 def _no_dlogits_pass(*a, **k):

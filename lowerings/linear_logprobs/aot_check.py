@@ -74,20 +74,24 @@ def cases():
     logit = dict(HAS_BIAS=False, HAS_CAP=False, WITH_ENTROPY=True, DOT_PREC="tf32", USE_TMA=True,
                  BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=dense.GROUP_N, STORE_E=False,
                  E_HEADROOM=fc.E_HEADROOM)
+    fused_fwd = dict(DEVICE_SPLITS=dense.FWD_DEVICE_SPLITS, S_CAP=dense.FWD_S_CAP)   # fused_cuda's
+    recompute = dict(DEVICE_SPLITS=False, S_CAP=1)
     yield ("forward, fused (STORE_Z)", k._fwd_kernel,
-           dict(logit, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN), warps, stages)
+           dict(logit, **fused_fwd, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN), warps,
+           stages)
     yield ("forward, fused, no entropy", k._fwd_kernel,
-           dict(logit, WITH_ENTROPY=False, HAS_COUNT=True, STORE_Z=True,
+           dict(logit, **fused_fwd, WITH_ENTROPY=False, HAS_COUNT=True, STORE_Z=True,
                 FLATTEN=dense.FWD_FLATTEN), warps, stages)
     for ent in (True, False):   # the exp-scaled backward's forward (fused.exp_scaled)
         yield (f"forward, fused, STORE_E, WITH_ENTROPY={ent}", k._fwd_kernel,
-               dict(logit, WITH_ENTROPY=ent, HAS_COUNT=True, STORE_Z=True, STORE_E=True,
-                    FLATTEN=dense.FWD_FLATTEN), warps, stages)
+               dict(logit, **fused_fwd, WITH_ENTROPY=ent, HAS_COUNT=True, STORE_Z=True,
+                    STORE_E=True, FLATTEN=dense.FWD_FLATTEN), warps, stages)
     yield ("forward, recompute", k._fwd_kernel,
-           dict(logit, HAS_COUNT=False, STORE_Z=False, FLATTEN=dense.FWD_FLATTEN), warps, stages)
-    yield ("forward, softcapped", k._fwd_kernel,
-           dict(logit, HAS_CAP=True, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN),
+           dict(logit, **recompute, HAS_COUNT=False, STORE_Z=False, FLATTEN=dense.FWD_FLATTEN),
            warps, stages)
+    yield ("forward, softcapped", k._fwd_kernel,
+           dict(logit, **fused_fwd, HAS_CAP=True, HAS_COUNT=True, STORE_Z=True,
+                FLATTEN=dense.FWD_FLATTEN), warps, stages)
     yield ("dlogits, recompute", k._dlogits_kernel,
            dict({k: c for k, c in logit.items() if k not in ("STORE_E", "E_HEADROOM")},
                 NEED_DB=False, HAS_COUNT=True), warps, stages)
@@ -130,10 +134,10 @@ def cases():
            dict(BLOCK_R=rows.GATHER_ROWS, BLOCK_H=rows.GATHER_H), 4, 1)
     yield ("gradient scaling", kf._scale_kernel, dict(BLOCK=fused.SCALE_BLOCK), 8, 1)
     cr, cwarps = fc.COMBINE_TILE
-    for ent in (False, True):   # 38 splits at qwen3-8b's 2048-row blocks (cuda._fwd_splits)
+    for ent in (False, True):   # at most S_CAP = 64 splits (cuda.fwd_plan)
         yield (f"forward splits' combine, WITH_ENTROPY={ent}", kf._fused_combine_kernel,
                dict(WITH_ENTROPY=ent, BLOCK_R=cr, BLOCK_S=64, STORE_E=True,
-                    E_HEADROOM=fc.E_HEADROOM, TILE_V=bv), cwarps, 1)
+                    E_HEADROOM=fc.E_HEADROOM, TILE_V=bv, **fused_fwd, FWD_BLOCK_N=bn), cwarps, 1)
 
 
 def _ptxas_usage(ptx: str) -> str:

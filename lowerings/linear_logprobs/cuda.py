@@ -54,6 +54,7 @@ All pointer offsets are int64 (N*V and V*H exceed 2^31 at real sizes).
 `forward`/`backward` take `wrap`, the function applied to each kernel before launch:
 `torch.library.wrap_triton` inside the triton_op, identity in the TRITON_INTERPRET tests.
 """
+import functools
 import os
 from typing import Callable, Optional
 
@@ -87,6 +88,12 @@ GROUP_N = 16                # row blocks per program group (L2 reuse, see _swizz
 # step 40.2 against 41.0-41.2 ms. LINEAR_LOGPROBS_FWD_FLATTEN=0 turns it off (tuning runs).
 FWD_FLATTEN = os.environ.get("LINEAR_LOGPROBS_FWD_FLATTEN", "1") == "1"
 FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see _fwd_splits for the pick
+# The fused path's forward picks its splits on the device from a block's valid rows
+# (kernels._fwd_plan, fwd_plan here): a partial block (the batch's last, or a block of whole
+# sequences) fills the GPU as a full one does. At most FWD_S_CAP splits (the combine kernel's
+# [S, R] tile). LINEAR_LOGPROBS_FWD_DEVICE_SPLITS=0: the host's pick for R rows (A/B runs).
+FWD_DEVICE_SPLITS = os.environ.get("LINEAR_LOGPROBS_FWD_DEVICE_SPLITS", "1") == "1"
+FWD_S_CAP = 64
 CHUNK_V = 6144              # backward vocab columns a step: workspace R * CHUNK_V elements
 # Budget of the backward's fp32 dX accumulator, one row group of R = cdiv(N, G) rows (see
 # _row_groups): 32 MiB is 2048 rows at H=4096. LINEAR_LOGPROBS_DX_GROUP_MIB raises it (fewer
@@ -220,7 +227,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
         w.stride(0), *_scalars(temperature, logit_scale, softcap), cols, n_blocks, splits, 0, n, m, m, 0, 0,
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy, HAS_COUNT=False, STORE_Z=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_K=bk, GROUP_N=GROUP_N, FLATTEN=FWD_FLATTEN, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
-        num_warps=warps, num_stages=stages)
+        n_sms=1, DEVICE_SPLITS=False, S_CAP=1, num_warps=warps, num_stages=stages)
     return _combine(m, s, t, zt, with_entropy)
 
 
@@ -280,6 +287,39 @@ def _fwd_splits(n, v: int, bn: int, bv: int, device: torch.device) -> tuple[int,
         if best is None or fill > best[0] + 1e-3:
             best = (fill, s, cols)
     return best[1], best[2]
+
+
+def fwd_plan(n_valid: int, v: int, bn: int, bv: int, sms: int) -> tuple[int, int, int]:
+    """(row blocks, S, columns per split) of kernels._fwd_plan for n_valid rows on `sms` SMs,
+    the same integer arithmetic on the host (the grid, and the tests' check of the device)."""
+    return _fwd_plan(n_valid, v, bn, bv, sms, cdiv(v, FWD_COLS_PER_SPLIT), FWD_S_CAP)
+
+
+@functools.lru_cache(maxsize=256)
+def _fwd_plan(n_valid, v, bn, bv, sms, s_lo, s_cap):
+    nb = cdiv(n_valid, bn)
+    nb1 = max(nb, 1)
+    s_hi = min(max(2 * s_lo, cdiv(sms, nb1)), s_cap)
+    best = None
+    for s in range(s_lo, s_hi + 1):
+        cols = cdiv(cdiv(v, s), bv) * bv
+        s_eff = cdiv(v, cols)
+        cost = cdiv(nb1 * s_eff, sms) * cols
+        if best is None or cost < best[0]:
+            best = (cost, s_eff, cols)
+    return nb, best[1], best[2]
+
+
+def fwd_plan_programs(rows: int, v: int, bn: int, bv: int, sms: int) -> int:
+    """The grid of a DEVICE_SPLITS forward over blocks of `rows` rows: the most programs
+    fwd_plan asks for at any valid count (programs past a block's own count exit)."""
+    return _fwd_plan_programs(rows, v, bn, bv, sms, cdiv(v, FWD_COLS_PER_SPLIT), FWD_S_CAP)
+
+
+@functools.lru_cache(maxsize=256)
+def _fwd_plan_programs(rows, v, bn, bv, sms, s_lo, s_cap):
+    return max(nb * s for nb, s, _ in (_fwd_plan(k * bn, v, bn, bv, sms, s_lo, s_cap)
+                                       for k in range(1, cdiv(rows, bn) + 1)))
 
 
 def _row_groups(n, h: int, budget: int = 0) -> int:

@@ -7,7 +7,9 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
 
   block_forward    _gather_rows_kernel  xg[:n] = X[perm[r0 : r0 + n]]
                    (scaled) _target_ref_kernel  ref[:n] = M, the rows' target logits + E_LEAD
-                   _fwd_kernel (STORE_Z) statistics of xg's rows and d = z - running max into
+                   _fwd_kernel (STORE_Z) statistics of xg's n rows, its splits over V picked
+                                        on the device from n (DEVICE_SPLITS, kernels._fwd_plan),
+                                        and d = z - running max into
                                         ws (fp16 view) with the max per 256-column tile in zoff;
                                         scaled (STORE_E): e = exp(z - R) in ws's dtype, R per tile
                    _fused_combine_kernel the splits' statistics -> (logprobs, entropy, lse);
@@ -114,8 +116,14 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     count = counts.narrow(0, b, 1)
     perm_b, ids_b = perm.narrow(0, r0, rows), ids_p.narrow(0, r0, rows)
     _rows._gather(lambda k: k, x, perm_b, count, 0, rows, xg)
-    splits, cols = _dense._fwd_splits(rows, v, bn, bv, x.device)
-    m, s, t, zt = (x.new_empty((splits, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
+    sms = _sms(x.device)
+    if _dense.FWD_DEVICE_SPLITS:   # the splits from the block's valid rows (kernels._fwd_plan)
+        splits, cols = cdiv(v, _dense.FWD_COLS_PER_SPLIT), 0    # s_lo, as _fwd_plan reads it
+        n_buf, n_prog = _dense.FWD_S_CAP, _dense.fwd_plan_programs(rows, v, bn, bv, sms)
+    else:
+        splits, cols = _dense._fwd_splits(rows, v, bn, bv, x.device)
+        n_buf, n_prog = splits, cdiv(rows, bn) * splits
+    m, s, t, zt = (x.new_empty((n_buf, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
     n_blocks = cdiv(rows, bn)
     scal = _dense._scalars(temperature, logit_scale, softcap)
     if scaled:   # ref[:R'] = M, the target logit + E_LEAD (kernels_fused's block comment)
@@ -124,14 +132,17 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
             xg, w, bias if bias is not None else x, ids_b, count, ref, rows, v, h, xg.stride(0),
             w.stride(0), scal[0], E_LEAD, HAS_BIAS=bias is not None, BLOCK_R=rr, BLOCK_H=rh,
             num_warps=rwarps)
-    _fwd_kernel[(n_blocks * splits,)](
+    device_splits = dict(n_sms=sms, DEVICE_SPLITS=_dense.FWD_DEVICE_SPLITS,
+                         S_CAP=_dense.FWD_S_CAP)
+    _fwd_kernel[(n_prog,)](
         xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
         xg.stride(0), w.stride(0), *scal, cols, n_blocks, splits, 0, rows,
         ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0),
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy,
         HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_K=bk, GROUP_N=_dense.GROUP_N, FLATTEN=_dense.FWD_FLATTEN, ref_ptr=ref,
-        STORE_E=scaled, E_HEADROOM=E_HEADROOM, num_warps=warps, num_stages=stages)
+        STORE_E=scaled, E_HEADROOM=E_HEADROOM, **device_splits, num_warps=warps,
+        num_stages=stages)
     # the splits' statistics -> the block's outputs, 0 past count: one launch (the torch ops of
     # cuda._combine and the masking were ~15 small kernels a block: host-bound at small H)
     lp, ent, lse = (x.new_empty(rows, dtype=torch.float32) for _ in range(3))  # [R']
@@ -139,9 +150,9 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     shares = combine_shares(zoff.stride(0)) if scaled else 1
     _fused_combine_kernel[(cdiv(rows, cr), shares)](
         m, s, t, zt, count, lp, ent, lse, rows, splits, WITH_ENTROPY=with_entropy, BLOCK_R=cr,
-        BLOCK_S=next_power_of_2(splits), ref_ptr=ref, ws_ptr=ws, zoff_ptr=zoff,
+        BLOCK_S=next_power_of_2(n_buf), ref_ptr=ref, ws_ptr=ws, zoff_ptr=zoff,
         ids_ptr=ids_b, V=v, stride_ws=ws.stride(0), n_ztiles=zoff.stride(0), STORE_E=scaled,
-        E_HEADROOM=E_HEADROOM, TILE_V=bv, num_warps=cwarps)
+        E_HEADROOM=E_HEADROOM, TILE_V=bv, **device_splits, FWD_BLOCK_N=bn, num_warps=cwarps)
     return lp, ent, lse
 
 
