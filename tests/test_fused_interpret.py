@@ -13,7 +13,6 @@ import lowerings.linear_logprobs.fused as fk
 import lowerings.linear_logprobs.fused_cuda as fck
 import triton
 import triton.language as tl
-from lowerings.linear_logprobs.kernels import _fwd_plan
 from lowerings.linear_logprobs.kernels_fused import _dx_splits
 
 
@@ -164,41 +163,25 @@ def test_dx_splits(n, h_blocks, sms, max_rows, want):
     assert out.tolist() == [want, triton.cdiv(n, 128) * 128]
 
 
-@triton.jit
-def _fwd_plan_probe(args_ptr, out_ptr, S_CAP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_V: tl.constexpr):
-    nb, s, cols = _fwd_plan(tl.load(args_ptr), tl.load(args_ptr + 1), tl.load(args_ptr + 2),
-                            tl.load(args_ptr + 3), S_CAP, BLOCK_N, BLOCK_V)
-    tl.store(out_ptr, nb)
-    tl.store(out_ptr + 1, s)
-    tl.store(out_ptr + 2, cols)
-
-
 @pytest.mark.parametrize("n,v,sms,want", [
-    (2048, 151936, 132, (16, 33, 4608)),   # a full qwen3-8b block: the host's pick (4 waves)
-    (271, 151936, 132, (3, 43, 3584)),     # its tail: one wave of 3584 columns, not of 4608
-    (1100, 151936, 132, (9, 29, 5376)),    # a block of whole sequences: 2 waves, not 3
-    (0, 151936, 132, (0, 60, 2560)),       # an empty block: no program runs (nb = 0)
-    (16, 75, 4, (1, 3, 32)),               # the interpreter's tiles of 16 (BV 16, s_lo 2)
+    (2048, 151936, 132, (33, 4608)),   # a full qwen3-8b block: the host's pick (4 waves)
+    (271, 151936, 132, (43, 3584)),    # its tail: one wave of 3584 columns, not of 4608
+    (1100, 151936, 132, (29, 5376)),   # a block of whole sequences: 2 waves, not 3
+    (16, 75, 4, (3, 32)),              # the interpreter's tiles of 16 (BV 16, S0 2)
 ])
 def test_fwd_plan(n, v, sms, want):
-    """The forward's splits picked on the device (kernels._fwd_plan) as its docstring states,
-    and as cuda.fwd_plan computes them on the host for the grid, over every row count of
-    a few shapes too (a device pick past the grid would leave rows without statistics)."""
-    bn, bv = (128, 256) if v > 1000 else (16, 16)
-    s_lo = triton.cdiv(v, 8192 if v > 1000 else 48)
-    out = torch.zeros(3, dtype=torch.int32)
-
-    def device(n):
-        _fwd_plan_probe[(1,)](torch.tensor([n, v, sms, s_lo], dtype=torch.int32), out,
-                              S_CAP=64, BLOCK_N=bn, BLOCK_V=bv)
-        return tuple(out.tolist())
-
-    assert device(n) == want
-    for k in range(0, 2048 // bn + 2, 3 if v > 1000 else 1):
-        assert device(k * bn) == tk._fwd_plan(k * bn, v, bn, bv, sms, s_lo, 64)
-    rows = 2048 if v > 1000 else 48
-    assert tk._fwd_plan_programs(rows, v, bn, bv, sms, s_lo, 64) >= want[0] * want[1]
+    """The fused forward's splits for a block's valid rows (cuda.fwd_plan) as its docstring
+    states, and its table (cuda.fwd_plan_table): row nb is the plan of nb row blocks, and the
+    grid holds every row's programs."""
+    bn, bv, cps = (128, 256, 8192) if v > 1000 else (16, 16, 48)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tk, "FWD_COLS_PER_SPLIT", cps)
+        assert tk.fwd_plan(n, v, bn, bv, sms) == want
+        rows = 2048 if v > 1000 else 48
+        plan, programs = tk.fwd_plan_table(rows, v, bn, bv, torch.device("cpu"), sms)
+    nb = triton.cdiv(n, bn)
+    assert tuple(plan[nb].tolist()) == want and plan.shape == (rows // bn + 1, 2)
+    assert programs == max(k * s for k, s in enumerate(plan[:, 0].tolist())) >= nb * want[0]
 
 
 @pytest.mark.parametrize("kind", ["right_padded", "scattered"])

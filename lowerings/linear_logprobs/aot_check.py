@@ -38,7 +38,7 @@ SMEM_LIMIT = 232448                  # bytes of shared memory a block may opt in
 FP32_PTRS = {"m_ptr", "s_ptr", "t_ptr", "zt_ptr", "zoff_ptr", "lse_ptr", "ent_ptr", "glp_ptr", "lp_ptr",
              "gent_ptr", "glse_ptr", "dbp_ptr", "part_ptr", "g_ptr", "acc_ptr", "ref_ptr",
              "scale_ptr"}
-PTR_TYPES = {"count_ptr": "*i32", "perm_ptr": "*i64", "ids_ptr": "*i64", "z_ptr": "*fp16"}
+PTR_TYPES = {"count_ptr": "*i32", "plan_ptr": "*i32", "perm_ptr": "*i64", "ids_ptr": "*i64", "z_ptr": "*fp16"}
 FLOATS = {"inv_temp", "cap_pre", "cap_post", "lead"}
 # scalars that are multiples of 16 at the bench shapes (Triton's launcher specializes such ints:
 # the vocab sizes 151936 / 128256 / 256000, H, the strides, 2048-row blocks), so the kernels
@@ -74,8 +74,8 @@ def cases():
     logit = dict(HAS_BIAS=False, HAS_CAP=False, WITH_ENTROPY=True, DOT_PREC="tf32", USE_TMA=True,
                  BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=dense.GROUP_N, STORE_E=False,
                  E_HEADROOM=fc.E_HEADROOM)
-    fused_fwd = dict(DEVICE_SPLITS=dense.FWD_DEVICE_SPLITS, S_CAP=dense.FWD_S_CAP)   # fused_cuda's
-    recompute = dict(DEVICE_SPLITS=False, S_CAP=1)
+    fused_fwd = dict(DEVICE_SPLITS=dense.FWD_DEVICE_SPLITS)   # fused_cuda's
+    recompute = dict(DEVICE_SPLITS=False)
     yield ("forward, fused (STORE_Z)", k._fwd_kernel,
            dict(logit, **fused_fwd, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN), warps,
            stages)

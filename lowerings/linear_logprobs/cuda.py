@@ -88,10 +88,11 @@ GROUP_N = 16                # row blocks per program group (L2 reuse, see _swizz
 # step 40.2 against 41.0-41.2 ms. LINEAR_LOGPROBS_FWD_FLATTEN=0 turns it off (tuning runs).
 FWD_FLATTEN = os.environ.get("LINEAR_LOGPROBS_FWD_FLATTEN", "1") == "1"
 FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see _fwd_splits for the pick
-# The fused path's forward picks its splits on the device from a block's valid rows
-# (kernels._fwd_plan, fwd_plan here): a partial block (the batch's last, or a block of whole
-# sequences) fills the GPU as a full one does. At most FWD_S_CAP splits (the combine kernel's
-# [S, R] tile). LINEAR_LOGPROBS_FWD_DEVICE_SPLITS=0: the host's pick for R rows (A/B runs).
+# The fused path's forward takes its splits from a block's valid rows, read on the device from a
+# table of fwd_plan for every row-block count (fwd_plan_table): a partial block (the batch's
+# last, or a block of whole sequences) fills the GPU as a full one does. At most FWD_S_CAP
+# splits (the combine kernel's [S, R] tile). LINEAR_LOGPROBS_FWD_DEVICE_SPLITS=0: the host's
+# pick for R rows (A/B runs).
 FWD_DEVICE_SPLITS = os.environ.get("LINEAR_LOGPROBS_FWD_DEVICE_SPLITS", "1") == "1"
 FWD_S_CAP = 64
 CHUNK_V = 6144              # backward vocab columns a step: workspace R * CHUNK_V elements
@@ -227,7 +228,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
         w.stride(0), *_scalars(temperature, logit_scale, softcap), cols, n_blocks, splits, 0, n, m, m, 0, 0,
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy, HAS_COUNT=False, STORE_Z=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_K=bk, GROUP_N=GROUP_N, FLATTEN=FWD_FLATTEN, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
-        n_sms=1, DEVICE_SPLITS=False, S_CAP=1, num_warps=warps, num_stages=stages)
+        plan_ptr=m, DEVICE_SPLITS=False, num_warps=warps, num_stages=stages)
     return _combine(m, s, t, zt, with_entropy)
 
 
@@ -289,37 +290,41 @@ def _fwd_splits(n, v: int, bn: int, bv: int, device: torch.device) -> tuple[int,
     return best[1], best[2]
 
 
-def fwd_plan(n_valid: int, v: int, bn: int, bv: int, sms: int) -> tuple[int, int, int]:
-    """(row blocks, S, columns per split) of kernels._fwd_plan for n_valid rows on `sms` SMs,
-    the same integer arithmetic on the host (the grid, and the tests' check of the device)."""
-    return _fwd_plan(n_valid, v, bn, bv, sms, cdiv(v, FWD_COLS_PER_SPLIT), FWD_S_CAP)
-
-
-@functools.lru_cache(maxsize=256)
-def _fwd_plan(n_valid, v, bn, bv, sms, s_lo, s_cap):
-    nb = cdiv(n_valid, bn)
-    nb1 = max(nb, 1)
-    s_hi = min(max(2 * s_lo, cdiv(sms, nb1)), s_cap)
+def fwd_plan(n_valid: int, v: int, bn: int, bv: int, sms: int) -> tuple[int, int]:
+    """(S, columns per split) of the fused forward for n_valid rows, cdiv(n_valid, bn) = nb row
+    blocks, on `sms` SMs: of the S in [S0, max(2 S0, cdiv(SMs, nb))] (S0 = cdiv(V,
+    FWD_COLS_PER_SPLIT), at most FWD_S_CAP), each made whole bv tiles (S = cdiv(V, columns)),
+    the one of least makespan, cdiv(nb S, SMs) waves of programs `columns` long (the smaller S
+    on a tie). H100 (132 SMs), V = 151936: a full 2048-row block takes S = 33, 4 waves of 4608
+    columns (as _fwd_splits); its 271-row tail S = 43, one wave of 3584 columns, not of 4608;
+    a 1100-row block of whole sequences S = 29, 2 waves of 5376, not 3 of 4608."""
+    s_lo = cdiv(v, FWD_COLS_PER_SPLIT)
+    nb1 = max(cdiv(n_valid, bn), 1)
     best = None
-    for s in range(s_lo, s_hi + 1):
+    for s in range(s_lo, min(max(2 * s_lo, cdiv(sms, nb1)), FWD_S_CAP) + 1):
         cols = cdiv(cdiv(v, s), bv) * bv
         s_eff = cdiv(v, cols)
         cost = cdiv(nb1 * s_eff, sms) * cols
         if best is None or cost < best[0]:
             best = (cost, s_eff, cols)
-    return nb, best[1], best[2]
+    return best[1], best[2]
 
 
-def fwd_plan_programs(rows: int, v: int, bn: int, bv: int, sms: int) -> int:
-    """The grid of a DEVICE_SPLITS forward over blocks of `rows` rows: the most programs
-    fwd_plan asks for at any valid count (programs past a block's own count exit)."""
-    return _fwd_plan_programs(rows, v, bn, bv, sms, cdiv(v, FWD_COLS_PER_SPLIT), FWD_S_CAP)
+_PLAN_TABLES: dict = {}
 
 
-@functools.lru_cache(maxsize=256)
-def _fwd_plan_programs(rows, v, bn, bv, sms, s_lo, s_cap):
-    return max(nb * s for nb, s, _ in (_fwd_plan(k * bn, v, bn, bv, sms, s_lo, s_cap)
-                                       for k in range(1, cdiv(rows, bn) + 1)))
+def fwd_plan_table(rows: int, v: int, bn: int, bv: int, device: torch.device,
+                   sms: int) -> tuple[Tensor, int]:
+    """(plan, programs): plan [nb_max + 1, 2] int32 on `device`, row nb = fwd_plan of nb row
+    blocks (what the DEVICE_SPLITS forward and combine read at the block's valid count), and
+    the grid covering every nb <= cdiv(rows, bn). Made once per shape and device and cached
+    (a step captured as a CUDA graph finds it made by its warm-up steps)."""
+    key = (rows, v, bn, bv, str(device), sms, FWD_COLS_PER_SPLIT, FWD_S_CAP)
+    if key not in _PLAN_TABLES:
+        plan = [fwd_plan(nb * bn, v, bn, bv, sms) for nb in range(cdiv(rows, bn) + 1)]
+        programs = max(nb * s for nb, (s, _) in enumerate(plan))
+        _PLAN_TABLES[key] = (torch.tensor(plan, dtype=torch.int32, device=device), programs)
+    return _PLAN_TABLES[key]
 
 
 def _row_groups(n, h: int, budget: int = 0) -> int:

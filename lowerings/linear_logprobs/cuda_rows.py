@@ -133,7 +133,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
             WITH_ENTROPY=with_entropy, HAS_COUNT=True, STORE_Z=False, DOT_PREC=prec,
             USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
             FLATTEN=_dense.FWD_FLATTEN, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
-            n_sms=1, DEVICE_SPLITS=False, S_CAP=1, num_warps=warps, num_stages=stages)
+            plan_ptr=m, DEVICE_SPLITS=False, num_warps=warps, num_stages=stages)
     lp, ent, lse = _dense._combine(m, s, t, zt, with_entropy)              # [N] permuted
     lp, lse = _unpermute(perm, row_mask, lp), _unpermute(perm, row_mask, lse)
     ent = _unpermute(perm, row_mask, ent) if with_entropy else torch.zeros_like(lse)

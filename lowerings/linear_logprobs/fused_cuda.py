@@ -7,8 +7,8 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
 
   block_forward    _gather_rows_kernel  xg[:n] = X[perm[r0 : r0 + n]]
                    (scaled) _target_ref_kernel  ref[:n] = M, the rows' target logits + E_LEAD
-                   _fwd_kernel (STORE_Z) statistics of xg's n rows, its splits over V picked
-                                        on the device from n (DEVICE_SPLITS, kernels._fwd_plan),
+                   _fwd_kernel (STORE_Z) statistics of xg's n rows, its splits over V read on
+                                        the device for n (DEVICE_SPLITS, cuda.fwd_plan_table),
                                         and d = z - running max into
                                         ws (fp16 view) with the max per 256-column tile in zoff;
                                         scaled (STORE_E): e = exp(z - R) in ws's dtype, R per tile
@@ -116,13 +116,11 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     count = counts.narrow(0, b, 1)
     perm_b, ids_b = perm.narrow(0, r0, rows), ids_p.narrow(0, r0, rows)
     _rows._gather(lambda k: k, x, perm_b, count, 0, rows, xg)
-    sms = _sms(x.device)
-    if _dense.FWD_DEVICE_SPLITS:   # the splits from the block's valid rows (kernels._fwd_plan)
-        splits, cols = cdiv(v, _dense.FWD_COLS_PER_SPLIT), 0    # s_lo, as _fwd_plan reads it
-        n_buf, n_prog = _dense.FWD_S_CAP, _dense.fwd_plan_programs(rows, v, bn, bv, sms)
-    else:
-        splits, cols = _dense._fwd_splits(rows, v, bn, bv, x.device)
-        n_buf, n_prog = splits, cdiv(rows, bn) * splits
+    splits, cols = _dense._fwd_splits(rows, v, bn, bv, x.device)
+    n_buf, n_prog, plan = splits, cdiv(rows, bn) * splits, zoff
+    if _dense.FWD_DEVICE_SPLITS:   # the splits of the block's valid rows (cuda.fwd_plan_table)
+        plan, n_prog = _dense.fwd_plan_table(rows, v, bn, bv, x.device, _sms(x.device))
+        n_buf = _dense.FWD_S_CAP
     m, s, t, zt = (x.new_empty((n_buf, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
     n_blocks = cdiv(rows, bn)
     scal = _dense._scalars(temperature, logit_scale, softcap)
@@ -132,8 +130,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
             xg, w, bias if bias is not None else x, ids_b, count, ref, rows, v, h, xg.stride(0),
             w.stride(0), scal[0], E_LEAD, HAS_BIAS=bias is not None, BLOCK_R=rr, BLOCK_H=rh,
             num_warps=rwarps)
-    device_splits = dict(n_sms=sms, DEVICE_SPLITS=_dense.FWD_DEVICE_SPLITS,
-                         S_CAP=_dense.FWD_S_CAP)
+    device_splits = dict(plan_ptr=plan, DEVICE_SPLITS=_dense.FWD_DEVICE_SPLITS)
     _fwd_kernel[(n_prog,)](
         xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
         xg.stride(0), w.stride(0), *scal, cols, n_blocks, splits, 0, rows,

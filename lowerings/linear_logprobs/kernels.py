@@ -105,33 +105,6 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
 
 
 @triton.jit
-def _fwd_plan(n_valid, V, n_sms, s_lo, S_CAP: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_V: tl.constexpr):
-    """(row blocks, splits S, columns per split) of the forward for n_valid rows, read on the
-    device (DEVICE_SPLITS; cuda.fwd_plan is the same rule in Python, for the grid). Of the S in
-    [s_lo, max(2 s_lo, cdiv(SMs, row blocks))], at most S_CAP, each made whole BLOCK_V tiles
-    (S = cdiv(V, columns)), the one of least makespan: cdiv(row blocks * S, SMs) waves of
-    programs `columns` long (the first such S on a tie). A full 2048-row qwen3-8b block (16 row
-    blocks, 132 SMs) takes S = 33, 4 waves of 4608 columns, as the host's pick; its 271-row tail
-    (3 row blocks) S = 43, one wave of 3584 columns where S = 33 took one of 4608."""
-    nb = tl.cdiv(n_valid, BLOCK_N)
-    nb1 = tl.maximum(nb, 1)
-    s_hi = tl.minimum(tl.maximum(2 * s_lo, tl.cdiv(n_sms, nb1)), S_CAP)
-    best_cols = tl.cdiv(tl.cdiv(V, s_lo), BLOCK_V) * BLOCK_V
-    best_s = tl.cdiv(V, best_cols)
-    best_cost = tl.cdiv(nb1 * best_s, n_sms) * best_cols
-    for s in range(s_lo + 1, s_hi + 1):
-        cols = tl.cdiv(tl.cdiv(V, s), BLOCK_V) * BLOCK_V
-        s_eff = tl.cdiv(V, cols)
-        cost = tl.cdiv(nb1 * s_eff, n_sms) * cols
-        take = cost < best_cost
-        best_cols = tl.where(take, cols, best_cols)
-        best_s = tl.where(take, s_eff, best_s)
-        best_cost = tl.where(take, cost, best_cost)
-    return nb, best_s, best_cols
-
-
-@triton.jit
 def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, N, V, H,
                 stride_x, stride_w, inv_temp, cap_pre, cap_post, cols_per_split, n_blocks,
                 n_splits, out_row0, out_n, z_ptr, zoff_ptr, stride_z, n_ztiles,
@@ -140,8 +113,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
                 DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
                 STORE_Z: tl.constexpr, FLATTEN: tl.constexpr, ref_ptr, STORE_E: tl.constexpr,
-                E_HEADROOM: tl.constexpr, n_sms, DEVICE_SPLITS: tl.constexpr,
-                S_CAP: tl.constexpr):
+                E_HEADROOM: tl.constexpr, plan_ptr, DEVICE_SPLITS: tl.constexpr):
     """Statistics of rows [0, N) of x (ids alike) into column out_row0 + row of the [S, out_n]
     buffers. HAS_COUNT: only the first clamp(count - out_row0, 0, N) rows are valid (rows
     compacted valid-first, count on the device); programs past them exit at once.
@@ -158,14 +130,17 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     reference (the target logit plus a lead), and R to zoff[row, tile]: e <= e^E_HEADROOM, and
     R = M in every tile of a row whose max stays under M + E_HEADROOM, so such a row's dlogits
     are one per-row scale of its stored e (no separate pass; kernels_fused's block comment).
-    DEVICE_SPLITS (with HAS_COUNT; the fused path): the row blocks and splits come from the valid
-    rows on the device (_fwd_plan, with n_splits as its least S and n_sms the SMs), so a block
-    with few valid rows still fills the GPU; cols_per_split and n_blocks are then unused, the
-    grid is cuda.fwd_plan_programs and the [S, out_n] buffers have S_CAP rows."""
+    DEVICE_SPLITS (with HAS_COUNT; the fused path): the splits follow the valid rows' row blocks
+    nb = cdiv(n, BLOCK_N), read on the device from plan [nb] = (S, columns per split)
+    (cuda.fwd_plan_table), so a block with few valid rows still fills the GPU; cols_per_split,
+    n_blocks and n_splits are then unused and the grid is the table's largest nb * S."""
     n_valid = _valid_rows(count_ptr, out_row0, N, HAS_COUNT)
-    if DEVICE_SPLITS:   # the splits from the valid rows (_fwd_plan; n_splits carries s_lo)
-        nb, n_spl, cols_per_split = _fwd_plan(n_valid, V, n_sms, n_splits, S_CAP, BLOCK_N,
-                                              BLOCK_V)
+    if DEVICE_SPLITS:   # the splits of this many valid row blocks (cuda.fwd_plan_table)
+        nb = tl.cdiv(n_valid, BLOCK_N)
+        n_spl = tl.load(plan_ptr + 2 * nb)
+        # whole BLOCK_V tiles, as the launcher's divisibility specialization of the argument
+        # told the compiler (without the hint the fused forward spills ~1.3-4.4 KB a thread)
+        cols_per_split = tl.multiple_of(tl.load(plan_ptr + 2 * nb + 1), BLOCK_V)
         if tl.program_id(0) >= nb * n_spl:
             return
         pid_n, split = _swizzle_id(tl.program_id(0), nb, n_spl, GROUP_N)

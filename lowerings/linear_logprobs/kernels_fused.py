@@ -8,8 +8,7 @@ S the dX step's split count over V.
 import triton
 import triton.language as tl
 
-from lowerings.linear_logprobs.kernels import (_desc, _dz_tile, _fwd_plan, _swizzle_id, _tile,
-                                               _valid_rows)
+from lowerings.linear_logprobs.kernels import _desc, _dz_tile, _swizzle_id, _tile, _valid_rows
 
 
 @triton.jit
@@ -66,10 +65,10 @@ def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_pt
                           n_splits, WITH_ENTROPY: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_S: tl.constexpr, ref_ptr, ws_ptr, zoff_ptr, ids_ptr, V, stride_ws,
                           n_ztiles, STORE_E: tl.constexpr, E_HEADROOM: tl.constexpr,
-                          TILE_V: tl.constexpr, n_sms, DEVICE_SPLITS: tl.constexpr,
-                          S_CAP: tl.constexpr, FWD_BLOCK_N: tl.constexpr):
+                          TILE_V: tl.constexpr, plan_ptr, DEVICE_SPLITS: tl.constexpr,
+                          FWD_BLOCK_N: tl.constexpr):
     """A block's (logprobs, entropy, lse) [R'] from the forward splits' statistics m, s, t, zt
-    [S, R'] (row stride R'; S from the device with DEVICE_SPLITS, _fwd_plan), cuda._combine's
+    [S, R'] (row stride R'; S from the forward's plan table with DEVICE_SPLITS), cuda._combine's
     formulas in one launch (by the programs with
     program_id(1) = 0), 0 at rows past the block's count (whose statistics were never written):
 
@@ -90,8 +89,8 @@ def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_pt
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n_valid = _valid_rows(count_ptr, 0, n_rows, True)
     valid = rows < n_valid
-    if DEVICE_SPLITS:   # the forward's own pick (n_splits: its least S, as _fwd_kernel got it)
-        n_splits = _fwd_plan(n_valid, V, n_sms, n_splits, S_CAP, FWD_BLOCK_N, TILE_V)[1]
+    if DEVICE_SPLITS:   # the forward's splits for this many valid row blocks (its plan table)
+        n_splits = tl.load(plan_ptr + 2 * tl.cdiv(n_valid, FWD_BLOCK_N))
     sp = tl.arange(0, BLOCK_S)
     mask = (sp < n_splits)[:, None] & valid[None, :]
     offs = sp[:, None] * n_rows + rows[None, :]                              # [BLOCK_S, BLOCK_R]
