@@ -63,7 +63,8 @@ def _liger_cute(x, p):
     """Liger 0.8.5 `LigerFusedLinearScaledCrossEntropyFunction` (per-token fp32 NLL, no reduction
     inside; CuTe-DSL WGMMA kernels on sm_90, one persistent backward kernel, recompute: 8*N*H*V;
     elsewhere a 512-token torch fallback, named in the note) on the valid tokens, negated into
-    log-probs, then the bench's DAPO math."""
+    log-probs, then the bench's DAPO math (with `--gspo` its per-sequence sums over the compacted
+    tokens' sequence ids, as for TRL)."""
     from liger_kernel.ops import fused_linear_scaled_cross_entropy as fsce
     v = compact(x)
     impl = fsce._resolve_implementation(x.hidden.device) if hasattr(fsce, "_resolve_implementation") else None
@@ -81,13 +82,14 @@ def _liger_cute(x, p):
 @contextlib.contextmanager
 def _liger(x, p):
     """Liger-Kernel 0.8.5 chunked_loss GRPO: sequence chunks x 4096-wide vocab tiles, the whole
-    backward (8*N*H*V) runs inside forward. compiled=True is its default (torch.compile of the loss
+    backward (8*N*H*V) runs inside forward; `--gspo` passes its importance_sampling_level
+    ("sequence": GSPO over each padded row, chunk_size=1 keeps a row whole). compiled=True is its default (torch.compile of the loss
     math); on CPU we pass False, because compiling per chunk on CPU costs more than the bench."""
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
     mod = LigerFusedLinearGRPOLoss(
         beta=p.beta, compiled=x.hidden.device.type == "cuda", use_ref_model=True, chunk_size=1,
         epsilon_low=p.epsilon_low, epsilon_high=p.epsilon_high, loss_type="dapo",
-        temperature=p.temperature)
+        temperature=p.temperature, importance_sampling_level=p.importance_sampling_level)
     with _resetting():
         def step():
             loss, _metrics = mod(x.hidden, x.weight, x.token_ids, x.mask, x.advantages,

@@ -193,18 +193,21 @@ def test_time_step_warms_up_by_time_too():
 
 
 def test_gspo_providers_agree_with_the_reference(tmp_path):
-    """--gspo end to end: the bench's own math (padded naive, TRL on compacted tokens with
-    per-sequence sums) and compiled_grpo (padded, and packed with max_seqlen) run and agree with
-    cg.reference_grpo_loss as closely as their DAPO rows do; the providers that never sum per
-    sequence are skipped, saying so."""
+    """--gspo end to end: the bench's own math (padded naive, TRL and Liger's fused linear
+    cross-entropy on compacted tokens with per-sequence sums), Liger's GRPO loss with its own
+    importance_sampling_level="sequence" (padded) and compiled_grpo (padded, and packed with
+    max_seqlen) run and agree with cg.reference_grpo_loss as closely as their DAPO rows do; the
+    providers that never sum per sequence are skipped, saying so."""
     args = ["--device", "cpu", "--shapes", "cpu-tiny", "cpu-tiny-packed", "--targets", "sampled", "--gspo",
-            "--providers", "naive_eager", "trl_chunked", "compiled_grpo_valid", "compiled_grpo",
-            "--out", str(tmp_path), "--reps", "1", "--warmup", "1"]
+            "--providers", "naive_eager", "liger", "trl_chunked", "liger_cute", "compiled_grpo_valid",
+            "compiled_grpo", "--out", str(tmp_path), "--reps", "1", "--warmup", "1"]
     assert main(args) == 0
     by = {(r["shape"], r["provider"]): r for r in _rows(tmp_path)}
     assert all(r["is_level"] == "sequence" for r in by.values())
-    for key in [("cpu-tiny", "naive_eager"), ("cpu-tiny", "trl_chunked"), ("cpu-tiny", "compiled_grpo"),
-                ("cpu-tiny-packed", "trl_chunked"), ("cpu-tiny-packed", "compiled_grpo")]:
+    for key in [("cpu-tiny", "naive_eager"), ("cpu-tiny", "liger"), ("cpu-tiny", "trl_chunked"),
+                ("cpu-tiny", "liger_cute"), ("cpu-tiny", "compiled_grpo"),
+                ("cpu-tiny-packed", "trl_chunked"), ("cpu-tiny-packed", "liger_cute"),
+                ("cpu-tiny-packed", "compiled_grpo")]:
         assert by[key]["status"] == "ok", (key, by[key]["status"])
         assert float(by[key]["loss_rel_err"]) < 1e-2, (key, by[key]["loss_rel_err"])
         assert float(by[key]["dw_rel_err"]) < 5e-2, (key, by[key]["dw_rel_err"])
@@ -248,3 +251,34 @@ def test_gspo_math_equals_compiled_grpo_in_float64(compacted):
                             x.ref_logprobs, dapo.Params())
     (gt,) = torch.autograd.grad(token, h3)
     assert (gt - gw).norm() > 1e-2 * gw.norm()   # the token-level ratio would fail the checks above
+
+
+def test_liger_gspo_is_sequence_level_off_policy():
+    """The `liger` provider with --gspo: Liger 0.8.5's LigerFusedLinearGRPOLoss with
+    importance_sampling_level="sequence", as bench/peers.py builds it, = cg.grpo_loss's GSPO in
+    float64 off policy (where a token-level ratio would differ: the guard of the test above),
+    so its GSPO row times the same loss as ours."""
+    import compiled_grpo as cg
+    from bench import dapo, peers
+    pytest.importorskip("liger_kernel.chunked_loss")
+    x = shapes.make_inputs(shapes.SHAPES["cpu-tiny"], torch.device("cpu"), torch.float64,
+                           old_noise=0.3, targets="sampled")
+    x = x._replace(old_logprobs=x.old_logprobs.double(), ref_logprobs=x.ref_logprobs.double(),
+                   advantages=x.advantages.double())
+    p = dapo.Params(importance_sampling_level="sequence")
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=p.beta, importance_sampling_level="sequence",
+                        log_ratio_clamp=None, gradient_mode="recompute")
+    h = x.hidden.detach().requires_grad_()
+    want = cg.grpo_loss(h, x.weight, x.token_ids, x.advantages, x.mask > 0, x.old_logprobs,
+                        x.ref_logprobs, config=cfg).loss
+    want.backward()
+    x = x._replace(hidden=x.hidden.detach().requires_grad_())
+    with peers._liger(x, p) as step:
+        got = step()
+    # Liger accumulates its loss and gradients in fp32: agreement to fp32, not fp64
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-6, atol=1e-9)
+    assert (x.hidden.grad - h.grad).norm() < 1e-5 * h.grad.norm()
+    x = x._replace(hidden=x.hidden.detach().requires_grad_())
+    with peers._liger(x, dapo.Params()) as step:   # the token-level ratio
+        step()
+    assert (x.hidden.grad - h.grad).norm() > 1e-2 * h.grad.norm()
