@@ -18,7 +18,7 @@ hand-written derivative exists: these are autograd's gradients of the loss funct
 
 Sequence-level importance sampling (GSPO) couples a sequence's tokens through its mean
 log-ratio, so a block must hold whole sequences: padded rows of [B, T] (B sequences of T) and
-packed sequences alike are packed next-fit, in order, by their valid tokens into blocks of R
+packed sequences alike are packed first-fit decreasing by their valid tokens into blocks of R
 slots (lowerings' fused_order.pack_sequences: on the device, no host sync; order_rows_grouped
 puts each block's valid tokens in its slots, masked tokens get none), and the block's gradient
 sums per sequence with ``Segments``. Every sequence must fit a block, which packed inputs
@@ -326,7 +326,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
 
         tp = dict(combine=combine, reduce_dx=lambda dx: _tp.all_reduce_sum(dx, shard.group))
     plan = None
-    if seq:   # next-fit keeps the sequences' order: each block is a run of whole sequences
+    if seq:   # whole sequences into blocks (first-fit decreasing), each block's rows in row order
         flat_n = flat_valid.to(torch.int64)
         done = torch.cat([flat_n.new_zeros(1), flat_n.cumsum(0)])             # [N + 1]
         cu_valid = done.index_select(0, segments.offsets().to(torch.int64))   # [S + 1]

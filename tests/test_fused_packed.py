@@ -69,22 +69,54 @@ def _next_fit(lengths, rows):
     return out
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_pack_sequences_is_next_fit(seed):
-    """pack_sequences (pointer doubling on the device) = a sequential next-fit over the lengths,
-    zero-length sequences included, within next_fit_blocks' bound; the same compiled with
-    dynamic shapes."""
+def _first_fit_decreasing(lengths, rows):
+    out, fill = [0] * len(lengths), []
+    for s in sorted(range(len(lengths)), key=lambda i: -lengths[i]):   # stable, longest first
+        b = next((j for j, f in enumerate(fill) if f + lengths[s] <= rows), len(fill))
+        fill += [0] * (b == len(fill))
+        fill[b] += lengths[s]
+        out[s] = b
+    return out
+
+
+def _random_packings(seed, cases=200):
     import random
-    from lowerings.linear_logprobs.fused_order import next_fit_blocks, pack_sequences
     rng = random.Random(seed)
-    compiled = torch.compile(pack_sequences, fullgraph=True, dynamic=True)
-    for _ in range(200):
+    for _ in range(cases):
         bound = rng.randint(1, 50)
         rows = rng.randint(bound, 120)
         lengths = [rng.choice([0, rng.randint(0, bound)]) for _ in range(rng.randint(1, 40))]
+        yield lengths, rows, bound
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_next_fit_sequences_is_next_fit(seed):
+    """next_fit_sequences (pointer doubling on the device) = a sequential next-fit over the
+    lengths, zero-length sequences included, within next_fit_blocks' bound; the same compiled
+    with dynamic shapes."""
+    from lowerings.linear_logprobs.fused_order import next_fit_blocks, next_fit_sequences
+    compiled = torch.compile(next_fit_sequences, fullgraph=True, dynamic=True)
+    for lengths, rows, bound in _random_packings(seed):
         cu = torch.tensor([0] + lengths).cumsum(0)
         blocks = next_fit_blocks(len(lengths), int(cu[-1]), rows, bound)
         want = _next_fit(lengths, rows)
+        assert max(want) < blocks
+        assert next_fit_sequences(cu, rows, blocks).tolist() == want, (lengths, rows)
+    assert compiled(cu.int(), rows, blocks).tolist() == want
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pack_sequences_is_first_fit_decreasing(seed):
+    """pack_sequences = a sequential first-fit decreasing over the lengths (stable: equal
+    lengths in order), zero-length sequences included, within next_fit_blocks' bound (which
+    holds for any first-fit: asserted here over 200 random cases a seed);
+    the same compiled with dynamic shapes (fullgraph: the loop is an opaque op)."""
+    from lowerings.linear_logprobs.fused_order import next_fit_blocks, pack_sequences
+    compiled = torch.compile(pack_sequences, fullgraph=True, dynamic=True)
+    for lengths, rows, bound in _random_packings(seed):
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        blocks = next_fit_blocks(len(lengths), int(cu[-1]), rows, bound)
+        want = _first_fit_decreasing(lengths, rows)
         assert max(want) < blocks
         assert pack_sequences(cu, rows, blocks).tolist() == want, (lengths, rows)
     assert compiled(cu.int(), rows, blocks).tolist() == want

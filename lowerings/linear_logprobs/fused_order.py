@@ -1,14 +1,22 @@
 """The row order of the fused-gradient schedule (fused.py): which rows each row block takes, valid
 rows first, as device tensors (no host sync): perm (slot -> row), counts (valid rows a block)
 and, for groups of rows of any size, slot (row -> slot); and which block each packed sequence
-goes to (pack_sequences).
+goes to (pack_sequences: first-fit decreasing; next_fit_sequences: next-fit in order).
 
 Legend: N rows, G blocks of R rows (slots), S packed sequences.
 """
+import os
+
 import torch
+import triton
 from torch import Tensor
 
 from lowerings.linear_logprobs import cuda_rows as _rows
+from lowerings.linear_logprobs.kernels_fused import _first_fit_kernel
+
+# Whole sequences into blocks: "ffd" first-fit decreasing (pack_sequences), "next_fit" in order
+# (next_fit_sequences). LINEAR_LOGPROBS_SEQ_PACKING=next_fit for A/B runs.
+SEQ_PACKING = os.environ.get("LINEAR_LOGPROBS_SEQ_PACKING", "ffd")
 
 
 def order_rows(row_mask: Tensor, block_rows, blocks: int) -> tuple[Tensor, Tensor]:
@@ -51,15 +59,62 @@ def order_rows_grouped(row_mask: Tensor, row_block: Tensor, blocks: int,
 
 
 def next_fit_blocks(num_sequences: int, num_rows: int, block_rows: int, max_seqlen: int) -> int:
-    """A bound on the blocks pack_sequences fills (host ints): next-fit puts at least k = R //
-    max_seqlen sequences in every block but the last, and any two neighbouring blocks hold more
-    than R rows (else the second's first sequence had fit the first): G <= cdiv(S, k) and
+    """A bound on the blocks that next-fit or any first-fit fills (host ints): both put at least
+    k = R // max_seqlen sequences in every block but the last (a block of fewer has room for
+    any sequence), and any two neighbouring blocks hold more than R rows (else the second's
+    first sequence had fit the first; first-fit: any two blocks): G <= cdiv(S, k) and
     G <= 2 cdiv(N, R) - 1."""
     k = max(1, block_rows // max_seqlen)
     return max(1, min(-(-num_sequences // k), 2 * -(-num_rows // block_rows) - 1))
 
 
-def pack_sequences(cu_seqlens: Tensor, block_rows, blocks: int) -> Tensor:
+def pack_sequences(cu_seqlens: Tensor, block_rows: int, blocks: int) -> Tensor:
+    """[S] int64: the row block of each packed sequence, first-fit decreasing: the sequences
+    longest first (a stable device sort), each to the first block whose rows still hold it.
+    Whole sequences in fewer blocks than next-fit in order leaves (each filled block costs a
+    read-modify-write of dW and ends its GEMMs in a partial wave): 8 sequences of U[1, 2048]
+    tokens into 2048-row blocks take the bound of ceil(total / R) where next-fit often takes
+    one or two more. The blocks' sequences need not be neighbours: order_rows_grouped keeps
+    each block's rows in row order, so their sequence ids stay sorted. Sequential over S in
+    one program (first_fit_blocks: a Triton kernel on CUDA, ~S x 0.1 us; a loop on CPU), after
+    the sort, no host sync. The caller bounds every length by R and launches G blocks at least
+    next_fit_blocks' bound; LINEAR_LOGPROBS_SEQ_PACKING=next_fit takes next_fit_sequences.
+
+    cu_seqlens [S + 1] int32/int64 (0, ..., N) -> [S] int64 in [0, G)."""
+    if SEQ_PACKING == "next_fit":
+        return next_fit_sequences(cu_seqlens, block_rows, blocks)
+    cu = cu_seqlens.to(torch.int64)                                                   # [S + 1]
+    lengths = cu[1:] - cu[:-1]                                                        # [S]
+    order = torch.argsort(lengths, descending=True, stable=True)                      # [S]
+    return first_fit_blocks(lengths, order, int(block_rows), int(blocks))
+
+
+@torch.library.custom_op("compiled_grpo::first_fit_blocks", mutates_args=())
+def first_fit_blocks(lengths: Tensor, order: Tensor, block_rows: int, blocks: int) -> Tensor:
+    """[S] int64: sequence order[i], i = 0, 1, ..., to the first of `blocks` blocks of
+    block_rows rows that still holds its lengths[order[i]] rows (clamped to the last block).
+    An opaque op (a sequential loop has no graph to trace): _first_fit_kernel on CUDA, a
+    Python loop over the host copies on CPU."""
+    out = torch.empty_like(lengths, dtype=torch.int64)                                # [S]
+    if lengths.device.type == "cuda":
+        if lengths.numel():
+            _first_fit_kernel[(1,)](lengths, order, out, lengths.numel(), block_rows, blocks,
+                                    BLOCK_G=triton.next_power_of_2(max(blocks, 2)))
+        return out
+    fill, lens, got = [0] * blocks, lengths.tolist(), [0] * lengths.numel()
+    for s in order.tolist():
+        b = next((j for j in range(blocks) if fill[j] + lens[s] <= block_rows), blocks - 1)
+        fill[b] += lens[s]
+        got[s] = b
+    return out.copy_(torch.tensor(got, dtype=torch.int64))
+
+
+@first_fit_blocks.register_fake
+def _(lengths, order, block_rows, blocks):
+    return torch.empty_like(lengths, dtype=torch.int64)
+
+
+def next_fit_sequences(cu_seqlens: Tensor, block_rows, blocks: int) -> Tensor:
     """[S] int64: the row block of each packed sequence, next-fit in order (a block takes the
     following sequences while their rows fit its R), on the device with no host sync and no
     sequential loop: nxt[i] = the largest t with cu[t] <= cu[i] + R (the block that starts at

@@ -319,3 +319,21 @@ def _exp_prep_kernel(x_ptr, lse_ptr, glp_ptr, ref_ptr, count_ptr, n_rows, H, str
     tl.store(xp, (x * c[:, None]).to(x_ptr.dtype.element_ty), mask=mask)
     if tl.program_id(1) == 0:
         tl.store(ref_ptr + 2 * n_rows + rows, c, mask=row_mask)
+
+
+@triton.jit
+def _first_fit_kernel(lens_ptr, order_ptr, blk_ptr, n_seq, block_rows, n_blocks,
+                      BLOCK_G: tl.constexpr):
+    """One program, sequential over the S sequences in `order` (longest first: first-fit
+    decreasing, fused_order.pack_sequences): each goes to the first of the n_blocks blocks
+    (fill [BLOCK_G] in registers) that still holds its len rows, blk[seq] = that block. The
+    caller launches enough blocks for any first-fit (next_fit_blocks' bounds hold for it), so
+    one always fits; the clamp only keeps a broken bound from writing past the blocks."""
+    g = tl.arange(0, BLOCK_G)
+    fill = tl.where(g < n_blocks, 0, block_rows + 1).to(tl.int64)   # no block past G fits
+    for i in range(n_seq):
+        s = tl.load(order_ptr + i)
+        n = tl.load(lens_ptr + s).to(tl.int64)
+        b = tl.minimum(tl.min(tl.where(fill + n <= block_rows, g, BLOCK_G), 0), n_blocks - 1)
+        fill = tl.where(g == b, fill + n, fill)
+        tl.store(blk_ptr + s, b.to(tl.int64))
