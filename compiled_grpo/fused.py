@@ -25,9 +25,9 @@ sums per sequence with ``Segments``. Every sequence must fit a block, which pack
 guarantee on the host with ``max_seqlen`` (grpo_loss's argument, flash-attn's name; padded ones
 with T). Without it, or with T (max_seqlen) > R, "auto" uses the recompute path (a statistics
 pre-pass over all tokens would cost the same 2NHV the recompute does) and "fused" raises. The
-cost of whole sequences: blocks end where the next sequence does not fit, so they are less
-full than token blocks, and every extra block adds a read-modify-write of dW (up to ~1.35 ms at
-qwen3-8b on H100, README) and a partial wave to its GEMMs. The host launches the next-fit bound
+cost of whole sequences: blocks hold only the sequences that fit, so they are less full than
+token blocks, and every extra block adds a read-modify-write of dW (up to ~1.35 ms at
+qwen3-8b on H100, README) and a partial wave to its GEMMs. The host launches the first-fit bound
 min(cdiv(S, R // T), 2 cdiv(N, R) - 1) of blocks; the ones past the last sequence are empty.
 The same holds for everything else that reads a whole sequence's current log-probs
 (``sequence_coupled``: VESPO's gamma weight, the off-policy sequence mask, a sequence_* vLLM IS
@@ -245,7 +245,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     and the ranks' parts of dX are summed once at the end. Each rank gets its dW / db shard.
 
     ``max_seqlen``: packed inputs' bound on a sequence's length, which sequence-coupled losses
-    need (whole sequences next-fit into R-row blocks; why_not_fused checked it fits)."""
+    need (whole sequences first-fit decreasing into R-row blocks; why_not_fused checked it fits)."""
     check_model_scaling(cfg.logit_scale, cfg.final_logit_softcapping)
     if shard is not None:
         weight, bias = shard.weight, shard.bias
@@ -269,7 +269,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     n = valid.numel()
     budget = _budget_rows(hidden, weight, cfg, shard)
     compiling = torch.compiler.is_compiling()
-    if seq:   # whole sequences next-fit into blocks of R slots by their valid tokens
+    if seq:   # whole sequences into blocks of R slots by their valid tokens (first-fit decreasing)
         if segments is None:   # padded [B, T]: row b is sequence b, T tokens long
             b_sz, max_seqlen = lead
             segments = segments_from_cu_seqlens(torch.arange(b_sz + 1, device=valid.device) * max_seqlen, n)

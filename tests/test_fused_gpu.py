@@ -108,7 +108,7 @@ def _packed_gpu(inp):
 
 @pytest.mark.parametrize("loss_type,scaled", [("grpo", True), ("grpo", False), ("dapo", True)])
 def test_three_way_gpu_packed_gspo(loss_type, scaled, monkeypatch):
-    """GSPO on packed inputs (cu_seqlens, max_seqlen = T): whole sequences next-fit into blocks
+    """GSPO on packed inputs (cu_seqlens, max_seqlen = T): whole sequences first-fit decreasing into blocks
     (fused_order.pack_sequences, order_rows_grouped; 200 MiB holds 640 rows: ~1200 tokens in 2-3
     blocks), bf16, H=4096, V=151936: within 2x of eager bf16's error and of the recompute
     path's; bitwise repeatable and free of host syncs."""

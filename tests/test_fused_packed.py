@@ -1,6 +1,6 @@
 """grpo_loss's fused-gradient mode on packed inputs with losses that couple a sequence's tokens
 (GSPO, vespo, the off-policy mask, a sequence_* IS weight without old log-probs): whole
-sequences next-fit into row blocks (lowerings' fused_order.pack_sequences, order_rows_grouped),
+sequences first-fit decreasing into row blocks (lowerings' fused_order.pack_sequences, order_rows_grouped),
 against the recompute path in float64, the mode selection, and torch.compile(fullgraph=True). The plan and
 the Triton block steps on it: tests/test_fused_interpret.py; dynamic N and S:
 tests/test_packed.py; hypothesis against the reference: tests/test_properties.py."""
@@ -16,7 +16,7 @@ from compiled_grpo import fused as F
 from fused_cases import _assert_same, _mib, _option_inputs, _packed, _run
 
 # --- packed whole sequences (max_seqlen) ----------------------------------------------------------
-# Sequence-coupled losses on cu_seqlens inputs: whole sequences packed next-fit, by their valid
+# Sequence-coupled losses on cu_seqlens inputs: whole sequences packed first-fit decreasing, by their valid
 # tokens, into blocks of R rows (lowerings' pack_sequences, order_rows_grouped). Sequences of 9,
 # 3, 6, 0, 5, 8, 2 tokens (one empty, masked tokens inside them): 16-row blocks launch the bound
 # min(cdiv(7, 16 // 9), 2 cdiv(33, 16) - 1) = 5 blocks (the later ones stay empty), 32-row blocks
