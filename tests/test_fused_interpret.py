@@ -207,8 +207,9 @@ def test_fused_host_splits(monkeypatch, kind, scaled):
 @pytest.mark.parametrize("seed", range(2))
 def test_first_fit_kernel(seed):
     """fused_order.first_fit_blocks' CUDA body (_first_fit_kernel, one program sequential over
-    the sequences) = its CPU loop, on first-fit-decreasing orders of random lengths (zeros
-    included) and next_fit_blocks' block counts, BLOCK_G past G too."""
+    the sequences, 8 lengths a load here: several chunks, the last partial) = its CPU loop, on
+    first-fit-decreasing orders of random lengths (zeros included) and next_fit_blocks' block
+    counts, BLOCK_G past G too."""
     import random
     from lowerings.linear_logprobs.fused_order import first_fit_blocks, next_fit_blocks
     from lowerings.linear_logprobs.kernels_fused import _first_fit_kernel
@@ -219,11 +220,11 @@ def test_first_fit_kernel(seed):
         lengths = torch.tensor([rng.choice([0, rng.randint(0, bound)])
                                 for _ in range(rng.randint(1, 30))])
         blocks = next_fit_blocks(lengths.numel(), int(lengths.sum()), rows, bound)
-        order = torch.argsort(lengths, descending=True, stable=True)
+        lengths = lengths.sort(descending=True, stable=True).values
         out = torch.full_like(lengths, -1)
-        _first_fit_kernel[(1,)](lengths, order, out, lengths.numel(), rows, blocks,
-                                BLOCK_G=triton.next_power_of_2(max(blocks, 2)))
-        assert out.tolist() == first_fit_blocks(lengths, order, rows, blocks).tolist()
+        _first_fit_kernel[(1,)](lengths, out, lengths.numel(), rows, blocks,
+                                BLOCK_G=triton.next_power_of_2(max(blocks, 2)), CHUNK=8)
+        assert out.tolist() == first_fit_blocks(lengths, rows, blocks).tolist()
 
 
 def _no_dlogits_pass(*a, **k):

@@ -28,6 +28,7 @@ from triton.compiler import ASTSource
 from lowerings.linear_logprobs import cuda as dense
 from lowerings.linear_logprobs import cuda_rows as rows
 from lowerings.linear_logprobs import fused as fused
+from lowerings.linear_logprobs import fused_order
 from lowerings.linear_logprobs import fused_cuda as fc
 from lowerings.linear_logprobs import kernels as k
 from lowerings.linear_logprobs import kernels_dw as kdw
@@ -38,8 +39,8 @@ SMEM_LIMIT = 232448                  # bytes of shared memory a block may opt in
 FP32_PTRS = {"m_ptr", "s_ptr", "t_ptr", "zt_ptr", "zoff_ptr", "lse_ptr", "ent_ptr", "glp_ptr", "lp_ptr",
              "gent_ptr", "glse_ptr", "dbp_ptr", "part_ptr", "g_ptr", "acc_ptr", "ref_ptr",
              "scale_ptr"}
-PTR_TYPES = {"count_ptr": "*i32", "plan_ptr": "*i32", "lens_ptr": "*i64", "order_ptr": "*i64",
-             "blk_ptr": "*i64", "perm_ptr": "*i64", "ids_ptr": "*i64", "z_ptr": "*fp16"}
+PTR_TYPES = {"count_ptr": "*i32", "plan_ptr": "*i32", "lens_ptr": "*i64", "blk_ptr": "*i64",
+             "perm_ptr": "*i64", "ids_ptr": "*i64", "z_ptr": "*fp16"}
 FLOATS = {"inv_temp", "cap_pre", "cap_post", "lead"}
 # scalars that are multiples of 16 at the bench shapes (Triton's launcher specializes such ints:
 # the vocab sizes 151936 / 128256 / 256000, H, the strides, 2048-row blocks), so the kernels
@@ -134,7 +135,8 @@ def cases():
     yield ("row gather", k._gather_rows_kernel,
            dict(BLOCK_R=rows.GATHER_ROWS, BLOCK_H=rows.GATHER_H), 4, 1)
     yield ("gradient scaling", kf._scale_kernel, dict(BLOCK=fused.SCALE_BLOCK), 8, 1)
-    yield ("whole sequences first-fit", kf._first_fit_kernel, dict(BLOCK_G=64), 4, 1)
+    yield ("whole sequences first-fit", kf._first_fit_kernel,
+           dict(BLOCK_G=64, CHUNK=fused_order.FIRST_FIT_CHUNK), 4, 1)
     cr, cwarps = fc.COMBINE_TILE
     for ent in (False, True):   # at most S_CAP = 64 splits (cuda.fwd_plan)
         yield (f"forward splits' combine, WITH_ENTROPY={ent}", kf._fused_combine_kernel,

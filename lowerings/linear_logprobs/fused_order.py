@@ -76,8 +76,8 @@ def pack_sequences(cu_seqlens: Tensor, block_rows: int, blocks: int) -> Tensor:
     tokens into 2048-row blocks take the bound of ceil(total / R) where next-fit often takes
     one or two more. The blocks' sequences need not be neighbours: order_rows_grouped keeps
     each block's rows in row order, so their sequence ids stay sorted. Sequential over S in
-    one program (first_fit_blocks: a Triton kernel on CUDA, ~S x 0.1 us; a loop on CPU), after
-    the sort, no host sync. The caller bounds every length by R and launches G blocks at least
+    one program (first_fit_blocks: a Triton kernel on CUDA; a loop on CPU), after the sort, no
+    host sync. The caller bounds every length by R and launches G blocks at least
     next_fit_blocks' bound; LINEAR_LOGPROBS_SEQ_PACKING=next_fit takes next_fit_sequences.
 
     cu_seqlens [S + 1] int32/int64 (0, ..., N) -> [S] int64 in [0, G)."""
@@ -86,31 +86,35 @@ def pack_sequences(cu_seqlens: Tensor, block_rows: int, blocks: int) -> Tensor:
     cu = cu_seqlens.to(torch.int64)                                                   # [S + 1]
     lengths = cu[1:] - cu[:-1]                                                        # [S]
     order = torch.argsort(lengths, descending=True, stable=True)                      # [S]
-    return first_fit_blocks(lengths, order, int(block_rows), int(blocks))
+    blk = first_fit_blocks(lengths.index_select(0, order), int(block_rows), int(blocks))  # [S]
+    return blk.index_select(0, torch.argsort(order))      # back to sequence order (a gather)
+
+
+FIRST_FIT_CHUNK = 128   # _first_fit_kernel's lengths a load
 
 
 @torch.library.custom_op("compiled_grpo::first_fit_blocks", mutates_args=())
-def first_fit_blocks(lengths: Tensor, order: Tensor, block_rows: int, blocks: int) -> Tensor:
-    """[S] int64: sequence order[i], i = 0, 1, ..., to the first of `blocks` blocks of
-    block_rows rows that still holds its lengths[order[i]] rows (clamped to the last block).
-    An opaque op (a sequential loop has no graph to trace): _first_fit_kernel on CUDA, a
-    Python loop over the host copies on CPU."""
+def first_fit_blocks(lengths: Tensor, block_rows: int, blocks: int) -> Tensor:
+    """[S] int64: sequence i = 0, 1, ... (lengths [S] in this order) to the first of `blocks`
+    blocks of block_rows rows that still holds its rows (clamped to the last block). An opaque
+    op (a sequential loop has no graph to trace): _first_fit_kernel on CUDA, a Python loop over
+    the host copy on CPU."""
     out = torch.empty_like(lengths, dtype=torch.int64)                                # [S]
     if lengths.device.type == "cuda":
         if lengths.numel():
-            _first_fit_kernel[(1,)](lengths, order, out, lengths.numel(), block_rows, blocks,
-                                    BLOCK_G=triton.next_power_of_2(max(blocks, 2)))
+            _first_fit_kernel[(1,)](lengths, out, lengths.numel(), block_rows, blocks,
+                                    BLOCK_G=triton.next_power_of_2(max(blocks, 2)),
+                                    CHUNK=FIRST_FIT_CHUNK)
         return out
-    fill, lens, got = [0] * blocks, lengths.tolist(), [0] * lengths.numel()
-    for s in order.tolist():
-        b = next((j for j in range(blocks) if fill[j] + lens[s] <= block_rows), blocks - 1)
-        fill[b] += lens[s]
-        got[s] = b
+    fill, got = [0] * blocks, []
+    for n in lengths.tolist():
+        got.append(next((j for j in range(blocks) if fill[j] + n <= block_rows), blocks - 1))
+        fill[got[-1]] += n
     return out.copy_(torch.tensor(got, dtype=torch.int64))
 
 
 @first_fit_blocks.register_fake
-def _(lengths, order, block_rows, blocks):
+def _(lengths, block_rows, blocks):
     return torch.empty_like(lengths, dtype=torch.int64)
 
 

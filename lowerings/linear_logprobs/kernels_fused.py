@@ -322,18 +322,27 @@ def _exp_prep_kernel(x_ptr, lse_ptr, glp_ptr, ref_ptr, count_ptr, n_rows, H, str
 
 
 @triton.jit
-def _first_fit_kernel(lens_ptr, order_ptr, blk_ptr, n_seq, block_rows, n_blocks,
-                      BLOCK_G: tl.constexpr):
-    """One program, sequential over the S sequences in `order` (longest first: first-fit
-    decreasing, fused_order.pack_sequences): each goes to the first of the n_blocks blocks
-    (fill [BLOCK_G] in registers) that still holds its len rows, blk[seq] = that block. The
-    caller launches enough blocks for any first-fit (next_fit_blocks' bounds hold for it), so
-    one always fits; the clamp only keeps a broken bound from writing past the blocks."""
+def _first_fit_kernel(lens_ptr, blk_ptr, n_seq, block_rows, n_blocks, BLOCK_G: tl.constexpr,
+                      CHUNK: tl.constexpr):
+    """One program, sequential over the S sequences in first-fit order (lens: their lengths in
+    that order, longest first for first-fit decreasing; fused_order.pack_sequences): each goes
+    to the first of the n_blocks blocks (fill [BLOCK_G] in registers) that still holds its
+    rows, blk[i] = that block. The lengths come CHUNK at a time (one global-load latency a
+    chunk rather than two dependent ones a sequence; not timed on a GPU yet: the A/B of
+    first-fit decreasing ran a loop loading each sequence's length) and the chunk's blocks go
+    out in one store.
+    The caller launches enough blocks for any first-fit (next_fit_blocks' bounds hold for
+    it), so one always fits; the clamp only keeps a broken bound from writing past them."""
     g = tl.arange(0, BLOCK_G)
+    c = tl.arange(0, CHUNK)
     fill = tl.where(g < n_blocks, 0, block_rows + 1).to(tl.int64)   # no block past G fits
-    for i in range(n_seq):
-        s = tl.load(order_ptr + i)
-        n = tl.load(lens_ptr + s).to(tl.int64)
-        b = tl.minimum(tl.min(tl.where(fill + n <= block_rows, g, BLOCK_G), 0), n_blocks - 1)
-        fill = tl.where(g == b, fill + n, fill)
-        tl.store(blk_ptr + s, b.to(tl.int64))
+    for i0 in range(0, n_seq, CHUNK):
+        in_seq = i0 + c < n_seq
+        lens = tl.load(lens_ptr + i0 + c, mask=in_seq, other=0).to(tl.int64)   # [CHUNK]
+        blks = tl.zeros((CHUNK,), tl.int64)
+        for j in range(CHUNK):   # past S: length 0, block 0, fill unchanged, not stored
+            n = tl.sum(tl.where(c == j, lens, 0), 0)
+            b = tl.minimum(tl.min(tl.where(fill + n <= block_rows, g, BLOCK_G), 0), n_blocks - 1)
+            fill = tl.where(g == b, fill + n, fill)
+            blks = tl.where(c == j, b.to(tl.int64), blks)
+        tl.store(blk_ptr + i0 + c, blks, mask=in_seq)
