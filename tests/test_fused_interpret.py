@@ -178,10 +178,26 @@ def test_fwd_plan(n, v, sms, want):
         mp.setattr(tk, "FWD_COLS_PER_SPLIT", cps)
         assert tk.fwd_plan(n, v, bn, bv, sms) == want
         rows = 2048 if v > 1000 else 48
-        plan, programs = tk.fwd_plan_table(rows, v, bn, bv, torch.device("cpu"), sms)
+        plan, programs, splits = tk.fwd_plan_table(rows, v, bn, bv, torch.device("cpu"), sms)
     nb = triton.cdiv(n, bn)
     assert tuple(plan[nb].tolist()) == want and plan.shape == (rows // bn + 1, 2)
     assert programs == max(k * s for k, s in enumerate(plan[:, 0].tolist())) >= nb * want[0]
+    assert splits == max(plan[:, 0].tolist()) <= 64
+
+
+@pytest.mark.parametrize("v", [75, 32000, 151936, 262144, 600000])
+@pytest.mark.parametrize("sms", [4, 78, 132])
+def test_fwd_plan_covers_every_row(monkeypatch, v, sms):
+    """Every split of every row-block count covers its columns once: S splits of whole BV
+    tiles, the last one starting before V (each split's first tile has a valid column), S
+    within [S0, 64] or S0 past 64 (a vocabulary over 512k columns)."""
+    monkeypatch.setattr(tk, "FWD_COLS_PER_SPLIT", 8192)   # the GPU's (interpret.py patches it)
+    bn, bv = 128, 256
+    s0 = triton.cdiv(v, 8192)
+    for nb in range(0, 18):
+        s, cols = tk.fwd_plan(nb * bn, v, bn, bv, sms)
+        assert cols % bv == 0 and (s - 1) * cols < v <= s * cols
+        assert s <= max(64, s0) and s >= min(s0, triton.cdiv(v, cols))
 
 
 @pytest.mark.parametrize("kind", ["right_padded", "scattered"])

@@ -301,7 +301,7 @@ def fwd_plan(n_valid: int, v: int, bn: int, bv: int, sms: int) -> tuple[int, int
     s_lo = cdiv(v, FWD_COLS_PER_SPLIT)
     nb1 = max(cdiv(n_valid, bn), 1)
     best = None
-    for s in range(s_lo, min(max(2 * s_lo, cdiv(sms, nb1)), FWD_S_CAP) + 1):
+    for s in range(s_lo, max(s_lo, min(max(2 * s_lo, cdiv(sms, nb1)), FWD_S_CAP)) + 1):
         cols = cdiv(cdiv(v, s), bv) * bv
         s_eff = cdiv(v, cols)
         cost = cdiv(nb1 * s_eff, sms) * cols
@@ -314,16 +314,18 @@ _PLAN_TABLES: dict = {}
 
 
 def fwd_plan_table(rows: int, v: int, bn: int, bv: int, device: torch.device,
-                   sms: int) -> tuple[Tensor, int]:
-    """(plan, programs): plan [nb_max + 1, 2] int32 on `device`, row nb = fwd_plan of nb row
-    blocks (what the DEVICE_SPLITS forward and combine read at the block's valid count), and
-    the grid covering every nb <= cdiv(rows, bn). Made once per shape and device and cached
-    (a step captured as a CUDA graph finds it made by its warm-up steps)."""
+                   sms: int) -> tuple[Tensor, int, int]:
+    """(plan, programs, splits): plan [nb_max + 1, 2] int32 on `device`, row nb = fwd_plan of
+    nb row blocks (what the DEVICE_SPLITS forward and combine read at the block's valid count),
+    the grid covering every nb <= cdiv(rows, bn), and the most splits of any row (the [S, R]
+    statistics buffers' S). Made once per shape and device and cached (a step captured as a
+    CUDA graph finds it made by its warm-up steps)."""
     key = (rows, v, bn, bv, str(device), sms, FWD_COLS_PER_SPLIT, FWD_S_CAP)
     if key not in _PLAN_TABLES:
         plan = [fwd_plan(nb * bn, v, bn, bv, sms) for nb in range(cdiv(rows, bn) + 1)]
         programs = max(nb * s for nb, (s, _) in enumerate(plan))
-        _PLAN_TABLES[key] = (torch.tensor(plan, dtype=torch.int32, device=device), programs)
+        _PLAN_TABLES[key] = (torch.tensor(plan, dtype=torch.int32, device=device), programs,
+                             max(s for s, _ in plan))
     return _PLAN_TABLES[key]
 
 

@@ -119,8 +119,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     splits, cols = _dense._fwd_splits(rows, v, bn, bv, x.device)
     n_buf, n_prog, plan = splits, cdiv(rows, bn) * splits, zoff
     if _dense.FWD_DEVICE_SPLITS:   # the splits of the block's valid rows (cuda.fwd_plan_table)
-        plan, n_prog = _dense.fwd_plan_table(rows, v, bn, bv, x.device, _sms(x.device))
-        n_buf = _dense.FWD_S_CAP
+        plan, n_prog, n_buf = _dense.fwd_plan_table(rows, v, bn, bv, x.device, _sms(x.device))
     m, s, t, zt = (x.new_empty((n_buf, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
     n_blocks = cdiv(rows, bn)
     scal = _dense._scalars(temperature, logit_scale, softcap)
