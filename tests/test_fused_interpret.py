@@ -7,7 +7,6 @@ import pytest
 import torch
 from interpret import DTYPE_16, MASKS, golden, make, small_tiles  # noqa: F401 (autouse fixture)
 
-import lowerings.linear_logprobs.cuda as tk
 import lowerings.linear_logprobs.cuda_rows as rk
 import lowerings.linear_logprobs.fused as fk
 import lowerings.linear_logprobs.fused_cuda as fck
@@ -163,49 +162,12 @@ def test_dx_splits(n, h_blocks, sms, max_rows, want):
     assert out.tolist() == [want, triton.cdiv(n, 128) * 128]
 
 
-@pytest.mark.parametrize("n,v,sms,want", [
-    (2048, 151936, 132, (33, 4608)),   # a full qwen3-8b block: the host's pick (4 waves)
-    (271, 151936, 132, (43, 3584)),    # its tail: one wave of 3584 columns, not of 4608
-    (1100, 151936, 132, (29, 5376)),   # a block of whole sequences: 2 waves, not 3
-    (16, 75, 4, (3, 32)),              # the interpreter's tiles of 16 (BV 16, S0 2)
-])
-def test_fwd_plan(n, v, sms, want):
-    """The fused forward's splits for a block's valid rows (cuda.fwd_plan) as its docstring
-    states, and its table (cuda.fwd_plan_table): row nb is the plan of nb row blocks, and the
-    grid holds every row's programs."""
-    bn, bv, cps = (128, 256, 8192) if v > 1000 else (16, 16, 48)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tk, "FWD_COLS_PER_SPLIT", cps)
-        assert tk.fwd_plan(n, v, bn, bv, sms) == want
-        rows = 2048 if v > 1000 else 48
-        plan, programs, splits = tk.fwd_plan_table(rows, v, bn, bv, torch.device("cpu"), sms)
-    nb = triton.cdiv(n, bn)
-    assert tuple(plan[nb].tolist()) == want and plan.shape == (rows // bn + 1, 2)
-    assert programs == max(k * s for k, s in enumerate(plan[:, 0].tolist())) >= nb * want[0]
-    assert splits == max(plan[:, 0].tolist()) <= 64
-
-
-@pytest.mark.parametrize("v", [75, 32000, 151936, 262144, 600000])
-@pytest.mark.parametrize("sms", [4, 78, 132])
-def test_fwd_plan_covers_every_row(monkeypatch, v, sms):
-    """Every split of every row-block count covers its columns once: S splits of whole BV
-    tiles, the last one starting before V (each split's first tile has a valid column), S
-    within [S0, 64] or S0 past 64 (a vocabulary over 512k columns)."""
-    monkeypatch.setattr(tk, "FWD_COLS_PER_SPLIT", 8192)   # the GPU's (interpret.py patches it)
-    bn, bv = 128, 256
-    s0 = triton.cdiv(v, 8192)
-    for nb in range(0, 18):
-        s, cols = tk.fwd_plan(nb * bn, v, bn, bv, sms)
-        assert cols % bv == 0 and (s - 1) * cols < v <= s * cols
-        assert s <= max(64, s0) and s >= min(s0, triton.cdiv(v, cols))
-
-
 @pytest.mark.parametrize("kind", ["right_padded", "scattered"])
 @pytest.mark.parametrize("scaled", [False, True])
 def test_fused_host_splits(monkeypatch, kind, scaled):
-    """cuda.FWD_DEVICE_SPLITS off (the A/B setting): the host's splits for R rows, the same
-    results (the device pick takes 3 splits of these 16-row blocks, the host 2)."""
-    monkeypatch.setattr(tk, "FWD_DEVICE_SPLITS", False)
+    """fused_cuda.FWD_DEVICE_SPLITS off (the A/B setting): the host's splits for R rows, the
+    same results (the device pick takes 3 splits of these 16-row blocks, the host 2)."""
+    monkeypatch.setattr(fck, "FWD_DEVICE_SPLITS", False)
     mask = MASKS[kind]
     x, w, ids, _ = make(40, 24, 75, torch.float32, False, seed=5)
     res, G_lp, G_ent, _ = _fused_run(monkeypatch, x, w, ids, None, mask, 3, 16, False,

@@ -76,7 +76,7 @@ def cases():
     logit = dict(HAS_BIAS=False, HAS_CAP=False, WITH_ENTROPY=True, DOT_PREC="tf32", USE_TMA=True,
                  BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=dense.GROUP_N, STORE_E=False,
                  E_HEADROOM=fc.E_HEADROOM)
-    fused_fwd = dict(DEVICE_SPLITS=dense.FWD_DEVICE_SPLITS)   # fused_cuda's
+    fused_fwd = dict(DEVICE_SPLITS=fc.FWD_DEVICE_SPLITS)   # fused_cuda's
     recompute = dict(DEVICE_SPLITS=False)
     yield ("forward, fused (STORE_Z)", k._fwd_kernel,
            dict(logit, **fused_fwd, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN), warps,
@@ -138,7 +138,7 @@ def cases():
     yield ("whole sequences first-fit", kf._first_fit_kernel,
            dict(BLOCK_G=64, CHUNK=fused_order.FIRST_FIT_CHUNK), 4, 1)
     cr, cwarps = fc.COMBINE_TILE
-    for ent in (False, True):   # at most S_CAP = 64 splits (cuda.fwd_plan)
+    for ent in (False, True):   # at most S_CAP = 64 splits (fused_cuda.fwd_plan)
         yield (f"forward splits' combine, WITH_ENTROPY={ent}", kf._fused_combine_kernel,
                dict(WITH_ENTROPY=ent, BLOCK_R=cr, BLOCK_S=64, STORE_E=True,
                     E_HEADROOM=fc.E_HEADROOM, TILE_V=bv, **fused_fwd, FWD_BLOCK_N=bn), cwarps, 1)

@@ -54,7 +54,6 @@ All pointer offsets are int64 (N*V and V*H exceed 2^31 at real sizes).
 `forward`/`backward` take `wrap`, the function applied to each kernel before launch:
 `torch.library.wrap_triton` inside the triton_op, identity in the TRITON_INTERPRET tests.
 """
-import functools
 import os
 from typing import Callable, Optional
 
@@ -88,13 +87,6 @@ GROUP_N = 16                # row blocks per program group (L2 reuse, see _swizz
 # step 40.2 against 41.0-41.2 ms. LINEAR_LOGPROBS_FWD_FLATTEN=0 turns it off (tuning runs).
 FWD_FLATTEN = os.environ.get("LINEAR_LOGPROBS_FWD_FLATTEN", "1") == "1"
 FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see _fwd_splits for the pick
-# The fused path's forward takes its splits from a block's valid rows, read on the device from a
-# table of fwd_plan for every row-block count (fwd_plan_table): a partial block (the batch's
-# last, or a block of whole sequences) fills the GPU as a full one does. At most FWD_S_CAP
-# splits (the combine kernel's [S, R] tile). LINEAR_LOGPROBS_FWD_DEVICE_SPLITS=0: the host's
-# pick for R rows (A/B runs).
-FWD_DEVICE_SPLITS = os.environ.get("LINEAR_LOGPROBS_FWD_DEVICE_SPLITS", "1") == "1"
-FWD_S_CAP = 64
 CHUNK_V = 6144              # backward vocab columns a step: workspace R * CHUNK_V elements
 # Budget of the backward's fp32 dX accumulator, one row group of R = cdiv(N, G) rows (see
 # _row_groups): 32 MiB is 2048 rows at H=4096. LINEAR_LOGPROBS_DX_GROUP_MIB raises it (fewer
@@ -288,45 +280,6 @@ def _fwd_splits(n, v: int, bn: int, bv: int, device: torch.device) -> tuple[int,
         if best is None or fill > best[0] + 1e-3:
             best = (fill, s, cols)
     return best[1], best[2]
-
-
-def fwd_plan(n_valid: int, v: int, bn: int, bv: int, sms: int) -> tuple[int, int]:
-    """(S, columns per split) of the fused forward for n_valid rows, cdiv(n_valid, bn) = nb row
-    blocks, on `sms` SMs: of the S in [S0, max(2 S0, cdiv(SMs, nb))] (S0 = cdiv(V,
-    FWD_COLS_PER_SPLIT), at most FWD_S_CAP), each made whole bv tiles (S = cdiv(V, columns)),
-    the one of least makespan, cdiv(nb S, SMs) waves of programs `columns` long (the smaller S
-    on a tie). H100 (132 SMs), V = 151936: a full 2048-row block takes S = 33, 4 waves of 4608
-    columns (as _fwd_splits); its 271-row tail S = 43, one wave of 3584 columns, not of 4608;
-    a 1100-row block of whole sequences S = 29, 2 waves of 5376, not 3 of 4608."""
-    s_lo = cdiv(v, FWD_COLS_PER_SPLIT)
-    nb1 = max(cdiv(n_valid, bn), 1)
-    best = None
-    for s in range(s_lo, max(s_lo, min(max(2 * s_lo, cdiv(sms, nb1)), FWD_S_CAP)) + 1):
-        cols = cdiv(cdiv(v, s), bv) * bv
-        s_eff = cdiv(v, cols)
-        cost = cdiv(nb1 * s_eff, sms) * cols
-        if best is None or cost < best[0]:
-            best = (cost, s_eff, cols)
-    return best[1], best[2]
-
-
-_PLAN_TABLES: dict = {}
-
-
-def fwd_plan_table(rows: int, v: int, bn: int, bv: int, device: torch.device,
-                   sms: int) -> tuple[Tensor, int, int]:
-    """(plan, programs, splits): plan [nb_max + 1, 2] int32 on `device`, row nb = fwd_plan of
-    nb row blocks (what the DEVICE_SPLITS forward and combine read at the block's valid count),
-    the grid covering every nb <= cdiv(rows, bn), and the most splits of any row (the [S, R]
-    statistics buffers' S). Made once per shape and device and cached (a step captured as a
-    CUDA graph finds it made by its warm-up steps)."""
-    key = (rows, v, bn, bv, str(device), sms, FWD_COLS_PER_SPLIT, FWD_S_CAP)
-    if key not in _PLAN_TABLES:
-        plan = [fwd_plan(nb * bn, v, bn, bv, sms) for nb in range(cdiv(rows, bn) + 1)]
-        programs = max(nb * s for nb, (s, _) in enumerate(plan))
-        _PLAN_TABLES[key] = (torch.tensor(plan, dtype=torch.int32, device=device), programs,
-                             max(s for s, _ in plan))
-    return _PLAN_TABLES[key]
 
 
 def _row_groups(n, h: int, budget: int = 0) -> int:

@@ -8,7 +8,7 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
   block_forward    _gather_rows_kernel  xg[:n] = X[perm[r0 : r0 + n]]
                    (scaled) _target_ref_kernel  ref[:n] = M, the rows' target logits + E_LEAD
                    _fwd_kernel (STORE_Z) statistics of xg's n rows, its splits over V read on
-                                        the device for n (DEVICE_SPLITS, cuda.fwd_plan_table),
+                                        the device for n (DEVICE_SPLITS, fwd_plan_table),
                                         and d = z - running max into
                                         ws (fp16 view) with the max per 256-column tile in zoff;
                                         scaled (STORE_E): e = exp(z - R) in ws's dtype, R per tile
@@ -76,6 +76,54 @@ COMBINE_TILE = (32, 4)       # the forward splits' combine: (BLOCK_R, num_warps)
 COMBINE_SHARES, COMBINE_MIN_TILES = 16, 32
 
 
+# The forward takes its splits from a block's valid rows, read on the device from a table of
+# fwd_plan for every row-block count (fwd_plan_table): a partial block (the batch's last, or a
+# block of whole sequences) fills the GPU as a full one does. At most FWD_S_CAP splits (the
+# combine kernel's [S, R] tile). LINEAR_LOGPROBS_FWD_DEVICE_SPLITS=0: the host's pick for R
+# rows (cuda._fwd_splits; A/B runs).
+FWD_DEVICE_SPLITS = os.environ.get("LINEAR_LOGPROBS_FWD_DEVICE_SPLITS", "1") == "1"
+FWD_S_CAP = 64
+
+
+def fwd_plan(n_valid: int, v: int, bn: int, bv: int, sms: int) -> tuple[int, int]:
+    """(S, columns per split) of the fused forward for n_valid rows, cdiv(n_valid, bn) = nb row
+    blocks, on `sms` SMs: of the S in [S0, max(2 S0, cdiv(SMs, nb))] (S0 = cdiv(V,
+    cuda.FWD_COLS_PER_SPLIT), at most FWD_S_CAP), each made whole bv tiles (S = cdiv(V,
+    columns)), the one of least makespan, cdiv(nb S, SMs) waves of programs `columns` long (the smaller S
+    on a tie). H100 (132 SMs), V = 151936: a full 2048-row block takes S = 33, 4 waves of 4608
+    columns (as _fwd_splits); its 271-row tail S = 43, one wave of 3584 columns, not of 4608;
+    a 1100-row block of whole sequences S = 29, 2 waves of 5376, not 3 of 4608."""
+    s_lo = cdiv(v, _dense.FWD_COLS_PER_SPLIT)
+    nb1 = max(cdiv(n_valid, bn), 1)
+    best = None
+    for s in range(s_lo, max(s_lo, min(max(2 * s_lo, cdiv(sms, nb1)), FWD_S_CAP)) + 1):
+        cols = cdiv(cdiv(v, s), bv) * bv
+        s_eff = cdiv(v, cols)
+        cost = cdiv(nb1 * s_eff, sms) * cols
+        if best is None or cost < best[0]:
+            best = (cost, s_eff, cols)
+    return best[1], best[2]
+
+
+_PLAN_TABLES: dict = {}
+
+
+def fwd_plan_table(rows: int, v: int, bn: int, bv: int, device: torch.device,
+                   sms: int) -> tuple[Tensor, int, int]:
+    """(plan, programs, splits): plan [nb_max + 1, 2] int32 on `device`, row nb = fwd_plan of
+    nb row blocks (what the DEVICE_SPLITS forward and combine read at the block's valid count),
+    the grid covering every nb <= cdiv(rows, bn), and the most splits of any row (the [S, R]
+    statistics buffers' S). Made once per shape and device and cached (a step captured as a
+    CUDA graph finds it made by its warm-up steps)."""
+    key = (rows, v, bn, bv, str(device), sms, _dense.FWD_COLS_PER_SPLIT, FWD_S_CAP)
+    if key not in _PLAN_TABLES:
+        plan = [fwd_plan(nb * bn, v, bn, bv, sms) for nb in range(cdiv(rows, bn) + 1)]
+        programs = max(nb * s for nb, (s, _) in enumerate(plan))
+        _PLAN_TABLES[key] = (torch.tensor(plan, dtype=torch.int32, device=device), programs,
+                             max(s for s, _ in plan))
+    return _PLAN_TABLES[key]
+
+
 def combine_shares(n_ztiles: int) -> int:
     """The combine grid's second dimension for rows of n_ztiles tiles (COMBINE_SHARES)."""
     return max(1, min(COMBINE_SHARES, n_ztiles // COMBINE_MIN_TILES))
@@ -116,10 +164,12 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     count = counts.narrow(0, b, 1)
     perm_b, ids_b = perm.narrow(0, r0, rows), ids_p.narrow(0, r0, rows)
     _rows._gather(lambda k: k, x, perm_b, count, 0, rows, xg)
-    splits, cols = _dense._fwd_splits(rows, v, bn, bv, x.device)
-    n_buf, n_prog, plan = splits, cdiv(rows, bn) * splits, zoff
-    if _dense.FWD_DEVICE_SPLITS:   # the splits of the block's valid rows (cuda.fwd_plan_table)
-        plan, n_prog, n_buf = _dense.fwd_plan_table(rows, v, bn, bv, x.device, _sms(x.device))
+    if FWD_DEVICE_SPLITS:   # the splits of the block's valid rows (fwd_plan_table)
+        plan, n_prog, n_buf = fwd_plan_table(rows, v, bn, bv, x.device, _sms(x.device))
+        splits = cols = 0   # read from plan on the device instead
+    else:
+        splits, cols = _dense._fwd_splits(rows, v, bn, bv, x.device)
+        n_buf, n_prog, plan = splits, cdiv(rows, bn) * splits, zoff
     m, s, t, zt = (x.new_empty((n_buf, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
     n_blocks = cdiv(rows, bn)
     scal = _dense._scalars(temperature, logit_scale, softcap)
@@ -129,7 +179,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
             xg, w, bias if bias is not None else x, ids_b, count, ref, rows, v, h, xg.stride(0),
             w.stride(0), scal[0], E_LEAD, HAS_BIAS=bias is not None, BLOCK_R=rr, BLOCK_H=rh,
             num_warps=rwarps)
-    device_splits = dict(plan_ptr=plan, DEVICE_SPLITS=_dense.FWD_DEVICE_SPLITS)
+    device_splits = dict(plan_ptr=plan, DEVICE_SPLITS=FWD_DEVICE_SPLITS)
     _fwd_kernel[(n_prog,)](
         xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
         xg.stride(0), w.stride(0), *scal, cols, n_blocks, splits, 0, rows,

@@ -132,10 +132,10 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     are one per-row scale of its stored e (no separate pass; kernels_fused's block comment).
     DEVICE_SPLITS (with HAS_COUNT; the fused path): the splits follow the valid rows' row blocks
     nb = cdiv(n, BLOCK_N), read on the device from plan [nb] = (S, columns per split)
-    (cuda.fwd_plan_table), so a block with few valid rows still fills the GPU; cols_per_split,
+    (fused_cuda.fwd_plan_table), so a block with few valid rows still fills the GPU; cols_per_split,
     n_blocks and n_splits are then unused and the grid is the table's largest nb * S."""
     n_valid = _valid_rows(count_ptr, out_row0, N, HAS_COUNT)
-    if DEVICE_SPLITS:   # the splits of this many valid row blocks (cuda.fwd_plan_table)
+    if DEVICE_SPLITS:   # the splits of this many valid row blocks (fused_cuda.fwd_plan_table)
         nb = tl.cdiv(n_valid, BLOCK_N)
         n_spl = tl.load(plan_ptr + 2 * nb)
         # whole BLOCK_V tiles, as the launcher's divisibility specialization of the argument
