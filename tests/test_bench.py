@@ -215,12 +215,10 @@ def test_gspo_providers_agree_with_the_reference(tmp_path):
     assert by[("cpu-tiny-packed", "naive_eager")]["status"].startswith("skip: packed input as one")
 
 
-@pytest.mark.parametrize("compacted", [False, True])
-def test_gspo_math_equals_compiled_grpo_in_float64(compacted):
-    """The bench's GSPO math (dapo.py: padded rows, or compacted tokens with sequence ids as
-    the TRL provider runs it) = cg.grpo_loss with importance_sampling_level="sequence" in
-    float64, loss and gradients, off policy (old log-probs 0.3 away: near on-policy the two
-    ratio levels have the same first-order gradient, which would hide a token-level mistake)."""
+def _gspo_off_policy():
+    """(x, p, loss, dL/dhidden): cpu-tiny inputs in float64 with old log-probs 0.3 away (near
+    on-policy the two ratio levels have the same first-order gradient, which would hide a
+    token-level mistake), the bench's GSPO Params, and cg.grpo_loss's GSPO on them."""
     import compiled_grpo as cg
     from bench import dapo
     x = shapes.make_inputs(shapes.SHAPES["cpu-tiny"], torch.device("cpu"), torch.float64,
@@ -234,6 +232,17 @@ def test_gspo_math_equals_compiled_grpo_in_float64(compacted):
     want = cg.grpo_loss(h, x.weight, x.token_ids, x.advantages, x.mask > 0, x.old_logprobs,
                         x.ref_logprobs, config=cfg).loss
     (gw,) = torch.autograd.grad(want, h)
+    return x, p, want.detach(), gw
+
+
+@pytest.mark.parametrize("compacted", [False, True])
+def test_gspo_math_equals_compiled_grpo_in_float64(compacted):
+    """The bench's GSPO math (dapo.py: padded rows, or compacted tokens with sequence ids as
+    the TRL provider runs it) = cg.grpo_loss with importance_sampling_level="sequence" in
+    float64, loss and gradients, off policy (old log-probs 0.3 away: near on-policy the two
+    ratio levels have the same first-order gradient, which would hide a token-level mistake)."""
+    from bench import dapo
+    x, p, want, gw = _gspo_off_policy()
     h2 = x.hidden.detach().requires_grad_()
     if compacted:
         v = dapo.compact(x)
@@ -258,27 +267,16 @@ def test_liger_gspo_is_sequence_level_off_policy():
     importance_sampling_level="sequence", as bench/peers.py builds it, = cg.grpo_loss's GSPO in
     float64 off policy (where a token-level ratio would differ: the guard of the test above),
     so its GSPO row times the same loss as ours."""
-    import compiled_grpo as cg
     from bench import dapo, peers
     pytest.importorskip("liger_kernel.chunked_loss")
-    x = shapes.make_inputs(shapes.SHAPES["cpu-tiny"], torch.device("cpu"), torch.float64,
-                           old_noise=0.3, targets="sampled")
-    x = x._replace(old_logprobs=x.old_logprobs.double(), ref_logprobs=x.ref_logprobs.double(),
-                   advantages=x.advantages.double())
-    p = dapo.Params(importance_sampling_level="sequence")
-    cfg = cg.GRPOConfig(loss_type="dapo", beta=p.beta, importance_sampling_level="sequence",
-                        log_ratio_clamp=None, gradient_mode="recompute")
-    h = x.hidden.detach().requires_grad_()
-    want = cg.grpo_loss(h, x.weight, x.token_ids, x.advantages, x.mask > 0, x.old_logprobs,
-                        x.ref_logprobs, config=cfg).loss
-    want.backward()
+    x, p, want, gw = _gspo_off_policy()
     x = x._replace(hidden=x.hidden.detach().requires_grad_())
     with peers._liger(x, p) as step:
         got = step()
     # Liger accumulates its loss and gradients in fp32: agreement to fp32, not fp64
     torch.testing.assert_close(got.double(), want.detach(), rtol=1e-6, atol=1e-9)
-    assert (x.hidden.grad - h.grad).norm() < 1e-5 * h.grad.norm()
+    assert (x.hidden.grad - gw).norm() < 1e-5 * gw.norm()
     x = x._replace(hidden=x.hidden.detach().requires_grad_())
     with peers._liger(x, dapo.Params()) as step:   # the token-level ratio
         step()
-    assert (x.hidden.grad - h.grad).norm() > 1e-2 * h.grad.norm()
+    assert (x.hidden.grad - gw).norm() > 1e-2 * gw.norm()

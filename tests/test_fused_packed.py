@@ -90,35 +90,24 @@ def _random_packings(seed, cases=200):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_next_fit_sequences_is_next_fit(seed):
-    """next_fit_sequences (pointer doubling on the device) = a sequential next-fit over the
-    lengths, zero-length sequences included, within next_fit_blocks' bound; the same compiled
-    with dynamic shapes."""
-    from lowerings.linear_logprobs.fused_order import next_fit_blocks, next_fit_sequences
-    compiled = torch.compile(next_fit_sequences, fullgraph=True, dynamic=True)
+@pytest.mark.parametrize("packer,reference", [("next_fit_sequences", _next_fit),
+                                              ("pack_sequences", _first_fit_decreasing)])
+def test_packers_match_their_sequential_rule(monkeypatch, seed, packer, reference):
+    """next_fit_sequences (pointer doubling on the device) = a sequential next-fit, and
+    pack_sequences (a device sort, then the first_fit_blocks op) = a sequential first-fit
+    decreasing (stable: equal lengths in order), over 200 random cases a seed, zero-length
+    sequences included, within next_fit_blocks' bound (which holds for any first-fit too); the
+    same compiled with dynamic shapes (fullgraph: first-fit's loop is an opaque op)."""
+    from lowerings.linear_logprobs import fused_order
+    monkeypatch.setattr(fused_order, "SEQ_PACKING", "ffd")
+    fn = getattr(fused_order, packer)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     for lengths, rows, bound in _random_packings(seed):
         cu = torch.tensor([0] + lengths).cumsum(0)
-        blocks = next_fit_blocks(len(lengths), int(cu[-1]), rows, bound)
-        want = _next_fit(lengths, rows)
+        blocks = fused_order.next_fit_blocks(len(lengths), int(cu[-1]), rows, bound)
+        want = reference(lengths, rows)
         assert max(want) < blocks
-        assert next_fit_sequences(cu, rows, blocks).tolist() == want, (lengths, rows)
-    assert compiled(cu.int(), rows, blocks).tolist() == want
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_pack_sequences_is_first_fit_decreasing(seed):
-    """pack_sequences = a sequential first-fit decreasing over the lengths (stable: equal
-    lengths in order), zero-length sequences included, within next_fit_blocks' bound (which
-    holds for any first-fit: asserted here over 200 random cases a seed);
-    the same compiled with dynamic shapes (fullgraph: the loop is an opaque op)."""
-    from lowerings.linear_logprobs.fused_order import next_fit_blocks, pack_sequences
-    compiled = torch.compile(pack_sequences, fullgraph=True, dynamic=True)
-    for lengths, rows, bound in _random_packings(seed):
-        cu = torch.tensor([0] + lengths).cumsum(0)
-        blocks = next_fit_blocks(len(lengths), int(cu[-1]), rows, bound)
-        want = _first_fit_decreasing(lengths, rows)
-        assert max(want) < blocks
-        assert pack_sequences(cu, rows, blocks).tolist() == want, (lengths, rows)
+        assert fn(cu, rows, blocks).tolist() == want, (lengths, rows)
     assert compiled(cu.int(), rows, blocks).tolist() == want
 
 
