@@ -280,3 +280,17 @@ def test_liger_gspo_is_sequence_level_off_policy():
     with peers._liger(x, dapo.Params()) as step:   # the token-level ratio
         step()
     assert (x.hidden.grad - gw).norm() > 1e-2 * gw.norm()
+
+
+def test_dw_rounding_budget():
+    """bench.dw_rounding's model: the exp-scaled operands' extra rounding (the scaled rows) is
+    what makes their dW error larger than the recompute path's; with c X exact they match; each
+    block's rounding adds error, the TMA reduce-add's two more than one."""
+    from bench import dw_rounding
+    errs = dw_rounding.error_budget(vocab=2048, hidden=128, rows=256, blocks=4)
+    for rule in ("final", "once", "twice"):
+        assert errs["exp-scaled", rule] > 1.05 * errs["recompute", rule]
+        assert abs(errs["cX exact", rule] / errs["recompute", rule] - 1) < 0.05
+    for ops in ("recompute", "exp-scaled", "cX exact"):
+        assert errs[ops, "final"] < errs[ops, "once"] < errs[ops, "twice"] < 2e-2
+    assert dw_rounding.main(["--vocab", "256", "--hidden", "32", "--rows", "16", "--blocks", "2"]) == 0
