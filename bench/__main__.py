@@ -7,7 +7,9 @@ DIR/results.png and prints the run as Markdown. See bench/README.md for the meth
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import statistics
 import sys
 import time
 
@@ -50,6 +52,12 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--cpu-threads", type=int, default=1,
                     help="torch threads on CPU (default 1: on shared cores each OpenMP barrier can wait "
                          "a scheduler slice, ~15 ms, which swamps tiny shapes)")
+    ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                    help="then time every provider that ran at a shape again, all taking turns for "
+                         "ROUNDS rounds (ABBA, after --warmup-s of the same): paired_ratio_valid, the "
+                         "median over rounds of a provider's time over floor_valid's in the same "
+                         "round, free of the GPU's clock drift between separate timed loops; the "
+                         "shape's rows are written after it")
     ap.add_argument("--time-limit-s", type=float, default=None,
                     help="start no provider after this many seconds (rows say so): the CSV, plot and "
                          "table still get written inside a remote runner's wall-clock limit")
@@ -126,7 +134,7 @@ def main(argv=None) -> int:
         valid_flops = 6 * n_valid * shape.H * shape.V  # the work the valid tokens need: the headline
         _log(f"  N_valid = {n_valid} ({n_valid / shape.N:.1%} of B*T), 6*N_valid*H*V = {valid_flops / 1e12:.2f} TFLOP")
         floor_ms = floor_valid_ms = None
-        held: list[dict] = []  # the floors' rows, written once both floors are measured
+        pending: list[dict] = []  # rows held until both floors are measured (--paired: to the end)
 
         def add_ratios(row: dict) -> None:
             ms = row.get("ms")
@@ -138,6 +146,16 @@ def main(argv=None) -> int:
             row["ratio_to_valid_floor"] = ms / valid_floor if valid_floor else None
             row["tflops"] = valid_flops / (ms * 1e-3) / 1e12
 
+        def finish() -> None:
+            for r in pending:
+                add_ratios(r)
+                writer.write(r)
+                rows.append(r)
+                took = r.pop("_took_s", None)
+                _log(f"    {r['provider']}: {_summary(r)}" + (f"  [{took:.1f} s]" if took else ""))
+            pending.clear()
+
+        floors_seen = 0
         for pr in prov_list:
             k += 1
             t0 = time.perf_counter()
@@ -146,25 +164,22 @@ def main(argv=None) -> int:
                 row = dict(info, provider=pr.name, status=f"skip: --time-limit-s {a.time_limit_s:g} reached")
             else:
                 row = dict(info, **measure.run_one(pr, shape, x, params, device, timing, ref, _log))
-            ms = row.get("ms")
             if pr.name == "floor":
-                floor_ms = ms
+                floor_ms = row.get("ms")
             if pr.name == "floor_valid":
-                floor_valid_ms = ms
+                floor_valid_ms = row.get("ms")
             if pr.name in providers.FLOORS:
-                held.append(row)
-                rows.append(row)
-                if len(held) < len(providers.FLOORS):
-                    continue
-                for r in held:
-                    add_ratios(r)
-                    writer.write(r)
-                    _log(f"    {r['provider']}: {_summary(r)}")
-                continue
-            add_ratios(row)
-            writer.write(row)
-            rows.append(row)
-            _log(f"    {_summary(row)}  [{time.perf_counter() - t0:.1f} s]")
+                floors_seen += 1
+            else:
+                row["_took_s"] = time.perf_counter() - t0
+            pending.append(row)
+            if not a.paired and floors_seen == len(providers.FLOORS):
+                finish()
+        if a.paired:
+            _paired(pending, [pr for pr in prov_list if any(
+                r["provider"] == pr.name and r.get("status") == "ok" for r in pending)],
+                x, params, device, a.paired, warmup_s)
+        finish()
         del x, ref
         measure.free_memory(device)
 
@@ -175,6 +190,32 @@ def main(argv=None) -> int:
     return 0
 
 
+def _paired(pending: list[dict], ran: list, x, params, device: torch.device, rounds: int,
+            warmup_s: float) -> None:
+    """--paired: the providers that ran, built together and timed taking turns
+    (measure.time_paired); each row gets paired_ms and paired_ratio_valid."""
+    if not any(pr.name == "floor_valid" for pr in ran):
+        _log("  paired: floor_valid did not run; skipped")
+        return
+    try:
+        with contextlib.ExitStack() as stack:
+            steps = {pr.name: stack.enter_context(pr.build(x, params)) for pr in ran}
+            times = measure.time_paired(steps, x, device, rounds, warmup_s)
+    except Exception as e:
+        _log(f"  paired: failed ({'OOM' if measure.is_oom(e) else type(e).__name__}: {e})")
+        return
+    finally:
+        measure.clear_grads(x)
+        measure.free_memory(device)
+    ratios = measure.paired_ratios(times, "floor_valid")
+    for r in pending:
+        if r["provider"] in times:
+            r["paired_ms"] = statistics.median(times[r["provider"]])
+            r["paired_ratio_valid"] = ratios[r["provider"]]
+    _log(f"  paired ({rounds} rounds): " + ", ".join(
+        f"{n} {statistics.median(t):.2f} ms = {ratios[n]:.3f}x" for n, t in times.items()))
+
+
 def _summary(row: dict) -> str:
     if row.get("status") != "ok":
         return row.get("status", "?")
@@ -183,6 +224,8 @@ def _summary(row: dict) -> str:
         parts.append(f"{row['ratio_to_valid_floor']:.2f}x valid floor")
     if row.get("ratio_to_floor") is not None:
         parts.append(f"{row['ratio_to_floor']:.2f}x floor")
+    if row.get("paired_ratio_valid") is not None:
+        parts.append(f"paired {row['paired_ratio_valid']:.3f}x valid floor")
     if row.get("peak_mem_beyond_grads_mib") is not None:
         parts.append(f"{row['peak_mem_beyond_grads_mib']:.0f} MiB beyond grads")
     for c in ("loss_rel_err", "dx_rel_err", "dw_rel_err"):

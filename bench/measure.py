@@ -142,6 +142,47 @@ def time_step(step: Callable, x: StepInputs, device: torch.device, t: Timing) ->
                 times_ms=times, **extra)
 
 
+def time_paired(steps: dict[str, Callable], x: StepInputs, device: torch.device, rounds: int,
+                warmup_s: float) -> dict[str, list[float]]:
+    """ms of each step in each of `rounds` rounds: the steps take turns in one queue, the order
+    reversed every other round (ABBA: no step always runs after the same one), after warmup_s
+    seconds of the same rotation untimed. Two steps' times in one round ran a few tens of ms
+    apart, at one clock and temperature, so their ratio is free of the drift that separate timed
+    loops see: on an H100 every provider's repetitions climb ~5% within its own timed second
+    (bench/results/HISTORY.md), as much as separates the fused step from its floor. CUDA events
+    (device time), the host clock on CPU."""
+    names = list(steps)
+
+    def one(name: str) -> None:
+        clear_grads(x)
+        steps[name]()
+
+    keep_busy(lambda: [one(n) for n in names], warmup_s, device)
+    marks: dict[str, list] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            if device.type == "cuda":
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                one(n)
+                e.record()
+                marks[n].append((s, e))
+            else:
+                t0 = time.perf_counter()
+                one(n)
+                marks[n].append((time.perf_counter() - t0) * 1e3)
+    sync(device)
+    clear_grads(x)
+    if device.type != "cuda":
+        return marks
+    return {n: [s.elapsed_time(e) for s, e in m] for n, m in marks.items()}
+
+
+def paired_ratios(times: dict[str, list[float]], base: str) -> dict[str, float]:
+    """Each step's median over rounds of its time / base's time in the same round."""
+    return {n: statistics.median(a / b for a, b in zip(t, times[base])) for n, t in times.items()}
+
+
 def memory_step(step: Callable, x: StepInputs, device: torch.device) -> tuple[dict, Optional[torch.Tensor]]:
     """One more step, with the allocator's peak reset; its grads are the ones checked for accuracy."""
     clear_grads(x)

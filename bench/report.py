@@ -16,7 +16,7 @@ import torch
 COLUMNS = [
     "run_id", "timestamp", "device", "torch", "triton", "liger_kernel", "cut_cross_entropy", "trl",
     "cutlass_dsl", "commit", "shape", "B", "T", "H", "V", "N", "N_valid", "valid_frac", "targets", "is_level", "dtype", "provider",
-    "status", "ms", "ms_min", "reps", "ratio_to_valid_floor", "ratio_to_floor", "tflops", "peak_mem_beyond_inputs_mib", "peak_mem_beyond_grads_mib",
+    "status", "ms", "ms_min", "reps", "ratio_to_valid_floor", "ratio_to_floor", "paired_ms", "paired_ratio_valid", "tflops", "peak_mem_beyond_inputs_mib", "peak_mem_beyond_grads_mib",
     "loss", "loss_rel_err", "dx_rel_err", "dw_rel_err", "reference", "first_call_s", "note",
 ]
 

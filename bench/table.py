@@ -34,6 +34,11 @@ def _frac(v) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
 
+def _paired(r: dict) -> str:
+    x = num(r.get("paired_ratio_valid"))
+    return "" if x is None else f" (paired {x:.3f})"
+
+
 def markdown(rows: list[dict]) -> str:
     """One table per shape. Headline: x valid floor (over three bf16 GEMMs of N_valid*H*V, the work
     the batch's valid tokens need); x floor (all N positions) beside it. Old CSVs (no valid-floor
@@ -65,7 +70,8 @@ def markdown(rows: list[dict]) -> str:
             ok = r["status"] == "ok"
             status = r["status"] + (f" ({r['note']})" if r.get("note") not in (None, "", "n/a") else "")
             lines.append(
-                f"| {r['provider']} | {_f(r.get('ms'), '.1f')} | {_f(r.get('ratio_to_valid_floor'), '.2f')} | "
+                f"| {r['provider']} | {_f(r.get('ms'), '.1f')} | {_f(r.get('ratio_to_valid_floor'), '.2f')}"
+                f"{_paired(r)} | "
                 f"{_f(r.get('ratio_to_floor'), '.2f')} | {_f(r.get('tflops'), '.3g')} | "
                 f"{_mem(r.get('peak_mem_beyond_grads_mib')) if ok else ''} | "
                 f"{_err(r.get('loss_rel_err')) if ok else ''} | {_err(r.get('dx_rel_err')) if ok else ''} | "

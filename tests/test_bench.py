@@ -294,3 +294,28 @@ def test_dw_rounding_budget():
     for ops in ("recompute", "exp-scaled", "cX exact"):
         assert errs[ops, "final"] < errs[ops, "once"] < errs[ops, "twice"] < 2e-2
     assert dw_rounding.main(["--vocab", "256", "--hidden", "32", "--rows", "16", "--blocks", "2"]) == 0
+
+
+def test_paired_rounds_take_turns_abba():
+    """measure.time_paired: every step once a round, the order reversed every other round, and
+    the ratios taken round by round against the base step."""
+    calls = []
+    x = types.SimpleNamespace(hidden=types.SimpleNamespace(grad=None), weight=types.SimpleNamespace(grad=None))
+    steps = {n: (lambda n=n: calls.append(n)) for n in ("a", "b", "c")}
+    times = measure.time_paired(steps, x, torch.device("cpu"), rounds=4, warmup_s=0.0)
+    assert calls == list("abc" "cba" "abc" "cba")
+    assert {n: len(t) for n, t in times.items()} == {"a": 4, "b": 4, "c": 4}
+    ratios = measure.paired_ratios({"base": [1.0, 2.0, 4.0], "x": [1.5, 2.0, 2.0]}, "base")
+    assert ratios == {"base": 1.0, "x": 1.0}   # median of 1.5, 1.0, 0.5
+
+
+def test_paired_run_adds_paired_columns(tmp_path):
+    args = ["--device", "cpu", "--shapes", "cpu-tiny", "--providers", "naive_eager", "compiled_grpo",
+            "--out", str(tmp_path), "--reps", "2", "--warmup", "1", "--paired", "3"]
+    assert main(args) == 0
+    rows = _rows(tmp_path)
+    assert [r["provider"] for r in rows] == ["floor", "floor_valid", "naive_eager", "compiled_grpo"]
+    by = {r["provider"]: r for r in rows}
+    assert float(by["floor_valid"]["paired_ratio_valid"]) == 1.0
+    assert all(float(r["paired_ms"]) > 0 and float(r["paired_ratio_valid"]) > 0 for r in rows)
+    assert by["compiled_grpo"]["ratio_to_valid_floor"] not in ("", "n/a")
