@@ -56,8 +56,8 @@ def parse(argv=None) -> argparse.Namespace:
                     help="then time every provider that ran at a shape again, all taking turns for "
                          "ROUNDS rounds (ABBA, after --warmup-s of the same): paired_ratio_valid, the "
                          "median over rounds of a provider's time over floor_valid's in the same "
-                         "round, free of the GPU's clock drift between separate timed loops; the "
-                         "shape's rows are written after it")
+                         "round: no drift between separate timed loops, and one shared clock "
+                         "(bench/README.md); the shape's rows are written after it")
     ap.add_argument("--time-limit-s", type=float, default=None,
                     help="start no provider after this many seconds (rows say so): the CSV, plot and "
                          "table still get written inside a remote runner's wall-clock limit")

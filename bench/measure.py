@@ -146,11 +146,13 @@ def time_paired(steps: dict[str, Callable], x: StepInputs, device: torch.device,
                 warmup_s: float) -> dict[str, list[float]]:
     """ms of each step in each of `rounds` rounds: the steps take turns in one queue, the order
     reversed every other round (ABBA: no step always runs after the same one), after warmup_s
-    seconds of the same rotation untimed. Two steps' times in one round ran a few tens of ms
-    apart, at one clock and temperature, so their ratio is free of the drift that separate timed
-    loops see: on an H100 every provider's repetitions climb ~5% within its own timed second
-    (bench/results/HISTORY.md), as much as separates the fused step from its floor. CUDA events
-    (device time), the host clock on CPU."""
+    seconds of the same rotation untimed. Two steps of one round run tens of ms apart, so their
+    ratio is free of the slow drift that separate timed loops see (on an H100 every provider's
+    repetitions climb ~5% within its own timed second), and the steps share one clock: under a
+    power cap that clock is set by all of them, where alone a step that draws less power than
+    cuBLAS's GEMMs clocks higher (bench/results/HISTORY.md, "paired"). Identical steps still
+    differed by 1-4% this way on an H100 (paired_h100_ddc4c8c.txt): the neighbours' power draw
+    reaches into a step. CUDA events (device time), the host clock on CPU."""
     names = list(steps)
 
     def one(name: str) -> None:
