@@ -53,6 +53,13 @@ DLOGITS_TILE = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DLOGITS_TIL
 # 39% valid (bench_fused --sweep dw): step 39.8 ms against 41.8 with one program per tile.
 # LINEAR_LOGPROBS_DW_PERSISTENT=0 takes the one-program-per-tile kernel (tuning runs).
 DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
+# The dW step as a warp-specialized Gluon kernel (kernels_dw_ws: a TMA loader warp ahead of an
+# 8-warp wgmma consumer, the old dW tile prefetched, one rounding a block), taken with TMA
+# operands and a 16-bit dW; LINEAR_LOGPROBS_DW_WS=0 keeps the Triton persistent step.
+# (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, consumer warps, maxnreg)
+DW_WS = os.environ.get("LINEAR_LOGPROBS_DW_WS", "0") == "1"
+DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES",
+                                                   "128,256,64,3,8,168").split(","))
 # The dX step's most splits over V (kernels_fused._dx_splits picks S <= DX_SPLITS on the
 # device from the block's valid rows, for a grid of few programs: a block's short tail, or few
 # H blocks); 1 turns splitting off. The fp32 partials take at most DX_SPLIT_MIB
@@ -249,8 +256,19 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                      GROUP_C=_rows.GROUP_M, num_warps=wwarps, num_stages=wstages)
         args = (ws, xg, dw, counts.narrow(0, b, g - b), 0, rows, 0, v, h, ws.stride(0),
                 xg.stride(0), dw.stride(0), n_cblocks, n_hblocks, g - 1 - b, int(b == 0))
+        ws_step = DW_WS and tiles["TMA_OUT"]
+        if ws_step:
+            from lowerings.linear_logprobs.kernels_dw_ws import _dw_step_ws_kernel
+            wc, wh, wk, wstages, wwarps, wregs = DW_WS_TILES
+            n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
+            args = args[:12] + (n_cblocks, n_hblocks) + args[14:]
         for acc in (False, True):
-            if DW_PERSISTENT:
+            if ws_step:
+                n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
+                _dw_step_ws_kernel[(n_prog,)](
+                    *args, ACCUMULATE=acc, ON_DEVICE=True, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
+                    GROUP_C=_rows.GROUP_M, STAGES=wstages, num_warps=wwarps, maxnreg=wregs)
+            elif DW_PERSISTENT:
                 n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
                 _dw_step_persistent_kernel[(n_prog,)](*args, n_prog, ACCUMULATE=acc, **tiles)
             else:

@@ -1,0 +1,171 @@
+"""The fused path's dW step as a warp-specialized persistent Gluon kernel (sm_90 only): the same
+arithmetic as kernels_dw._dw_step_persistent_kernel (dW (+)= ws[:n].T @ xg[:n], the K loop
+stopping at the block's valid count n read on the device), with a producer/consumer schedule
+Triton 3.6 does not build from tl.dot:
+
+  loader (1 warp)      walks this program's output tiles and K steps, TMA-loading the ws / xg
+                       operand tiles into a STAGES-deep ring (ready / empty mbarriers), across
+                       tile boundaries, so the next tile's first operands arrive while the
+                       consumer's epilogue runs; when adding, it also TMA-loads the old dW tile
+                       into the epilogue buffer (c_ready / c_empty), so the consumer never waits
+                       on a global load
+  consumer (8 warps)   async wgmma over the ring (one MMA in flight), then the epilogue: old
+                       tile + fp32 sum, rounded to dW's dtype ONCE, TMA-stored
+
+One rounding per block, as the pointer epilogue of kernels_dw._dw_tile (the TMA reduce-add
+rounds twice: bench/results/HISTORY.md, dW error budget). Deterministic: each dW element has one
+writer per launch. Legend: n valid rows of the block, C = cols vocab rows of dW, H hidden.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+
+@gluon.jit
+def _tile_of(tile_id, n_cblocks, n_hblocks, GROUP_C: gl.constexpr):
+    """kernels._swizzle_id: GROUP_C vocab blocks share their xg columns in L2."""
+    width = GROUP_C * n_hblocks
+    first = (tile_id // width) * GROUP_C
+    size = gl.minimum(n_cblocks - first, GROUP_C)
+    return first + (tile_id % width) % size, (tile_id % width) // size
+
+
+@gluon.jit
+def _dw_ws_loader(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty,
+                  n_valid, n_cblocks, n_hblocks, ACCUMULATE: gl.constexpr,
+                  GROUP_C: gl.constexpr):
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_C: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_H: gl.constexpr = b_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    k_steps = gl.cdiv(n_valid, BLOCK_K)
+    it = 0
+    t = 0
+    for tile_id in range(gl.program_id(0), n_cblocks * n_hblocks, gl.num_programs(0)):
+        pid_c, pid_h = _tile_of(tile_id, n_cblocks, n_hblocks, GROUP_C)
+        for k in range(k_steps):
+            s = it % STAGES
+            # a stage is free once the consumer's MMA that read it retired (first pass: the
+            # barriers' initial phase counts as free)
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [k * BLOCK_K, pid_c * BLOCK_C], bar,
+                                            a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [k * BLOCK_K, pid_h * BLOCK_H], bar,
+                                            b_bufs.index(s))
+            it += 1
+        if ACCUMULATE:
+            # the old dW tile, once the consumer's store of the previous tile has left c_buf (it
+            # says so during this tile's first K step, so this wait never holds the ring back)
+            mbarrier.wait(c_empty, (t + 1) & 1)
+            mbarrier.expect(c_ready, c_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(c_desc, [pid_c * BLOCK_C, pid_h * BLOCK_H], c_ready,
+                                            c_buf)
+        t += 1
+
+
+@gluon.jit
+def _dw_ws_consumer(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, c_desc, n_valid,
+                    n_cblocks, n_hblocks, ACCUMULATE: gl.constexpr, GROUP_C: gl.constexpr,
+                    num_warps: gl.constexpr):
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_C: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_H: gl.constexpr = b_bufs.type.shape[2]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 16])
+    k_steps = gl.cdiv(n_valid, BLOCK_K)
+    it = 0
+    t = 0
+    for tile_id in range(gl.program_id(0), n_cblocks * n_hblocks, gl.num_programs(0)):
+        pid_c, pid_h = _tile_of(tile_id, n_cblocks, n_hblocks, GROUP_C)
+        acc = gl.zeros([BLOCK_C, BLOCK_H], gl.float32, acc_layout)
+        for k in range(k_steps):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            # ws tile [BK, BC] read as its transpose [BC, BK]: an MN-major wgmma A operand
+            acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # step it - 1's MMA retired: its stage goes back to the loader
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
+            if ACCUMULATE:
+                if k == 0:
+                    # the previous tile's store has read c_buf: the loader may refill it
+                    tma.store_wait(0)
+                    mbarrier.arrive(c_empty, count=1, pred=t > 0)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
+        if ACCUMULATE:
+            mbarrier.wait(c_ready, t & 1)
+            acc = acc + c_buf.load(acc_layout).to(gl.float32)
+        else:
+            tma.store_wait(0)
+        c_buf.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [pid_c * BLOCK_C, pid_h * BLOCK_H], c_buf)
+        t += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dw_step_ws_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, stride_ws,
+                       stride_x, stride_dw, n_cblocks, n_hblocks, n_later, final,
+                       ACCUMULATE: gl.constexpr, ON_DEVICE: gl.constexpr,
+                       BLOCK_C: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
+                       GROUP_C: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """kernels_dw._dw_step_persistent_kernel's contract (launched storing and adding, the same
+    skip rule, kernels_dw._dw_skips) on a grid of at most one program per SM."""
+    n_valid = gl.minimum(gl.maximum(gl.load(count_ptr) - row0, 0), n_rows)
+    earlier = n_valid * 0
+    if ON_DEVICE:
+        for i in range(n_later):
+            earlier += gl.load(count_ptr + 1 + i)
+    add = earlier > 0
+    if ACCUMULATE:
+        if ON_DEVICE:
+            skip = (n_valid == 0) | (add == 0)
+        else:
+            skip = n_valid == 0
+    else:
+        if ON_DEVICE:
+            skip = add | ((n_valid == 0) & (final == 0))
+        else:
+            skip = n_valid < 0
+    if skip:
+        return
+    dtype: gl.constexpr = ws_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_C], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_H], dtype)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_C, BLOCK_H],
+                                                                  dw_ptr.dtype.element_ty)
+    # operands of max(n, 1) rows (a tensor map has no empty dims); their zero fill past n masks
+    # the last K step
+    rows = gl.maximum(n_valid, 1)
+    a_desc = tma.make_tensor_descriptor(ws_ptr, [rows, cols], [stride_ws, 1], [BLOCK_K, BLOCK_C],
+                                        a_layout)
+    b_desc = tma.make_tensor_descriptor(x_ptr, [rows, H], [stride_x, 1], [BLOCK_K, BLOCK_H],
+                                        b_layout)
+    c_desc = tma.make_tensor_descriptor(dw_ptr + v0.to(gl.int64) * stride_dw, [cols, H],
+                                        [stride_dw, 1], [BLOCK_C, BLOCK_H], c_layout)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_C], a_layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_H], b_layout)
+    c_buf = gl.allocate_shared_memory(dw_ptr.dtype.element_ty, [BLOCK_C, BLOCK_H], c_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(c_ready, count=1)
+    mbarrier.init(c_empty, count=1)
+    gl.warp_specialize([
+        (_dw_ws_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, c_desc,
+                           n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C, num_warps)),
+        (_dw_ws_loader, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_buf, ready, empty, c_ready,
+                         c_empty, n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C)),
+    ], [1], [40])
