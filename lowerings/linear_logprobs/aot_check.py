@@ -24,6 +24,7 @@ import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from lowerings.linear_logprobs import cuda as dense
 from lowerings.linear_logprobs import cuda_rows as rows
@@ -32,6 +33,7 @@ from lowerings.linear_logprobs import fused_order
 from lowerings.linear_logprobs import fused_cuda as fc
 from lowerings.linear_logprobs import kernels as k
 from lowerings.linear_logprobs import kernels_dw as kdw
+from lowerings.linear_logprobs import kernels_dw_ws as kdw_ws
 from lowerings.linear_logprobs import kernels_fused as kf
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -120,6 +122,14 @@ def cases():
             yield (f"dW step, persistent, fused, ACCUMULATE={acc}, TMA_OUT={out}",
                    kdw._dw_step_persistent_kernel, dict(dw_c, ACCUMULATE=acc, ON_DEVICE=True),
                    wwarps, wstages)
+    # the Gluon warp-specialized step (sm_90's default, fused_cuda.DW_WS_TILES); its num_stages
+    # slot carries maxnreg (check: a Gluon kernel pipelines by hand, and its register split
+    # between the partitions follows maxnreg)
+    wsc, wsh, wsk, wss, wswarps, wsregs = fc.DW_WS_TILES
+    for acc in (False, True):
+        yield (f"dW step, warp-specialized (Gluon), ACCUMULATE={acc}", kdw_ws._dw_step_ws_kernel,
+               dict(ACCUMULATE=acc, ON_DEVICE=True, BLOCK_C=wsc, BLOCK_H=wsh, BLOCK_K=wsk,
+                    GROUP_C=rows.GROUP_M, STAGES=wss, num_warps=wswarps), wswarps, wsregs)
     gm, gh, gk, gwarps, gstages = gemm
     tiles = dict(DOT_PREC="tf32", USE_TMA=True, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk)
     yield ("dX step, recompute", k._dx_step_kernel,
@@ -163,8 +173,12 @@ def check(label: str, fn, consts: dict, num_warps: int, num_stages: int) -> tupl
     """(shared-memory bytes, ptxas usage) of the compiled kernel; raises if it does not
     compile or fit."""
     sig, attrs = _signature(fn, consts)
-    c = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
-                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    if fn.is_gluon():   # num_stages is the case's maxnreg (cases)
+        c = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=TARGET,
+                           options=dict(num_warps=num_warps, maxnreg=num_stages))
+    else:
+        c = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
+                           options=dict(num_warps=num_warps, num_stages=num_stages))
     if c.metadata.shared > SMEM_LIMIT:
         raise RuntimeError(f"{label}: {c.metadata.shared} bytes of shared memory > {SMEM_LIMIT}")
     return c.metadata.shared, _ptxas_usage(c.asm["ptx"])

@@ -24,9 +24,11 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
                                         (rows past n exit),
                                         the K = V loop split S ways when the grid is small
                    _dx_split_reduce_kernel  (S > 1) the splits' fp32 partials summed into dX
+                   (sm_90: the dW step is kernels_dw_ws._dw_step_ws_kernel, same contract)
 
 Every kernel stops at n, so a block's cost is that of its valid rows (2 + 4 = 6 n H V FLOPs).
 """
+import functools
 import os
 from typing import Optional
 
@@ -38,6 +40,7 @@ from lowerings.linear_logprobs.cuda import cdiv, next_power_of_2
 from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs.kernels import _fwd_kernel
 from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel, _dw_step_persistent_kernel
+from lowerings.linear_logprobs.kernels_dw_ws import _dw_step_ws_kernel
 from lowerings.linear_logprobs.kernels_fused import (_dx_split_kernel, _dx_split_reduce_kernel,
                                                      _exp_prep_kernel,
                                                      _fused_combine_kernel, _fused_dlogits_kernel,
@@ -53,11 +56,15 @@ DLOGITS_TILE = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DLOGITS_TIL
 # 39% valid (bench_fused --sweep dw): step 39.8 ms against 41.8 with one program per tile.
 # LINEAR_LOGPROBS_DW_PERSISTENT=0 takes the one-program-per-tile kernel (tuning runs).
 DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
-# The dW step as a warp-specialized Gluon kernel (kernels_dw_ws: a TMA loader warp ahead of an
-# 8-warp wgmma consumer, the old dW tile prefetched, one rounding a block), taken with TMA
-# operands and a 16-bit dW; LINEAR_LOGPROBS_DW_WS=0 keeps the Triton persistent step.
-# (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, consumer warps, maxnreg)
-DW_WS = os.environ.get("LINEAR_LOGPROBS_DW_WS", "0") == "1"
+# The dW step as a warp-specialized Gluon kernel (kernels_dw_ws: a TMA loader warp running ahead
+# of an 8-warp wgmma consumer across tiles, the old dW tile prefetched into the epilogue buffer,
+# one rounding a block), taken on sm_90 wherever the Triton step would write dW through TMA
+# (_dw_ws_ok). H100, one 2048-row qwen3-8b block (bench_dw_ws, bench/results/dw_ws_h100.txt):
+# 3.98 ms against the Triton step's 4.04 (cuBLAS beta = 1: 3.91), a 271-row tail block 1.06
+# against 1.39 ms, and half the accumulated block's rounding error (the Triton step's TMA
+# reduce-add rounds twice). LINEAR_LOGPROBS_DW_WS=0 keeps the Triton step (A/B runs);
+# LINEAR_LOGPROBS_DW_WS_TILES: (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, consumer warps, maxnreg).
+DW_WS = os.environ.get("LINEAR_LOGPROBS_DW_WS", "1") == "1"
 DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES",
                                                    "128,256,64,3,8,168").split(","))
 # The dX step's most splits over V (kernels_fused._dx_splits picks S <= DX_SPLITS on the
@@ -149,6 +156,18 @@ def dx_split_rows(rows, h: int, itemsize: int) -> int:
 def _sms(device: torch.device) -> int:
     """Programs of a persistent grid: the SM count (CPU tensors in the interpreter tests: 4)."""
     return _dense.sm_count(device.index) if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(index: Optional[int]) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _dw_ws_ok(ws: Tensor, tma_out: bool) -> bool:
+    """Whether the dW step runs as the Gluon kernel (DW_WS): where the Triton step would take
+    TMA operands and a TMA epilogue (tma_out: 16-bit, aligned operands and dW on sm_90+), on an
+    sm_90 device (its wgmma and setmaxnreg are Hopper's; an sm_100 GPU keeps the Triton step)."""
+    return DW_WS and tma_out and ws.is_cuda and _hopper(ws.device.index)
 
 
 def _z_view(ws: Tensor) -> Tensor:
@@ -256,9 +275,8 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                      GROUP_C=_rows.GROUP_M, num_warps=wwarps, num_stages=wstages)
         args = (ws, xg, dw, counts.narrow(0, b, g - b), 0, rows, 0, v, h, ws.stride(0),
                 xg.stride(0), dw.stride(0), n_cblocks, n_hblocks, g - 1 - b, int(b == 0))
-        ws_step = DW_WS and tiles["TMA_OUT"]
+        ws_step = _dw_ws_ok(ws, tiles["TMA_OUT"])
         if ws_step:
-            from lowerings.linear_logprobs.kernels_dw_ws import _dw_step_ws_kernel
             wc, wh, wk, wstages, wwarps, wregs = DW_WS_TILES
             n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
             args = args[:12] + (n_cblocks, n_hblocks) + args[14:]
