@@ -3,7 +3,7 @@
 each --ws-tiles entry, and cuBLAS (addmm_, beta = 1) on the same valid rows.
 
     python -m lowerings.linear_logprobs.bench_dw_ws [--rows 2048] [--valid 2048 271]
-        [--vocab 151936] [--hidden 4096] [--ws-tiles 128,256,64,3,8,168,1 ...] [--reps 20]
+        [--vocab 151936] [--hidden 4096] [--ws-tiles 128,256,64,3,8,168 ...] [--reps 20]
 
 First checks each kernel's stored and accumulated dW against an fp32 reference (largest error
 relative to the reference's largest magnitude; the stored case with no valid row must write
@@ -36,7 +36,7 @@ def _triton_step(ws, xg, dw, count, rows, acc):
 
 
 def _ws_step(tiles):
-    wc, wh, wk, stages, warps, regs, nc = tiles
+    wc, wh, wk, stages, warps, regs = tiles
 
     def step(ws, xg, dw, count, rows, acc):
         v, h = dw.shape
@@ -45,7 +45,7 @@ def _ws_step(tiles):
         _dw_step_ws_kernel[(n_prog,)](
             ws, xg, dw, count, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0), nc, nh,
             0, 1, ACCUMULATE=acc, ON_DEVICE=False, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
-            GROUP_C=rows_mod.GROUP_M, STAGES=stages, NC=nc, num_warps=warps, maxnreg=regs)
+            GROUP_C=rows_mod.GROUP_M, STAGES=stages, num_warps=warps, maxnreg=regs)
     return step
 
 
@@ -61,7 +61,7 @@ def main():
     ap.add_argument("--valid", type=int, nargs="+", default=[2048, 271])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--ws-tiles", nargs="+", default=["128,256,64,3,8,168,1", "64,256,64,4,4,168,2"])
+    ap.add_argument("--ws-tiles", nargs="+", default=["128,256,64,3,8,168"])
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     dense._ensure_allocator()

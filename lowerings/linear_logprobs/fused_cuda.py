@@ -63,11 +63,10 @@ DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
 # 3.98 ms against the Triton step's 4.04 (cuBLAS beta = 1: 3.91), a 271-row tail block 1.06
 # against 1.39 ms, and half the accumulated block's rounding error (the Triton step's TMA
 # reduce-add rounds twice). LINEAR_LOGPROBS_DW_WS=0 keeps the Triton step (A/B runs);
-# LINEAR_LOGPROBS_DW_WS_TILES: (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, consumer warps, maxnreg,
-# consumers: 1, or 2 for ping-pong; kernels_dw_ws).
+# LINEAR_LOGPROBS_DW_WS_TILES: (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, consumer warps, maxnreg).
 DW_WS = os.environ.get("LINEAR_LOGPROBS_DW_WS", "1") == "1"
 DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES",
-                                                   "128,256,64,3,8,168,1").split(","))
+                                                   "128,256,64,3,8,168").split(","))
 # The dX step's most splits over V (kernels_fused._dx_splits picks S <= DX_SPLITS on the
 # device from the block's valid rows, for a grid of few programs: a block's short tail, or few
 # H blocks); 1 turns splitting off. The fp32 partials take at most DX_SPLIT_MIB
@@ -278,7 +277,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                 xg.stride(0), dw.stride(0), n_cblocks, n_hblocks, g - 1 - b, int(b == 0))
         ws_step = _dw_ws_ok(ws, tiles["TMA_OUT"])
         if ws_step:
-            wc, wh, wk, wstages, wwarps, wregs, wnc = DW_WS_TILES
+            wc, wh, wk, wstages, wwarps, wregs = DW_WS_TILES
             n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
             args = args[:12] + (n_cblocks, n_hblocks) + args[14:]
         for acc in (False, True):
@@ -286,8 +285,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                 n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
                 _dw_step_ws_kernel[(n_prog,)](
                     *args, ACCUMULATE=acc, ON_DEVICE=True, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
-                    GROUP_C=_rows.GROUP_M, STAGES=wstages, NC=wnc, num_warps=wwarps,
-                    maxnreg=wregs)
+                    GROUP_C=_rows.GROUP_M, STAGES=wstages, num_warps=wwarps, maxnreg=wregs)
             elif DW_PERSISTENT:
                 n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
                 _dw_step_persistent_kernel[(n_prog,)](*args, n_prog, ACCUMULATE=acc, **tiles)
