@@ -5,37 +5,14 @@ import pytest
 import torch
 
 from lowerings.linear_logprobs import cuda as dense
-from lowerings.linear_logprobs import cuda_rows as rows_mod
 from lowerings.linear_logprobs import fused_cuda as fc
+from lowerings.linear_logprobs.bench_dw_ws import triton_step as _triton_step
+from lowerings.linear_logprobs.bench_dw_ws import ws_step as _ws_step
 from lowerings.linear_logprobs.cuda import cdiv
-from lowerings.linear_logprobs.kernels_dw import _dw_step_persistent_kernel
-from lowerings.linear_logprobs.kernels_dw_ws import _dw_step_ws_kernel
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
     reason="needs an sm_90 GPU (Hopper wgmma)")
-
-
-def _ws_step(ws, xg, dw, counts, rows, acc, n_later=0, final=1, on_device=False):
-    v, h = dw.shape
-    wc, wh, wk, stages, warps, regs = fc.DW_WS_TILES
-    nc, nh = cdiv(v, wc), cdiv(h, wh)
-    _dw_step_ws_kernel[(min(nc * nh, dense.sm_count(ws.device.index)),)](
-        ws, xg, dw, counts, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0), nc, nh,
-        n_later, final, ACCUMULATE=acc, ON_DEVICE=on_device, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
-        GROUP_C=rows_mod.GROUP_M, STAGES=stages, num_warps=warps, maxnreg=regs)
-
-
-def _triton_step(ws, xg, dw, counts, rows, acc):
-    v, h = dw.shape
-    wc, wh, wk, warps, stages = rows_mod.step_tiles(2)[1]
-    nc, nh = cdiv(v, wc), cdiv(h, wh)
-    n_prog = min(nc * nh, dense.sm_count(ws.device.index))
-    _dw_step_persistent_kernel[(n_prog,)](
-        ws, xg, dw, counts, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0), nc, nh, 0,
-        1, n_prog, ACCUMULATE=acc, ON_DEVICE=False, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=True,
-        BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk, GROUP_C=rows_mod.GROUP_M, num_warps=warps,
-        num_stages=stages)
 
 
 def _operands(r=320, v=1000, h=512, seed=0):

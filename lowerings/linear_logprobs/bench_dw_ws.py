@@ -11,6 +11,7 @@ zeros), then prints each one's median time over --reps launches (CUDA events, af
 untimed) and its TFLOP/s on the valid rows.
 """
 import argparse
+import functools
 import statistics
 import time
 
@@ -18,35 +19,36 @@ import torch
 
 from lowerings.linear_logprobs import cuda as dense
 from lowerings.linear_logprobs import cuda_rows as rows_mod
+from lowerings.linear_logprobs import fused_cuda as fc
 from lowerings.linear_logprobs.cuda import cdiv
 from lowerings.linear_logprobs.kernels_dw import _dw_step_persistent_kernel
 from lowerings.linear_logprobs.kernels_dw_ws import _dw_step_ws_kernel
 
 
-def _triton_step(ws, xg, dw, count, rows, acc):
+def triton_step(ws, xg, dw, counts, rows, acc):
+    """The Triton persistent dW step (kernels_dw, TMA operands and the TMA reduce-add epilogue)
+    over the first counts[0] of `rows` rows, storing or adding (acc)."""
     v, h = dw.shape
     wc, wh, wk, warps, stages = rows_mod.step_tiles(2)[1]
-    nc, nh = cdiv(v, wc), cdiv(h, wh)
-    n_prog = min(nc * nh, dense.sm_count(ws.device.index))
+    n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
+    n_prog = min(n_cblocks * n_hblocks, dense.sm_count(ws.device.index))
     _dw_step_persistent_kernel[(n_prog,)](
-        ws, xg, dw, count, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0), nc, nh, 0,
-        1, n_prog, ACCUMULATE=acc, ON_DEVICE=False, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=True,
-        BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk, GROUP_C=rows_mod.GROUP_M, num_warps=warps,
-        num_stages=stages)
+        ws, xg, dw, counts, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0), n_cblocks,
+        n_hblocks, 0, 1, n_prog, ACCUMULATE=acc, ON_DEVICE=False, DOT_PREC="tf32", USE_TMA=True,
+        TMA_OUT=True, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk, GROUP_C=rows_mod.GROUP_M,
+        num_warps=warps, num_stages=stages)
 
 
-def _ws_step(tiles):
-    wc, wh, wk, stages, warps, regs = tiles
-
-    def step(ws, xg, dw, count, rows, acc):
-        v, h = dw.shape
-        nc, nh = cdiv(v, wc), cdiv(h, wh)
-        n_prog = min(nc * nh, dense.sm_count(ws.device.index))
-        _dw_step_ws_kernel[(n_prog,)](
-            ws, xg, dw, count, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0), nc, nh,
-            0, 1, ACCUMULATE=acc, ON_DEVICE=False, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
-            GROUP_C=rows_mod.GROUP_M, STAGES=stages, num_warps=warps, maxnreg=regs)
-    return step
+def ws_step(ws, xg, dw, counts, rows, acc, n_later=0, final=1, on_device=False, tiles=None):
+    """The Gluon dW step (kernels_dw_ws) at `tiles` (fused_cuda.DW_WS_TILES by default); with
+    on_device, the fused path's skip rule over counts[1 : 1 + n_later] and `final`."""
+    v, h = dw.shape
+    wc, wh, wk, stages, warps, regs = tiles or fc.DW_WS_TILES
+    n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
+    _dw_step_ws_kernel[(min(n_cblocks * n_hblocks, dense.sm_count(ws.device.index)),)](
+        ws, xg, dw, counts, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0), n_cblocks,
+        n_hblocks, n_later, final, ACCUMULATE=acc, ON_DEVICE=on_device, BLOCK_C=wc, BLOCK_H=wh,
+        BLOCK_K=wk, GROUP_C=rows_mod.GROUP_M, STAGES=stages, num_warps=warps, maxnreg=regs)
 
 
 def _cublas_step(ws, xg, dw, count, rows, acc):
@@ -72,9 +74,10 @@ def main():
     ws = (torch.rand(r, vp, device=dev, generator=g) * 0.02).to(bf)   # e-like: small, positive
     xg = torch.randn(r, h, device=dev, generator=g).to(bf)
     dw0 = (torch.randn(v, h, device=dev, generator=g) * 1e-2).to(bf)
-    kernels = {"triton_persistent": _triton_step}
+    kernels = {"triton_persistent": triton_step}
     for t in args.ws_tiles:
-        kernels[f"gluon_ws[{t}]"] = _ws_step(tuple(int(x) for x in t.split(",")))
+        kernels[f"gluon_ws[{t}]"] = functools.partial(ws_step,
+                                                      tiles=tuple(int(x) for x in t.split(",")))
     kernels["cublas"] = _cublas_step
     print(f"dW step, block of {r} rows, V={v}, H={h}, bf16, {torch.cuda.get_device_name()}")
     for n in args.valid + [0]:

@@ -21,14 +21,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from lowerings.linear_logprobs.kernels import _swizzle_id
 
-@gluon.jit
-def _tile_of(tile_id, n_cblocks, n_hblocks, GROUP_C: gl.constexpr):
-    """kernels._swizzle_id: GROUP_C vocab blocks share their xg columns in L2."""
-    width = GROUP_C * n_hblocks
-    first = (tile_id // width) * GROUP_C
-    size = gl.minimum(n_cblocks - first, GROUP_C)
-    return first + (tile_id % width) % size, (tile_id % width) // size
+
+# kernels._swizzle_id (GROUP_C vocab blocks share their xg columns in L2), its Triton body
+# compiled as a Gluon function
+_tile_of = gluon.jit(_swizzle_id.fn)
 
 
 @gluon.jit
