@@ -63,16 +63,23 @@ def _dw_operands(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, st
     n_later counts after count_ptr's, read on the device); its ws / xg operands (_desc) of
     max(n, 1) rows (a tensor map has no empty dims; the K loop reads none then) and where the
     tiles go (_dw_out)."""
+    n_valid, add = _dw_rows(count_ptr, row0, n_rows, n_later, ON_DEVICE)
+    a_src = _desc(ws_ptr, tl.maximum(n_valid, 1), cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
+    b_src = _desc(x_ptr, tl.maximum(n_valid, 1), H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
+    dw_dst = _dw_out(dw_ptr, v0, cols, H, stride_dw, TMA_OUT, BLOCK_C, BLOCK_H)
+    return n_valid, add, a_src, b_src, dw_dst
+
+
+@triton.jit
+def _dw_rows(count_ptr, row0, n_rows, n_later, ON_DEVICE: tl.constexpr):
+    """(n, add) of a dW step: the group's valid rows, and with ON_DEVICE whether dW already holds
+    a sum (a block run before this one had valid rows: the n_later counts after count_ptr's)."""
     n_valid = _valid_rows(count_ptr, row0, n_rows, True)
     earlier = n_valid * 0
     if ON_DEVICE:
         for i in range(n_later):
             earlier += tl.load(count_ptr + 1 + i)
-    add = earlier > 0
-    a_src = _desc(ws_ptr, tl.maximum(n_valid, 1), cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
-    b_src = _desc(x_ptr, tl.maximum(n_valid, 1), H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
-    dw_dst = _dw_out(dw_ptr, v0, cols, H, stride_dw, TMA_OUT, BLOCK_C, BLOCK_H)
-    return n_valid, add, a_src, b_src, dw_dst
+    return n_valid, earlier > 0
 
 
 @triton.jit

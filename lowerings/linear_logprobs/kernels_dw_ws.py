@@ -21,12 +21,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from lowerings.linear_logprobs.kernels import _swizzle_id
+from lowerings.linear_logprobs import kernels as _k
+from lowerings.linear_logprobs import kernels_dw as _kdw
 
-
-# kernels._swizzle_id (GROUP_C vocab blocks share their xg columns in L2), its Triton body
-# compiled as a Gluon function
-_tile_of = gluon.jit(_swizzle_id.fn)
+# The Triton step's helpers, their bodies compiled as Gluon functions (one definition of the
+# valid rows, the skip rule and the tile order): kernels_dw._dw_rows / _dw_skips, and
+# kernels._swizzle_id (GROUP_C vocab blocks share their xg columns in L2).
+_dw_rows = gluon.jit(_kdw._dw_rows.fn)
+_dw_skips = gluon.jit(_kdw._dw_skips.fn)
+_tile_of = gluon.jit(_k._swizzle_id.fn)
 
 
 @gluon.jit
@@ -117,23 +120,8 @@ def _dw_step_ws_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols,
                        GROUP_C: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """kernels_dw._dw_step_persistent_kernel's contract (launched storing and adding, the same
     skip rule, kernels_dw._dw_skips) on a grid of at most one program per SM."""
-    n_valid = gl.minimum(gl.maximum(gl.load(count_ptr) - row0, 0), n_rows)
-    earlier = n_valid * 0
-    if ON_DEVICE:
-        for i in range(n_later):
-            earlier += gl.load(count_ptr + 1 + i)
-    add = earlier > 0
-    if ACCUMULATE:
-        if ON_DEVICE:
-            skip = (n_valid == 0) | (add == 0)
-        else:
-            skip = n_valid == 0
-    else:
-        if ON_DEVICE:
-            skip = add | ((n_valid == 0) & (final == 0))
-        else:
-            skip = n_valid < 0
-    if skip:
+    n_valid, add = _dw_rows(count_ptr, row0, n_rows, n_later, ON_DEVICE)
+    if _dw_skips(n_valid, add, final, ACCUMULATE, ON_DEVICE):
         return
     dtype: gl.constexpr = ws_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_C], dtype)
