@@ -41,6 +41,7 @@ from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs.kernels import _fwd_kernel
 from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel, _dw_step_persistent_kernel
 from lowerings.linear_logprobs.kernels_dw_ws import _dw_step_ws_kernel
+from lowerings.linear_logprobs.kernels_fwd_ws import _fwd_ws_kernel
 from lowerings.linear_logprobs.kernels_fused import (_dx_split_kernel, _dx_split_reduce_kernel,
                                                      _exp_prep_kernel,
                                                      _fused_combine_kernel, _fused_dlogits_kernel,
@@ -63,10 +64,22 @@ DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
 # 3.98 ms against the Triton step's 4.04 (cuBLAS beta = 1: 3.91), a 271-row tail block 1.06
 # against 1.39 ms, and half the accumulated block's rounding error (the Triton step's TMA
 # reduce-add rounds twice). LINEAR_LOGPROBS_DW_WS=0 keeps the Triton step (A/B runs);
-# LINEAR_LOGPROBS_DW_WS_TILES: (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, consumer warps, maxnreg).
+# LINEAR_LOGPROBS_DW_WS_TILES: (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, consumer warps, maxnreg,
+# consumers NC); NC = 2 is the ping-pong schedule (kernels_dw_ws, e.g. "64,256,64,4,4,168,2").
 DW_WS = os.environ.get("LINEAR_LOGPROBS_DW_WS", "1") == "1"
 DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES",
-                                                   "128,256,64,3,8,168").split(","))
+                                                   "128,256,64,3,8,168,1").split(","))
+# The forward as a ping-pong warp-specialized Gluon kernel (kernels_fwd_ws: two 4-warp
+# consumers on the row block's halves taking turns at the tensor cores, a TMA loader warp),
+# taken on sm_90 where _fwd_kernel would run with TMA, no bias and no softcap (_fwd_ws_ok).
+# Its row block and vocab tile are cuda.TILES' (the plan table's row blocks and zoff's tiles
+# are theirs); LINEAR_LOGPROBS_FWD_WS_TILES: (BLOCK_K, STAGES). LINEAR_LOGPROBS_FWD_WS=0 keeps
+# _fwd_kernel (A/B runs). FWD_WS_MAXNREG: the launch's register cap (the partitions' own
+# counts are set in the kernel: 240 / 248 for the consumers' epilogues, 24 for the loader).
+FWD_WS = os.environ.get("LINEAR_LOGPROBS_FWD_WS", "1") == "1"
+FWD_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_FWD_WS_TILES",
+                                                    "64,4").split(","))
+FWD_WS_MAXNREG = 168
 # The dX step's most splits over V (kernels_fused._dx_splits picks S <= DX_SPLITS on the
 # device from the block's valid rows, for a grid of few programs: a block's short tail, or few
 # H blocks); 1 turns splitting off. The fp32 partials take at most DX_SPLIT_MIB
@@ -170,6 +183,13 @@ def _dw_ws_ok(ws: Tensor, tma_out: bool) -> bool:
     return DW_WS and tma_out and ws.is_cuda and _hopper(ws.device.index)
 
 
+def _fwd_ws_ok(x: Tensor, bias: Optional[Tensor], softcap: Optional[float], tma: bool) -> bool:
+    """Whether the fused forward runs as the Gluon kernel (FWD_WS): 16-bit TMA operands, no
+    bias, no softcap, the device's splits (FWD_DEVICE_SPLITS), an sm_90 device."""
+    return (FWD_WS and tma and bias is None and softcap is None and FWD_DEVICE_SPLITS
+            and x.element_size() == 2 and x.is_cuda and _hopper(x.device.index))
+
+
 def _z_view(ws: Tensor) -> Tensor:
     """The stored logits' dtype view of ws: fp16 for 16-bit operands (11 significant bits for
     d = z - max; bf16 keeps 8), ws itself for fp32."""
@@ -206,15 +226,24 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
             w.stride(0), scal[0], E_LEAD, HAS_BIAS=bias is not None, BLOCK_R=rr, BLOCK_H=rh,
             num_warps=rwarps)
     device_splits = dict(plan_ptr=plan, DEVICE_SPLITS=FWD_DEVICE_SPLITS)
-    _fwd_kernel[(n_prog,)](
-        xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
-        xg.stride(0), w.stride(0), *scal, cols, n_blocks, splits, 0, rows,
-        ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0),
-        HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy,
-        HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
-        BLOCK_K=bk, GROUP_N=_dense.GROUP_N, FLATTEN=_dense.FWD_FLATTEN, ref_ptr=ref,
-        STORE_E=scaled, E_HEADROOM=E_HEADROOM, **device_splits, num_warps=warps,
-        num_stages=stages)
+    if _fwd_ws_ok(x, bias, softcap, tma):
+        fk, fstages = FWD_WS_TILES
+        _fwd_ws_kernel[(n_prog,)](
+            xg, w, ids_b, m, s, t, zt, count, rows, v, h, xg.stride(0), w.stride(0), scal[0], 0,
+            rows, ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0), ref, plan,
+            WITH_ENTROPY=with_entropy, STORE_E=scaled, E_HEADROOM=E_HEADROOM, BLOCK_N=bn,
+            BLOCK_V=bv, BLOCK_K=fk, GROUP_N=_dense.GROUP_N, STAGES=fstages, num_warps=4,
+            maxnreg=FWD_WS_MAXNREG)
+    else:
+        _fwd_kernel[(n_prog,)](
+            xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
+            xg.stride(0), w.stride(0), *scal, cols, n_blocks, splits, 0, rows,
+            ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0),
+            HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy,
+            HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
+            BLOCK_K=bk, GROUP_N=_dense.GROUP_N, FLATTEN=_dense.FWD_FLATTEN, ref_ptr=ref,
+            STORE_E=scaled, E_HEADROOM=E_HEADROOM, **device_splits, num_warps=warps,
+            num_stages=stages)
     # the splits' statistics -> the block's outputs, 0 past count: one launch (the torch ops of
     # cuda._combine and the masking were ~15 small kernels a block: host-bound at small H)
     lp, ent, lse = (x.new_empty(rows, dtype=torch.float32) for _ in range(3))  # [R']
@@ -277,7 +306,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                 xg.stride(0), dw.stride(0), n_cblocks, n_hblocks, g - 1 - b, int(b == 0))
         ws_step = _dw_ws_ok(ws, tiles["TMA_OUT"])
         if ws_step:
-            wc, wh, wk, wstages, wwarps, wregs = DW_WS_TILES
+            wc, wh, wk, wstages, wwarps, wregs, wnc = DW_WS_TILES
             n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
             args = args[:12] + (n_cblocks, n_hblocks) + args[14:]
         for acc in (False, True):
@@ -285,7 +314,8 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                 n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
                 _dw_step_ws_kernel[(n_prog,)](
                     *args, ACCUMULATE=acc, ON_DEVICE=True, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
-                    GROUP_C=_rows.GROUP_M, STAGES=wstages, num_warps=wwarps, maxnreg=wregs)
+                    GROUP_C=_rows.GROUP_M, STAGES=wstages, NC=wnc, num_warps=wwarps,
+                    maxnreg=wregs)
             elif DW_PERSISTENT:
                 n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
                 _dw_step_persistent_kernel[(n_prog,)](*args, n_prog, ACCUMULATE=acc, **tiles)

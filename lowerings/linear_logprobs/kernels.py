@@ -105,6 +105,44 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
 
 
 @triton.jit
+def _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY: tl.constexpr):
+    """One logits tile z [BN, BV] fp32 (-inf on masked columns) folded into its rows' running
+    statistics: (m, s, t, zt, m_sh, d, e) with m the max, s = sum e^(z - m),
+    t = sum e^(z - m) (z - m) (WITH_ENTROPY), zt += the target logit (ids' column), and the
+    tile as d = z - m_sh <= 0 and e = e^d (m_sh: the new max, finite). The one definition of
+    the forward's epilogue (kernels._fwd_kernel; kernels_fwd_ws compiles it as Gluon)."""
+    # the target logit first: after the max, z is only needed as d = z - m_new (same
+    # registers), so the tile is held once rather than as z and exp(z) side by side
+    zt += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
+    m_new = tl.maximum(m, tl.max(z, 1))
+    m_sh = tl.maximum(m_new, -3.0e38)  # finite when every column so far is -inf (banned)
+    alpha = tl.exp(m - m_sh)
+    d = z - m_sh[:, None]                              # <= 0, -inf on masked columns
+    e = tl.exp(d)                                      # 0 on masked columns
+    if WITH_ENTROPY:
+        # t = sum e * (z - m), rescaled to the new max: alpha * (t + (m - m_new) * s)
+        shift = tl.where(s > 0, (m - m_new) * s, 0.0)  # s = 0 before the first tile
+        # 0 log 0 = 0: e = 0 on masked columns and at -inf logits (banned tokens), where d
+        # is -inf: clamped to a finite d, e * d is 0 there (a select on e > 0 spilled the
+        # fused forward: 440 bytes a thread, none now; aot_check, sm_90)
+        t = alpha * (t + shift) + tl.sum(e * tl.maximum(d, -3.0e38), 1)
+    s = s * alpha + tl.sum(e, 1)
+    return m_new, s, t, zt, m_sh, d, e
+
+
+@triton.jit
+def _tile_out(d, e, m_sh, ref, STORE_E: tl.constexpr, E_HEADROOM: tl.constexpr):
+    """(value, reference) of a tile the fused forward stores (_fwd_kernel's STORE_Z): d, whose
+    reference is m_sh, or (STORE_E) e^(z - R) = e^d e^(m_sh - R) with R = max(ref,
+    m_sh - E_HEADROOM), so the stored value is at most e^E_HEADROOM."""
+    if STORE_E:
+        r_t = tl.maximum(ref, m_sh - E_HEADROOM)
+        return e * tl.exp(m_sh - r_t)[:, None], r_t
+    else:
+        return d, m_sh
+
+
+@triton.jit
 def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, N, V, H,
                 stride_x, stride_w, inv_temp, cap_pre, cap_post, cols_per_split, n_blocks,
                 n_splits, out_row0, out_n, z_ptr, zoff_ptr, stride_z, n_ztiles,
@@ -157,6 +195,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     s = tl.zeros((BLOCK_N,), tl.float32)
     t = tl.zeros((BLOCK_N,), tl.float32)
     zt = tl.zeros((BLOCK_N,), tl.float32)
+    ref = m   # read only with STORE_E
     if STORE_E:
         ref = tl.load(ref_ptr + rows, mask=row_mask, other=0.0)
     # The first tile of each split has a valid column, so m is finite after it; tiles past V
@@ -169,33 +208,12 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
                             col_mask, H, stride_x, stride_w, inv_temp, cap_pre, cap_post,
                             HAS_BIAS, HAS_CAP, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
         z = tl.where(col_mask[None, :], z, float("-inf"))
-        # the target logit first: after the max, z is only needed as d = z - m_new (same
-        # registers), so the tile is held once rather than as z and exp(z) side by side
-        zt += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
-        m_new = tl.maximum(m, tl.max(z, 1))
-        m_sh = tl.maximum(m_new, -3.0e38)  # finite when every column so far is -inf (banned)
-        alpha = tl.exp(m - m_sh)
-        d = z - m_sh[:, None]                              # <= 0, -inf on masked columns
-        e = tl.exp(d)                                      # 0 on masked columns
-        if WITH_ENTROPY:
-            # t = sum e * (z - m), rescaled to the new max: alpha * (t + (m - m_new) * s)
-            shift = tl.where(s > 0, (m - m_new) * s, 0.0)  # s = 0 before the first tile
-            # 0 log 0 = 0: e = 0 on masked columns and at -inf logits (banned tokens), where d
-            # is -inf: clamped to a finite d, e * d is 0 there (a select on e > 0 spilled the
-            # fused forward: 440 bytes a thread, none now; aot_check, sm_90)
-            t = alpha * (t + shift) + tl.sum(e * tl.maximum(d, -3.0e38), 1)
-        s = s * alpha + tl.sum(e, 1)
-        m = m_new
+        m, s, t, zt, m_sh, d, e = _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY)
         if STORE_Z:
             zmask = row_mask[:, None] & col_mask[None, :]
-            if STORE_E:   # e^(z - R) = e^d e^(m_sh - R), m_sh - R <= E_HEADROOM
-                r_t = tl.maximum(ref, m_sh - E_HEADROOM)
-                tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
-                         (e * tl.exp(m_sh - r_t)[:, None]).to(z_ptr.dtype.element_ty), mask=zmask)
-            else:
-                r_t = m_sh
-                tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
-                         d.to(z_ptr.dtype.element_ty), mask=zmask)
+            val, r_t = _tile_out(d, e, m_sh, ref, STORE_E, E_HEADROOM)
+            tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
+                     val.to(z_ptr.dtype.element_ty), mask=zmask)
             # (a tile wholly past V, in the last split, has no slot: its index is n_ztiles)
             tl.store(zoff_ptr + rows.to(tl.int64) * n_ztiles + col0 // BLOCK_V, r_t,
                      mask=row_mask & (col0 < V))

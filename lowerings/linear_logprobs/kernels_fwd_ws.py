@@ -1,0 +1,175 @@
+"""The fused path's forward as a ping-pong warp-specialized Gluon kernel (sm_90 only): the same
+results as kernels._fwd_kernel with STORE_Z and DEVICE_SPLITS (no bias, no softcap), with
+the statistics epilogue of one half of the row block running while the other half's wgmmas
+keep the tensor cores busy, which Triton 3.6 does not build from tl.dot.
+
+A program is one row block of BLOCK_N rows and one split of the vocab (fused_cuda.fwd_plan_table,
+read on the device at the block's valid count, as _fwd_kernel reads it). Its rows are two
+halves of BLOCK_N / 2:
+
+  loader (1 warp)        for each vocab tile j of the split, for each active half q: the K
+                         steps' X[half q] and W[tile j] tiles into one STAGES-deep ring
+                         (ready / empty mbarriers), in the order the consumers take them
+  consumer q (4 warps)   half q's rows: async wgmma over its ring positions (one MMA in
+                         flight), then the tile's epilogue (kernels._tile_stats / _tile_out,
+                         compiled as Gluon: one definition of the math) and its stores
+
+The ring holds consumer 0's tile j, then consumer 1's tile j, then consumer 0's tile j + 1, ...
+so while one consumer runs its epilogue, the other's operands are already arriving and its
+wgmmas run: the ping-pong of CUTLASS's Hopper kernels. The price: each half loads W's tile
+itself (40 KB of operands per 64 x 256 x 64 MMA step, against 48 KB per 128 x 256 x 64 of the
+cooperative Triton kernel). A half with no valid row (a block's tail) loads and computes
+nothing. Legend: n valid rows (count, on the device), H hidden, V vocab, BV = BLOCK_V.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from lowerings.linear_logprobs import kernels as _k
+
+# kernels.py's helpers compiled as Gluon functions: the valid rows, the tile order, and the
+# epilogue's statistics and stored values (one definition each)
+_valid_rows = gluon.jit(_k._valid_rows.fn)
+_tile_of = gluon.jit(_k._swizzle_id.fn)
+_tile_stats = gluon.jit(_k._tile_stats.fn)
+_tile_out = gluon.jit(_k._tile_out.fn)
+
+
+@gluon.jit
+def _fwd_ws_loader(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, col_begin, n_tiles,
+                   n_halves, k_steps):
+    HALF: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    it = 0
+    for j in range(n_tiles):
+        for q in range(n_halves):
+            for k in range(k_steps):
+                s = it % STAGES
+                # free once the consumer's MMA that read it retired (first pass: the barriers'
+                # initial phase counts as free)
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [row0 + q * HALF, k * BLOCK_K], bar,
+                                                x_bufs.index(s))
+                tma.async_copy_global_to_shared(w_desc, [col_begin + j * BLOCK_V, k * BLOCK_K],
+                                                bar, w_bufs.index(s))
+                it += 1
+
+
+@gluon.jit
+def _fwd_ws_consumer(x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr,
+                     z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n, split,
+                     stride_z, n_ztiles, row0, col_begin, n_tiles, n_halves, k_steps,
+                     WITH_ENTROPY: gl.constexpr, STORE_E: gl.constexpr,
+                     E_HEADROOM: gl.constexpr, WHICH: gl.constexpr):
+    """Half WHICH of the row block: its ring positions are (j * n_halves + WHICH) * k_steps on."""
+    HALF: gl.constexpr = x_bufs.type.shape[1]
+    BLOCK_V: gl.constexpr = w_bufs.type.shape[1]
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_V, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    if WHICH < n_halves:
+        rows = row0 + WHICH * HALF + gl.arange(0, HALF, layout=row_layout)
+        row_mask = rows < n_valid
+        ids = gl.load(ids_ptr + out_row0 + rows, mask=row_mask, other=-1)
+        m = gl.full([HALF], float("-inf"), gl.float32, row_layout)
+        s = gl.zeros([HALF], gl.float32, row_layout)
+        t = gl.zeros([HALF], gl.float32, row_layout)
+        zt = gl.zeros([HALF], gl.float32, row_layout)
+        ref = m   # read only with STORE_E
+        if STORE_E:
+            ref = gl.load(ref_ptr + rows, mask=row_mask, other=0.0)
+        rows64 = rows.to(gl.int64)
+        for j in range(n_tiles):
+            it0 = (j * n_halves + WHICH) * k_steps
+            acc = gl.zeros([HALF, BLOCK_V], gl.float32, acc_layout)
+            for k in range(k_steps):
+                it = it0 + k
+                st = it % STAGES
+                mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+                # W's tile [BV, BK] read as its transpose [BK, BV]: a K-major wgmma B operand
+                acc = warpgroup_mma(x_bufs.index(st), w_bufs.index(st).permute((1, 0)), acc,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                # step it - 1's MMA retired: its stage goes back to the loader
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((it0 + k_steps - 1) % STAGES), count=1)
+            col0 = col_begin + j * BLOCK_V
+            cols = col0 + gl.arange(0, BLOCK_V, layout=col_layout)
+            col_mask = cols < V
+            z = gl.where(col_mask[None, :], acc * inv_temp, float("-inf"))
+            m, s, t, zt, m_sh, d, e = _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY)
+            val, r_t = _tile_out(d, e, m_sh, ref, STORE_E, E_HEADROOM)
+            zmask = row_mask[:, None] & col_mask[None, :]
+            gl.store(z_ptr + rows64[:, None] * stride_z + cols[None, :],
+                     val.to(z_ptr.dtype.element_ty), mask=zmask)
+            gl.store(zoff_ptr + rows64 * n_ztiles + col0 // BLOCK_V, r_t, mask=row_mask)
+        out = split.to(gl.int64) * out_n + out_row0 + rows
+        gl.store(m_ptr + out, m, mask=row_mask)
+        gl.store(s_ptr + out, s, mask=row_mask)
+        gl.store(t_ptr + out, t, mask=row_mask)
+        gl.store(zt_ptr + out, zt, mask=row_mask)
+
+
+@gluon.jit
+def _fwd_ws_kernel(x_ptr, w_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, N, V, H,
+                   stride_x, stride_w, inv_temp, out_row0, out_n, z_ptr, zoff_ptr, stride_z,
+                   n_ztiles, ref_ptr, plan_ptr, WITH_ENTROPY: gl.constexpr,
+                   STORE_E: gl.constexpr, E_HEADROOM: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_V: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_N: gl.constexpr,
+                   STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """kernels._fwd_kernel's contract with HAS_COUNT, STORE_Z, DEVICE_SPLITS, USE_TMA and no
+    bias or softcap (fused_cuda.block_forward launches it in its place on sm_90): the same
+    grid (the plan table's largest nb * S programs; those past the block's valid row blocks
+    exit), the same [S, out_n] statistics, the same stored tile values and zoff references.
+    num_warps = 4: consumer 0 (the default partition); consumer 1 and the loader are workers."""
+    n_valid = _valid_rows(count_ptr, out_row0, N, True)
+    nb = gl.cdiv(n_valid, BLOCK_N)
+    n_spl = gl.load(plan_ptr + 2 * nb)
+    cols_per_split = gl.multiple_of(gl.load(plan_ptr + 2 * nb + 1), BLOCK_V)
+    if gl.program_id(0) >= nb * n_spl:
+        return
+    pid_n, split = _tile_of(gl.program_id(0), nb, n_spl, GROUP_N)
+    HALF: gl.constexpr = BLOCK_N // 2
+    row0 = pid_n * BLOCK_N
+    col_begin = split * cols_per_split
+    # the split's tiles that hold a column < V (the first always does; tiles wholly past V, in
+    # the last split, change no statistic and have no zoff slot: _fwd_kernel masks them out)
+    n_tiles = gl.cdiv(gl.minimum(cols_per_split, V - col_begin), BLOCK_V)
+    n_halves = gl.minimum(gl.cdiv(n_valid - row0, HALF), 2)
+    k_steps = gl.cdiv(H, BLOCK_K)
+    dtype: gl.constexpr = x_ptr.dtype.element_ty
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_K], dtype)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_V, BLOCK_K], dtype)
+    # operands of max(n, 1) rows (a tensor map has no empty dims); the zero fill past n and V
+    # masks the last row half and vocab tile
+    x_desc = tma.make_tensor_descriptor(x_ptr, [gl.maximum(n_valid, 1), H], [stride_x, 1],
+                                        [HALF, BLOCK_K], x_layout)
+    w_desc = tma.make_tensor_descriptor(w_ptr, [V, H], [stride_w, 1], [BLOCK_V, BLOCK_K],
+                                        w_layout)
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES, HALF, BLOCK_K], x_layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_V, BLOCK_K], w_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_fwd_ws_consumer, (x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr,
+                            z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n,
+                            split, stride_z, n_ztiles, row0, col_begin, n_tiles, n_halves,
+                            k_steps, WITH_ENTROPY, STORE_E, E_HEADROOM, 0)),
+        (_fwd_ws_consumer, (x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr,
+                            z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n,
+                            split, stride_z, n_ztiles, row0, col_begin, n_tiles, n_halves,
+                            k_steps, WITH_ENTROPY, STORE_E, E_HEADROOM, 1)),
+        (_fwd_ws_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, col_begin,
+                          n_tiles, n_halves, k_steps)),
+    ], [4, 1], [240, 24])
