@@ -49,7 +49,7 @@ def test_matches_the_triton_forward(n, scaled, with_entropy, monkeypatch):
         assert torch.isfinite(a).all(), name
         # the same tile order and fp32 accumulation; the wgmma K order may differ by an ulp
         torch.testing.assert_close(a, b, rtol=2e-2 if name == "ws" else 1e-5, atol=1e-5,
-                                   msg=name)
+                                   msg=lambda m, name=name: f"{name}: {m}")
     again = _block_forward(n, scaled, with_entropy, True, monkeypatch)
     for a, b in zip(got, again):
         assert torch.equal(a[:n], b[:n])   # bitwise repeatable

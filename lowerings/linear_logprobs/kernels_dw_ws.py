@@ -71,11 +71,14 @@ def _dw_ws_loader(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, 
 
 
 @gluon.jit
-def _dw_ws_consumer(a_bufs, b_bufs, c_bufs, ready, empty, c_ready_all, c_empty_all, c_desc,
-                    n_valid, n_cblocks, n_hblocks, ACCUMULATE: gl.constexpr,
+def _dw_ws_consumer(a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready_all, c_empty_all,
+                    c_desc, n_valid, n_cblocks, n_hblocks, ACCUMULATE: gl.constexpr,
                     GROUP_C: gl.constexpr, WARPS: gl.constexpr, WHICH: gl.constexpr):
     """Consumer WHICH of NC: this program's tiles WHICH, WHICH + NC, ... (ring positions
-    (local tile * NC + WHICH) * k_steps on)."""
+    (local tile * NC + WHICH) * k_steps on). With NC = 2 they take turns (turn[q]: the other
+    one has waited for its last operands before this tile's): one waiting on a ring position
+    more than STAGES past the last one waited for would see that stage's earlier phase
+    complete (an mbarrier's phase is one parity bit) and read the other consumer's operands."""
     BLOCK_K: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_C: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_H: gl.constexpr = b_bufs.type.shape[2]
@@ -93,6 +96,11 @@ def _dw_ws_consumer(a_bufs, b_bufs, c_bufs, ready, empty, c_ready_all, c_empty_a
         pid_c, pid_h = _tile_of(tile_id, n_cblocks, n_hblocks, GROUP_C)
         it = (t * NC + WHICH) * k_steps
         acc = gl.zeros([BLOCK_C, BLOCK_H], gl.float32, acc_layout)
+        if NC == 2:
+            if WHICH == 0:   # consumer 1's previous tile has all its operands
+                mbarrier.wait(turn.index(0), (t + 1) & 1, pred=t > 0)
+            else:            # consumer 0's tile t has all its operands
+                mbarrier.wait(turn.index(1), t & 1)
         for k in range(k_steps):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -108,6 +116,8 @@ def _dw_ws_consumer(a_bufs, b_bufs, c_bufs, ready, empty, c_ready_all, c_empty_a
                     tma.store_wait(0)
                     mbarrier.arrive(c_empty, count=1, pred=t > 0)
             it += 1
+        if NC == 2:
+            mbarrier.arrive(turn.index(1 - WHICH), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
         if ACCUMULATE:
@@ -162,23 +172,28 @@ def _dw_step_ws_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols,
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NC):
         mbarrier.init(c_ready.index(i), count=1)
         mbarrier.init(c_empty.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
     if NC == 1:
         gl.warp_specialize([
-            (_dw_ws_consumer, (a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty, c_desc,
-                               n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C, num_warps, 0)),
+            (_dw_ws_consumer, (a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_empty,
+                               c_desc, n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C,
+                               num_warps, 0)),
             (_dw_ws_loader, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
                              c_ready, c_empty, n_valid, n_cblocks, n_hblocks, ACCUMULATE,
                              GROUP_C)),
         ], [1], [40])
     else:   # the second consumer a worker partition of 4 warps: its registers set here
         gl.warp_specialize([
-            (_dw_ws_consumer, (a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty, c_desc,
-                               n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C, num_warps, 0)),
-            (_dw_ws_consumer, (a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty, c_desc,
-                               n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C, 4, 1)),
+            (_dw_ws_consumer, (a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_empty,
+                               c_desc, n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C,
+                               num_warps, 0)),
+            (_dw_ws_consumer, (a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_empty,
+                               c_desc, n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C,
+                               4, 1)),
             (_dw_ws_loader, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
                              c_ready, c_empty, n_valid, n_cblocks, n_hblocks, ACCUMULATE,
                              GROUP_C)),

@@ -61,12 +61,16 @@ def _fwd_ws_loader(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, col_begin
 
 
 @gluon.jit
-def _fwd_ws_consumer(x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr,
+def _fwd_ws_consumer(x_bufs, w_bufs, ready, empty, turn, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr,
                      z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n, split,
                      stride_z, n_ztiles, row0, col_begin, n_tiles, n_halves, k_steps,
                      WITH_ENTROPY: gl.constexpr, STORE_E: gl.constexpr,
                      E_HEADROOM: gl.constexpr, WHICH: gl.constexpr):
-    """Half WHICH of the row block: its ring positions are (j * n_halves + WHICH) * k_steps on."""
+    """Half WHICH of the row block: its ring positions are (j * n_halves + WHICH) * k_steps on.
+    With two halves the consumers take turns (turn[q]: the other one has waited for its last
+    operands before this tile's): a consumer waiting on a ring position more than STAGES ahead
+    of the last one waited for would see that stage's earlier phase complete (an mbarrier's
+    phase is one parity bit) and read the other half's operands."""
     HALF: gl.constexpr = x_bufs.type.shape[1]
     BLOCK_V: gl.constexpr = w_bufs.type.shape[1]
     STAGES: gl.constexpr = x_bufs.type.shape[0]
@@ -89,6 +93,10 @@ def _fwd_ws_consumer(x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr,
         for j in range(n_tiles):
             it0 = (j * n_halves + WHICH) * k_steps
             acc = gl.zeros([HALF, BLOCK_V], gl.float32, acc_layout)
+            if WHICH == 0:   # the other half's previous tile has all its operands
+                mbarrier.wait(turn.index(0), (j + 1) & 1, pred=(j > 0) & (n_halves > 1))
+            else:            # half 0's tile j has all its operands
+                mbarrier.wait(turn.index(1), j & 1)
             for k in range(k_steps):
                 it = it0 + k
                 st = it % STAGES
@@ -99,6 +107,7 @@ def _fwd_ws_consumer(x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr,
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 # step it - 1's MMA retired: its stage goes back to the loader
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
+            mbarrier.arrive(turn.index(1 - WHICH), count=1, pred=n_halves > 1)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((it0 + k_steps - 1) % STAGES), count=1)
             col0 = col_begin + j * BLOCK_V
@@ -158,16 +167,19 @@ def _fwd_ws_kernel(x_ptr, w_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_V, BLOCK_K], w_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     gl.warp_specialize([
-        (_fwd_ws_consumer, (x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr,
-                            z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n,
+        (_fwd_ws_consumer, (x_bufs, w_bufs, ready, empty, turn, ids_ptr, m_ptr, s_ptr, t_ptr,
+                            zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n,
                             split, stride_z, n_ztiles, row0, col_begin, n_tiles, n_halves,
                             k_steps, WITH_ENTROPY, STORE_E, E_HEADROOM, 0)),
-        (_fwd_ws_consumer, (x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr,
-                            z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n,
+        (_fwd_ws_consumer, (x_bufs, w_bufs, ready, empty, turn, ids_ptr, m_ptr, s_ptr, t_ptr,
+                            zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n,
                             split, stride_z, n_ztiles, row0, col_begin, n_tiles, n_halves,
                             k_steps, WITH_ENTROPY, STORE_E, E_HEADROOM, 1)),
         (_fwd_ws_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, col_begin,
