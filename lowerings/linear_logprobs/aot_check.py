@@ -26,7 +26,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from lowerings.linear_logprobs import bench_dw_ws
 from lowerings.linear_logprobs import cuda as dense
 from lowerings.linear_logprobs import cuda_rows as rows
 from lowerings.linear_logprobs import fused as fused
@@ -92,9 +91,9 @@ def cases():
         yield (f"forward, fused, STORE_E, WITH_ENTROPY={ent}", k._fwd_kernel,
                dict(logit, **fused_fwd, WITH_ENTROPY=ent, HAS_COUNT=True, STORE_Z=True,
                     STORE_E=True, FLATTEN=dense.FWD_FLATTEN), warps, stages)
-    fbk, fstages = fc.FWD_WS_TILES   # the ping-pong Gluon forward (sm_90's default)
+    fbk, fstages = fc.FWD_WS_TILES   # the warp-specialized Gluon forward (sm_90)
     for ent, store_e in ((True, True), (False, True), (True, False)):
-        yield (f"forward, ping-pong (Gluon), STORE_E={store_e}, WITH_ENTROPY={ent}",
+        yield (f"forward, warp-specialized (Gluon), STORE_E={store_e}, WITH_ENTROPY={ent}",
                kfwd_ws._fwd_ws_kernel,
                dict(WITH_ENTROPY=ent, STORE_E=store_e, E_HEADROOM=fc.E_HEADROOM, BLOCK_N=bn,
                     BLOCK_V=bv, BLOCK_K=fbk, GROUP_N=dense.GROUP_N, STAGES=fstages,
@@ -134,17 +133,11 @@ def cases():
     # the Gluon warp-specialized step (sm_90's default, fused_cuda.DW_WS_TILES); its num_stages
     # slot carries maxnreg (check: a Gluon kernel pipelines by hand, and its register split
     # between the partitions follows maxnreg)
-    wsc, wsh, wsk, wss, wswarps, wsregs, wsnc = fc.DW_WS_TILES
+    wsc, wsh, wsk, wss, wswarps, wsregs = fc.DW_WS_TILES
     for acc in (False, True):
         yield (f"dW step, warp-specialized (Gluon), ACCUMULATE={acc}", kdw_ws._dw_step_ws_kernel,
                dict(ACCUMULATE=acc, ON_DEVICE=True, BLOCK_C=wsc, BLOCK_H=wsh, BLOCK_K=wsk,
-                    GROUP_C=rows.GROUP_M, STAGES=wss, NC=wsnc, num_warps=wswarps), wswarps,
-               wsregs)
-    # its ping-pong schedule (two 4-warp consumers on 64-row tiles: bench_dw_ws --ws-tiles)
-    pc, ph_, pk, ps, pwarps_, pregs, pnc = bench_dw_ws.PINGPONG_TILES
-    yield ("dW step, ping-pong (Gluon), ACCUMULATE=True", kdw_ws._dw_step_ws_kernel,
-           dict(ACCUMULATE=True, ON_DEVICE=True, BLOCK_C=pc, BLOCK_H=ph_, BLOCK_K=pk,
-                GROUP_C=rows.GROUP_M, STAGES=ps, NC=pnc, num_warps=pwarps_), pwarps_, pregs)
+                    GROUP_C=rows.GROUP_M, STAGES=wss, num_warps=wswarps), wswarps, wsregs)
     gm, gh, gk, gwarps, gstages = gemm
     tiles = dict(DOT_PREC="tf32", USE_TMA=True, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk)
     yield ("dX step, recompute", k._dx_step_kernel,

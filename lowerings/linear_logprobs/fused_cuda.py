@@ -64,13 +64,13 @@ DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
 # 3.98 ms against the Triton step's 4.04 (cuBLAS beta = 1: 3.91), a 271-row tail block 1.06
 # against 1.39 ms, and half the accumulated block's rounding error (the Triton step's TMA
 # reduce-add rounds twice). LINEAR_LOGPROBS_DW_WS=0 keeps the Triton step (A/B runs);
-# LINEAR_LOGPROBS_DW_WS_TILES: (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, consumer warps, maxnreg,
-# consumers NC); NC = 2 is the ping-pong schedule (kernels_dw_ws, e.g. "64,256,64,4,4,168,2").
+# LINEAR_LOGPROBS_DW_WS_TILES: (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, consumer warps, maxnreg).
 DW_WS = os.environ.get("LINEAR_LOGPROBS_DW_WS", "1") == "1"
 DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES",
-                                                   "128,256,64,3,8,168,1").split(","))
-# The forward as a ping-pong warp-specialized Gluon kernel (kernels_fwd_ws: two 4-warp
-# consumers on the row block's halves taking turns at the tensor cores, a TMA loader warp),
+                                                   "128,256,64,3,8,168").split(","))
+# The forward as a warp-specialized Gluon kernel (kernels_fwd_ws: two 4-warp consumers on the
+# row block's halves sharing each operand stage, their epilogues free to drift apart and
+# overlap the other's wgmmas; a TMA loader warp),
 # taken on sm_90 where _fwd_kernel would run with TMA, no bias and no softcap (_fwd_ws_ok).
 # Its row block and vocab tile are cuda.TILES' (the plan table's row blocks and zoff's tiles
 # are theirs); LINEAR_LOGPROBS_FWD_WS_TILES: (BLOCK_K, STAGES). LINEAR_LOGPROBS_FWD_WS=0 keeps
@@ -306,7 +306,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                 xg.stride(0), dw.stride(0), n_cblocks, n_hblocks, g - 1 - b, int(b == 0))
         ws_step = _dw_ws_ok(ws, tiles["TMA_OUT"])
         if ws_step:
-            wc, wh, wk, wstages, wwarps, wregs, wnc = DW_WS_TILES
+            wc, wh, wk, wstages, wwarps, wregs = DW_WS_TILES
             n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
             args = args[:12] + (n_cblocks, n_hblocks) + args[14:]
         for acc in (False, True):
@@ -314,8 +314,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                 n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
                 _dw_step_ws_kernel[(n_prog,)](
                     *args, ACCUMULATE=acc, ON_DEVICE=True, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
-                    GROUP_C=_rows.GROUP_M, STAGES=wstages, NC=wnc, num_warps=wwarps,
-                    maxnreg=wregs)
+                    GROUP_C=_rows.GROUP_M, STAGES=wstages, num_warps=wwarps, maxnreg=wregs)
             elif DW_PERSISTENT:
                 n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
                 _dw_step_persistent_kernel[(n_prog,)](*args, n_prog, ACCUMULATE=acc, **tiles)

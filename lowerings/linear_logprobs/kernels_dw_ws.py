@@ -33,21 +33,18 @@ _tile_of = gluon.jit(_k._swizzle_id.fn)
 
 
 @gluon.jit
-def _dw_ws_loader(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty,
+def _dw_ws_loader(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty,
                   n_valid, n_cblocks, n_hblocks, ACCUMULATE: gl.constexpr,
                   GROUP_C: gl.constexpr):
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_C: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_H: gl.constexpr = b_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    NC: gl.constexpr = c_bufs.type.shape[0]   # consumers, taking this program's tiles in turn
     k_steps = gl.cdiv(n_valid, BLOCK_K)
     it = 0
-    j = 0
+    t = 0
     for tile_id in range(gl.program_id(0), n_cblocks * n_hblocks, gl.num_programs(0)):
         pid_c, pid_h = _tile_of(tile_id, n_cblocks, n_hblocks, GROUP_C)
-        q = j % NC   # the consumer of this tile, and its tile count before it
-        t = j // NC
         for k in range(k_steps):
             s = it % STAGES
             # a stage is free once the consumer's MMA that read it retired (first pass: the
@@ -63,44 +60,29 @@ def _dw_ws_loader(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, 
         if ACCUMULATE:
             # the old dW tile, once the consumer's store of the previous tile has left c_buf (it
             # says so during this tile's first K step, so this wait never holds the ring back)
-            mbarrier.wait(c_empty.index(q), (t + 1) & 1)
-            mbarrier.expect(c_ready.index(q), c_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(c_desc, [pid_c * BLOCK_C, pid_h * BLOCK_H],
-                                            c_ready.index(q), c_bufs.index(q))
-        j += 1
+            mbarrier.wait(c_empty, (t + 1) & 1)
+            mbarrier.expect(c_ready, c_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(c_desc, [pid_c * BLOCK_C, pid_h * BLOCK_H], c_ready,
+                                            c_buf)
+        t += 1
 
 
 @gluon.jit
-def _dw_ws_consumer(a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready_all, c_empty_all,
-                    c_desc, n_valid, n_cblocks, n_hblocks, ACCUMULATE: gl.constexpr,
-                    GROUP_C: gl.constexpr, WARPS: gl.constexpr, WHICH: gl.constexpr):
-    """Consumer WHICH of NC: this program's tiles WHICH, WHICH + NC, ... (ring positions
-    (local tile * NC + WHICH) * k_steps on). With NC = 2 they take turns (turn[q]: the other
-    one has waited for its last operands before this tile's): one waiting on a ring position
-    more than STAGES past the last one waited for would see that stage's earlier phase
-    complete (an mbarrier's phase is one parity bit) and read the other consumer's operands."""
+def _dw_ws_consumer(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, c_desc, n_valid,
+                    n_cblocks, n_hblocks, ACCUMULATE: gl.constexpr, GROUP_C: gl.constexpr,
+                    num_warps: gl.constexpr):
     BLOCK_K: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_C: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_H: gl.constexpr = b_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    NC: gl.constexpr = c_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_H, 16])
-    c_buf = c_bufs.index(WHICH)
-    c_ready = c_ready_all.index(WHICH)
-    c_empty = c_empty_all.index(WHICH)
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 16])
     k_steps = gl.cdiv(n_valid, BLOCK_K)
-    nprog = gl.num_programs(0)
+    it = 0
     t = 0
-    for tile_id in range(gl.program_id(0) + WHICH * nprog, n_cblocks * n_hblocks, NC * nprog):
+    for tile_id in range(gl.program_id(0), n_cblocks * n_hblocks, gl.num_programs(0)):
         pid_c, pid_h = _tile_of(tile_id, n_cblocks, n_hblocks, GROUP_C)
-        it = (t * NC + WHICH) * k_steps
         acc = gl.zeros([BLOCK_C, BLOCK_H], gl.float32, acc_layout)
-        if NC == 2:
-            if WHICH == 0:   # consumer 1's previous tile has all its operands
-                mbarrier.wait(turn.index(0), (t + 1) & 1, pred=t > 0)
-            else:            # consumer 0's tile t has all its operands
-                mbarrier.wait(turn.index(1), t & 1)
         for k in range(k_steps):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -116,8 +98,6 @@ def _dw_ws_consumer(a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready_all, c_e
                     tma.store_wait(0)
                     mbarrier.arrive(c_empty, count=1, pred=t > 0)
             it += 1
-        if NC == 2:
-            mbarrier.arrive(turn.index(1 - WHICH), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
         if ACCUMULATE:
@@ -137,14 +117,9 @@ def _dw_step_ws_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols,
                        stride_x, stride_dw, n_cblocks, n_hblocks, n_later, final,
                        ACCUMULATE: gl.constexpr, ON_DEVICE: gl.constexpr,
                        BLOCK_C: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
-                       GROUP_C: gl.constexpr, STAGES: gl.constexpr, NC: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       GROUP_C: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """kernels_dw._dw_step_persistent_kernel's contract (launched storing and adding, the same
-    skip rule, kernels_dw._dw_skips) on a grid of at most one program per SM. NC = 1: one
-    consumer of num_warps warps (8: two warpgroups sharing a 128-row tile). NC = 2 (ping-pong):
-    two 4-warp consumers (num_warps = 4) each on its own BLOCK_C-row tile (64), taking the
-    program's tiles in turn through the one ring, so one's epilogue runs while the other's
-    wgmmas keep the tensor cores busy."""
+    skip rule, kernels_dw._dw_skips) on a grid of at most one program per SM."""
     n_valid, add = _dw_rows(count_ptr, row0, n_rows, n_later, ON_DEVICE)
     if _dw_skips(n_valid, add, final, ACCUMULATE, ON_DEVICE):
         return
@@ -164,37 +139,19 @@ def _dw_step_ws_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols,
                                         [stride_dw, 1], [BLOCK_C, BLOCK_H], c_layout)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_C], a_layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_H], b_layout)
-    c_bufs = gl.allocate_shared_memory(dw_ptr.dtype.element_ty, [NC, BLOCK_C, BLOCK_H], c_layout)
+    c_buf = gl.allocate_shared_memory(dw_ptr.dtype.element_ty, [BLOCK_C, BLOCK_H], c_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    c_ready = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-    c_empty = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NC):
-        mbarrier.init(c_ready.index(i), count=1)
-        mbarrier.init(c_empty.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
-    if NC == 1:
-        gl.warp_specialize([
-            (_dw_ws_consumer, (a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_empty,
-                               c_desc, n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C,
-                               num_warps, 0)),
-            (_dw_ws_loader, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
-                             c_ready, c_empty, n_valid, n_cblocks, n_hblocks, ACCUMULATE,
-                             GROUP_C)),
-        ], [1], [40])
-    else:   # the second consumer a worker partition of 4 warps: its registers set here
-        gl.warp_specialize([
-            (_dw_ws_consumer, (a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_empty,
-                               c_desc, n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C,
-                               num_warps, 0)),
-            (_dw_ws_consumer, (a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_empty,
-                               c_desc, n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C,
-                               4, 1)),
-            (_dw_ws_loader, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
-                             c_ready, c_empty, n_valid, n_cblocks, n_hblocks, ACCUMULATE,
-                             GROUP_C)),
-        ], [4, 1], [232, 24])
+    mbarrier.init(c_ready, count=1)
+    mbarrier.init(c_empty, count=1)
+    gl.warp_specialize([
+        (_dw_ws_consumer, (a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, c_desc,
+                           n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C, num_warps)),
+        (_dw_ws_loader, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_buf, ready, empty, c_ready,
+                         c_empty, n_valid, n_cblocks, n_hblocks, ACCUMULATE, GROUP_C)),
+    ], [1], [40])

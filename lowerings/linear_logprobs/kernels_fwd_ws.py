@@ -1,25 +1,27 @@
-"""The fused path's forward as a ping-pong warp-specialized Gluon kernel (sm_90 only): the same
-results as kernels._fwd_kernel with STORE_Z and DEVICE_SPLITS (no bias, no softcap), with
-the statistics epilogue of one half of the row block running while the other half's wgmmas
-keep the tensor cores busy, which Triton 3.6 does not build from tl.dot.
+"""The fused path's forward as a warp-specialized Gluon kernel (sm_90 only): the same results
+as kernels._fwd_kernel with STORE_Z and DEVICE_SPLITS (no bias, no softcap), its two row
+halves' statistics epilogues free to run while the other half's wgmmas keep the tensor cores
+busy, which Triton 3.6 does not build from tl.dot.
 
 A program is one row block of BLOCK_N rows and one split of the vocab (fused_cuda.fwd_plan_table,
-read on the device at the block's valid count, as _fwd_kernel reads it). Its rows are two
-halves of BLOCK_N / 2:
+read on the device at the block's valid count, as _fwd_kernel reads it):
 
-  loader (1 warp)        for each vocab tile j of the split, for each active half q: the K
-                         steps' X[half q] and W[tile j] tiles into one STAGES-deep ring
-                         (ready / empty mbarriers), in the order the consumers take them
-  consumer q (4 warps)   half q's rows: async wgmma over its ring positions (one MMA in
-                         flight), then the tile's epilogue (kernels._tile_stats / _tile_out,
-                         compiled as Gluon: one definition of the math) and its stores
+  loader (1 warp)        for each vocab tile j of the split and K step k: X[block, k] and
+                         W[tile j, k] into one STAGES-deep ring (ready / empty mbarriers; a
+                         stage is free once both consumers read it)
+  consumer q (4 warps)   row half q (BLOCK_N / 2 rows of each stage's X tile, the whole W
+                         tile): async wgmma over every ring position (one MMA in flight), then
+                         the tile's epilogue (kernels._tile_stats / _tile_out, compiled as
+                         Gluon: one definition of the math) and its stores
 
-The ring holds consumer 0's tile j, then consumer 1's tile j, then consumer 0's tile j + 1, ...
-so while one consumer runs its epilogue, the other's operands are already arriving and its
-wgmmas run: the ping-pong of CUTLASS's Hopper kernels. The price: each half loads W's tile
-itself (40 KB of operands per 64 x 256 x 64 MMA step, against 48 KB per 128 x 256 x 64 of the
-cooperative Triton kernel). A half with no valid row (a block's tail) loads and computes
-nothing. Legend: n valid rows (count, on the device), H hidden, V vocab, BV = BLOCK_V.
+The two consumers share each stage, so W is loaded once per block as in the cooperative Triton
+kernel (48 KB of operands per 128 x 256 x 64 step). They are not locked together: while one
+runs its epilogue the other's wgmmas run alone and it moves ahead, up to the ring's depth, so
+the epilogues drift apart and overlap the other half's MMAs (a ping-pong that the ring's slack
+allows; one with a W load per half measured 10% slower than _fwd_kernel, H100:
+bench/results/HISTORY.md). A half with no valid row (a block's tail) computes nothing; its
+consumer only passes the stages on.
+Legend: n valid rows (count, on the device), H hidden, V vocab, BV = BLOCK_V.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,40 +40,35 @@ _tile_out = gluon.jit(_k._tile_out.fn)
 
 @gluon.jit
 def _fwd_ws_loader(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, col_begin, n_tiles,
-                   n_halves, k_steps):
-    HALF: gl.constexpr = x_desc.block_type.shape[0]
+                   k_steps):
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     it = 0
     for j in range(n_tiles):
-        for q in range(n_halves):
-            for k in range(k_steps):
-                s = it % STAGES
-                # free once the consumer's MMA that read it retired (first pass: the barriers'
-                # initial phase counts as free)
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(x_desc, [row0 + q * HALF, k * BLOCK_K], bar,
-                                                x_bufs.index(s))
-                tma.async_copy_global_to_shared(w_desc, [col_begin + j * BLOCK_V, k * BLOCK_K],
-                                                bar, w_bufs.index(s))
-                it += 1
+        for k in range(k_steps):
+            s = it % STAGES
+            # free once both consumers' MMAs that read it retired (first pass: the barriers'
+            # initial phase counts as free)
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [row0, k * BLOCK_K], bar, x_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [col_begin + j * BLOCK_V, k * BLOCK_K], bar,
+                                            w_bufs.index(s))
+            it += 1
 
 
 @gluon.jit
-def _fwd_ws_consumer(x_bufs, w_bufs, ready, empty, turn, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr,
-                     z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n, split,
-                     stride_z, n_ztiles, row0, col_begin, n_tiles, n_halves, k_steps,
+def _fwd_ws_consumer(x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, z_ptr,
+                     zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n, split, stride_z,
+                     n_ztiles, row0, col_begin, n_tiles, n_halves, k_steps,
                      WITH_ENTROPY: gl.constexpr, STORE_E: gl.constexpr,
                      E_HEADROOM: gl.constexpr, WHICH: gl.constexpr):
-    """Half WHICH of the row block: its ring positions are (j * n_halves + WHICH) * k_steps on.
-    With two halves the consumers take turns (turn[q]: the other one has waited for its last
-    operands before this tile's): a consumer waiting on a ring position more than STAGES ahead
-    of the last one waited for would see that stage's earlier phase complete (an mbarrier's
-    phase is one parity bit) and read the other half's operands."""
-    HALF: gl.constexpr = x_bufs.type.shape[1]
+    """Row half WHICH of the block over every ring position j * k_steps + k. Neither consumer
+    waits on a position more than STAGES past the other's (a stage is refilled only once both
+    released it), so an mbarrier's one-bit phase never aliases."""
+    HALF: gl.constexpr = x_bufs.type.shape[1] // 2
     BLOCK_V: gl.constexpr = w_bufs.type.shape[1]
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -91,23 +88,19 @@ def _fwd_ws_consumer(x_bufs, w_bufs, ready, empty, turn, ids_ptr, m_ptr, s_ptr, 
             ref = gl.load(ref_ptr + rows, mask=row_mask, other=0.0)
         rows64 = rows.to(gl.int64)
         for j in range(n_tiles):
-            it0 = (j * n_halves + WHICH) * k_steps
+            it0 = j * k_steps
             acc = gl.zeros([HALF, BLOCK_V], gl.float32, acc_layout)
-            if WHICH == 0:   # the other half's previous tile has all its operands
-                mbarrier.wait(turn.index(0), (j + 1) & 1, pred=(j > 0) & (n_halves > 1))
-            else:            # half 0's tile j has all its operands
-                mbarrier.wait(turn.index(1), j & 1)
             for k in range(k_steps):
                 it = it0 + k
                 st = it % STAGES
                 mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-                # W's tile [BV, BK] read as its transpose [BK, BV]: a K-major wgmma B operand
-                acc = warpgroup_mma(x_bufs.index(st), w_bufs.index(st).permute((1, 0)), acc,
-                                    is_async=True)
+                # this half's rows of X's tile; W's tile [BV, BK] read as its transpose
+                # [BK, BV]: a K-major wgmma B operand
+                acc = warpgroup_mma(x_bufs.index(st).slice(WHICH * HALF, HALF),
+                                    w_bufs.index(st).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                # step it - 1's MMA retired: its stage goes back to the loader
+                # step it - 1's MMA retired: this consumer is done with its stage
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
-            mbarrier.arrive(turn.index(1 - WHICH), count=1, pred=n_halves > 1)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((it0 + k_steps - 1) % STAGES), count=1)
             col0 = col_begin + j * BLOCK_V
@@ -125,6 +118,11 @@ def _fwd_ws_consumer(x_bufs, w_bufs, ready, empty, turn, ids_ptr, m_ptr, s_ptr, 
         gl.store(s_ptr + out, s, mask=row_mask)
         gl.store(t_ptr + out, t, mask=row_mask)
         gl.store(zt_ptr + out, zt, mask=row_mask)
+    else:   # no valid row in this half: pass each stage on once it has arrived
+        for it in range(n_tiles * k_steps):
+            st = it % STAGES
+            mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+            mbarrier.arrive(empty.index(st), count=1)
 
 
 @gluon.jit
@@ -155,33 +153,32 @@ def _fwd_ws_kernel(x_ptr, w_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr
     n_halves = gl.minimum(gl.cdiv(n_valid - row0, HALF), 2)
     k_steps = gl.cdiv(H, BLOCK_K)
     dtype: gl.constexpr = x_ptr.dtype.element_ty
-    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_K], dtype)
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_V, BLOCK_K], dtype)
     # operands of max(n, 1) rows (a tensor map has no empty dims); the zero fill past n and V
     # masks the last row half and vocab tile
     x_desc = tma.make_tensor_descriptor(x_ptr, [gl.maximum(n_valid, 1), H], [stride_x, 1],
-                                        [HALF, BLOCK_K], x_layout)
+                                        [BLOCK_N, BLOCK_K], x_layout)
     w_desc = tma.make_tensor_descriptor(w_ptr, [V, H], [stride_w, 1], [BLOCK_V, BLOCK_K],
                                         w_layout)
-    x_bufs = gl.allocate_shared_memory(dtype, [STAGES, HALF, BLOCK_K], x_layout)
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], x_layout)
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_V, BLOCK_K], w_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)   # both consumers release a stage
     gl.warp_specialize([
-        (_fwd_ws_consumer, (x_bufs, w_bufs, ready, empty, turn, ids_ptr, m_ptr, s_ptr, t_ptr,
-                            zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n,
+        (_fwd_ws_consumer, (x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr,
+                            zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0,
+                            out_n,
                             split, stride_z, n_ztiles, row0, col_begin, n_tiles, n_halves,
                             k_steps, WITH_ENTROPY, STORE_E, E_HEADROOM, 0)),
-        (_fwd_ws_consumer, (x_bufs, w_bufs, ready, empty, turn, ids_ptr, m_ptr, s_ptr, t_ptr,
-                            zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n,
+        (_fwd_ws_consumer, (x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr,
+                            zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0,
+                            out_n,
                             split, stride_z, n_ztiles, row0, col_begin, n_tiles, n_halves,
                             k_steps, WITH_ENTROPY, STORE_E, E_HEADROOM, 1)),
         (_fwd_ws_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, col_begin,
-                          n_tiles, n_halves, k_steps)),
+                          n_tiles, k_steps)),
     ], [4, 1], [240, 24])
