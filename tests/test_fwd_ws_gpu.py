@@ -17,9 +17,11 @@ pytestmark = pytest.mark.skipif(
 R, V, H = 256, 1000, 512   # two 128-row blocks; V: a partial last vocab tile
 
 
-def _block_forward(n, scaled, with_entropy, ws_kernel, monkeypatch, seed=0):
-    """(lp, ent, lse, ws, zoff, ref) of block_forward over the first n of R rows."""
+def _block_forward(n, scaled, with_entropy, ws_kernel, monkeypatch, seed=0, tiles=None):
+    """(lp, ent, lse, ws, zoff, ref) of block_forward over the first n of R rows (the Gluon
+    kernel at `tiles`, fused_cuda.FWD_WS_TILES by default)."""
     monkeypatch.setattr(fc, "FWD_WS", ws_kernel)
+    monkeypatch.setattr(fc, "FWD_WS_TILES", tiles or fc.FWD_WS_TILES)
     dense._ensure_allocator()
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(R, H, device="cuda", generator=g).bfloat16()
@@ -36,10 +38,11 @@ def _block_forward(n, scaled, with_entropy, ws_kernel, monkeypatch, seed=0):
     return lp, ent, lse, ws if scaled else fc._z_view(ws), zoff, ref
 
 
+@pytest.mark.parametrize("tiles", [None, (64, 4, 0)], ids=["default", "register-stores"])
 @pytest.mark.parametrize("scaled,with_entropy", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("n", [R, 70, 1])
-def test_matches_the_triton_forward(n, scaled, with_entropy, monkeypatch):
-    got = _block_forward(n, scaled, with_entropy, True, monkeypatch)
+def test_matches_the_triton_forward(n, scaled, with_entropy, tiles, monkeypatch):
+    got = _block_forward(n, scaled, with_entropy, True, monkeypatch, tiles=tiles)
     want = _block_forward(n, scaled, with_entropy, False, monkeypatch)
     names = ("logprobs", "entropy", "lse", "ws", "zoff", "ref")
     for name, a, b in zip(names, got, want):
@@ -50,7 +53,7 @@ def test_matches_the_triton_forward(n, scaled, with_entropy, monkeypatch):
         # the same tile order and fp32 accumulation; the wgmma K order may differ by an ulp
         torch.testing.assert_close(a, b, rtol=2e-2 if name == "ws" else 1e-5, atol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
-    again = _block_forward(n, scaled, with_entropy, True, monkeypatch)
+    again = _block_forward(n, scaled, with_entropy, True, monkeypatch, tiles=tiles)
     for name, a, b in zip(names, got, again):   # bitwise repeatable (ws: V's columns)
         assert torch.equal(a[:n, :V], b[:n, :V]) if name == "ws" else torch.equal(a[:n], b[:n])
 

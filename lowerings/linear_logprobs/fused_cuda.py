@@ -73,12 +73,13 @@ DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES"
 # overlap the other's wgmmas; a TMA loader warp),
 # taken on sm_90 where _fwd_kernel would run with TMA, no bias and no softcap (_fwd_ws_ok).
 # Its row block and vocab tile are cuda.TILES' (the plan table's row blocks and zoff's tiles
-# are theirs); LINEAR_LOGPROBS_FWD_WS_TILES: (BLOCK_K, STAGES). LINEAR_LOGPROBS_FWD_WS=0 keeps
+# are theirs); LINEAR_LOGPROBS_FWD_WS_TILES: (BLOCK_K, STAGES, TMA_STORE: the stored tiles
+# through shared memory and a TMA store, else from registers). LINEAR_LOGPROBS_FWD_WS=0 keeps
 # _fwd_kernel (A/B runs). FWD_WS_MAXNREG: the launch's register cap (the partitions' own
 # counts are set in the kernel: 240 / 248 for the consumers' epilogues, 24 for the loader).
 FWD_WS = os.environ.get("LINEAR_LOGPROBS_FWD_WS", "1") == "1"
 FWD_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_FWD_WS_TILES",
-                                                    "64,4").split(","))
+                                                    "64,3,1").split(","))
 FWD_WS_MAXNREG = 168
 # The dX step's most splits over V (kernels_fused._dx_splits picks S <= DX_SPLITS on the
 # device from the block's valid rows, for a grid of few programs: a block's short tail, or few
@@ -227,12 +228,13 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
             num_warps=rwarps)
     device_splits = dict(plan_ptr=plan, DEVICE_SPLITS=FWD_DEVICE_SPLITS)
     if _fwd_ws_ok(x, bias, softcap, tma):
-        fk, fstages = FWD_WS_TILES
+        fk, fstages, ftma = FWD_WS_TILES
         _fwd_ws_kernel[(n_prog,)](
             xg, w, ids_b, m, s, t, zt, count, rows, v, h, xg.stride(0), w.stride(0), scal[0], 0,
             rows, ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0), ref, plan,
             WITH_ENTROPY=with_entropy, STORE_E=scaled, E_HEADROOM=E_HEADROOM, BLOCK_N=bn,
-            BLOCK_V=bv, BLOCK_K=fk, GROUP_N=_dense.GROUP_N, STAGES=fstages, num_warps=4,
+            BLOCK_V=bv, BLOCK_K=fk, GROUP_N=_dense.GROUP_N, STAGES=fstages, TMA_STORE=bool(ftma),
+            num_warps=4,
             maxnreg=FWD_WS_MAXNREG)
     else:
         _fwd_kernel[(n_prog,)](

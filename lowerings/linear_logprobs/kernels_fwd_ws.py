@@ -25,8 +25,8 @@ Legend: n valid rows (count, on the device), H hidden, V vocab, BV = BLOCK_V.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
 
 from lowerings.linear_logprobs import kernels as _k
 
@@ -60,11 +60,12 @@ def _fwd_ws_loader(x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, col_begin
 
 
 @gluon.jit
-def _fwd_ws_consumer(x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, z_ptr,
+def _fwd_ws_consumer(x_bufs, w_bufs, o_bufs, z_desc, ready, empty, ids_ptr, m_ptr, s_ptr,
+                     t_ptr, zt_ptr, z_ptr,
                      zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n, split, stride_z,
                      n_ztiles, row0, col_begin, n_tiles, n_halves, k_steps,
                      WITH_ENTROPY: gl.constexpr, STORE_E: gl.constexpr,
-                     E_HEADROOM: gl.constexpr, WHICH: gl.constexpr):
+                     E_HEADROOM: gl.constexpr, TMA_STORE: gl.constexpr, WHICH: gl.constexpr):
     """Row half WHICH of the block over every ring position j * k_steps + k. Neither consumer
     waits on a position more than STAGES past the other's (a stage is refilled only once both
     released it), so an mbarrier's one-bit phase never aliases."""
@@ -109,15 +110,25 @@ def _fwd_ws_consumer(x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr,
             z = gl.where(col_mask[None, :], acc * inv_temp, float("-inf"))
             m, s, t, zt, m_sh, d, e = _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY)
             val, r_t = _tile_out(d, e, m_sh, ref, STORE_E, E_HEADROOM)
-            zmask = row_mask[:, None] & col_mask[None, :]
-            gl.store(z_ptr + rows64[:, None] * stride_z + cols[None, :],
-                     val.to(z_ptr.dtype.element_ty), mask=zmask)
+            if TMA_STORE:   # through this half's smem tile: 16-byte bulk writes
+                o_buf = o_bufs.index(WHICH)
+                tma.store_wait(0)   # its previous tile has left o_buf
+                o_buf.store(val.to(z_ptr.dtype.element_ty))
+                fence_async_shared()
+                # rows past n and columns past V fall outside z_desc: not written
+                tma.async_copy_shared_to_global(z_desc, [row0 + WHICH * HALF, col0], o_buf)
+            else:           # from the MMA's registers (4-byte pieces of each row)
+                zmask = row_mask[:, None] & col_mask[None, :]
+                gl.store(z_ptr + rows64[:, None] * stride_z + cols[None, :],
+                         val.to(z_ptr.dtype.element_ty), mask=zmask)
             gl.store(zoff_ptr + rows64 * n_ztiles + col0 // BLOCK_V, r_t, mask=row_mask)
         out = split.to(gl.int64) * out_n + out_row0 + rows
         gl.store(m_ptr + out, m, mask=row_mask)
         gl.store(s_ptr + out, s, mask=row_mask)
         gl.store(t_ptr + out, t, mask=row_mask)
         gl.store(zt_ptr + out, zt, mask=row_mask)
+        if TMA_STORE:
+            tma.store_wait(0)
     else:   # no valid row in this half: pass each stage on once it has arrived
         for it in range(n_tiles * k_steps):
             st = it % STAGES
@@ -131,7 +142,7 @@ def _fwd_ws_kernel(x_ptr, w_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr
                    n_ztiles, ref_ptr, plan_ptr, WITH_ENTROPY: gl.constexpr,
                    STORE_E: gl.constexpr, E_HEADROOM: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_V: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_N: gl.constexpr,
-                   STAGES: gl.constexpr, num_warps: gl.constexpr):
+                   STAGES: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
     """kernels._fwd_kernel's contract with HAS_COUNT, STORE_Z, DEVICE_SPLITS, USE_TMA and no
     bias or softcap (fused_cuda.block_forward launches it in its place on sm_90): the same
     grid (the plan table's largest nb * S programs; those past the block's valid row blocks
@@ -163,22 +174,29 @@ def _fwd_ws_kernel(x_ptr, w_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr
                                         w_layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], x_layout)
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_V, BLOCK_K], w_layout)
+    z_dtype: gl.constexpr = z_ptr.dtype.element_ty
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_V], z_dtype)
+    # TMA_STORE: each half's stored tile goes through its own smem tile [HALF, BV]
+    o_bufs = gl.allocate_shared_memory(z_dtype, [2 if TMA_STORE else 1, HALF, BLOCK_V],
+                                       o_layout)
+    z_desc = tma.make_tensor_descriptor(z_ptr, [gl.maximum(n_valid, 1), V], [stride_z, 1],
+                                        [HALF, BLOCK_V], o_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)   # both consumers release a stage
     gl.warp_specialize([
-        (_fwd_ws_consumer, (x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr,
-                            zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0,
-                            out_n,
-                            split, stride_z, n_ztiles, row0, col_begin, n_tiles, n_halves,
-                            k_steps, WITH_ENTROPY, STORE_E, E_HEADROOM, 0)),
-        (_fwd_ws_consumer, (x_bufs, w_bufs, ready, empty, ids_ptr, m_ptr, s_ptr, t_ptr,
-                            zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0,
-                            out_n,
-                            split, stride_z, n_ztiles, row0, col_begin, n_tiles, n_halves,
-                            k_steps, WITH_ENTROPY, STORE_E, E_HEADROOM, 1)),
+        (_fwd_ws_consumer, (x_bufs, w_bufs, o_bufs, z_desc, ready, empty, ids_ptr, m_ptr,
+                            s_ptr, t_ptr, zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V,
+                            inv_temp, out_row0, out_n, split, stride_z, n_ztiles, row0,
+                            col_begin, n_tiles, n_halves,
+                            k_steps, WITH_ENTROPY, STORE_E, E_HEADROOM, TMA_STORE, 0)),
+        (_fwd_ws_consumer, (x_bufs, w_bufs, o_bufs, z_desc, ready, empty, ids_ptr, m_ptr,
+                            s_ptr, t_ptr, zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V,
+                            inv_temp, out_row0, out_n, split, stride_z, n_ztiles, row0,
+                            col_begin, n_tiles, n_halves,
+                            k_steps, WITH_ENTROPY, STORE_E, E_HEADROOM, TMA_STORE, 1)),
         (_fwd_ws_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, col_begin,
                           n_tiles, k_steps)),
     ], [4, 1], [240, 24])
