@@ -24,7 +24,8 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
                                         (rows past n exit),
                                         the K = V loop split S ways when the grid is small
                    _dx_split_reduce_kernel  (S > 1) the splits' fp32 partials summed into dX
-                   (sm_90: the dW step is kernels_dw_ws._dw_step_ws_kernel, same contract)
+                   (sm_90: the dW step is kernels_dw_ws._dw_step_ws_kernel, same contract;
+                   with FWD_WS, off by default, the forward kernels_fwd_ws._fwd_ws_kernel)
 
 Every kernel stops at n, so a block's cost is that of its valid rows (2 + 4 = 6 n H V FLOPs).
 """
@@ -70,14 +71,17 @@ DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES"
                                                    "128,256,64,3,8,168").split(","))
 # The forward as a warp-specialized Gluon kernel (kernels_fwd_ws: two 4-warp consumers on the
 # row block's halves sharing each operand stage, their epilogues free to drift apart and
-# overlap the other's wgmmas; a TMA loader warp),
-# taken on sm_90 where _fwd_kernel would run with TMA, no bias and no softcap (_fwd_ws_ok).
+# overlap the other's wgmmas; a TMA loader warp), where _fwd_kernel would run with TMA, no bias
+# and no softcap on sm_90 (_fwd_ws_ok). OFF by default: H100, qwen3-8b 39% valid
+# (bench_fused, twice each in one call, bench/results/fwd_ws_h100.txt) its forward takes
+# 12.27 / 12.59 ms against _fwd_kernel's 11.80 / 11.82 (register stores: 12.47; a W load per
+# half, true ping-pong: 13.5). LINEAR_LOGPROBS_FWD_WS=1 takes it (the next attempt's A/B).
 # Its row block and vocab tile are cuda.TILES' (the plan table's row blocks and zoff's tiles
 # are theirs); LINEAR_LOGPROBS_FWD_WS_TILES: (BLOCK_K, STAGES, TMA_STORE: the stored tiles
-# through shared memory and a TMA store, else from registers). LINEAR_LOGPROBS_FWD_WS=0 keeps
-# _fwd_kernel (A/B runs). FWD_WS_MAXNREG: the launch's register cap (the partitions' own
-# counts are set in the kernel: 240 / 248 for the consumers' epilogues, 24 for the loader).
-FWD_WS = os.environ.get("LINEAR_LOGPROBS_FWD_WS", "1") == "1"
+# through shared memory and a TMA store, else from registers). FWD_WS_MAXNREG: the launch's
+# register cap (the partitions' own counts are set in the kernel: 240 / 248 for the
+# consumers' epilogues, 24 for the loader).
+FWD_WS = os.environ.get("LINEAR_LOGPROBS_FWD_WS", "0") == "1"
 FWD_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_FWD_WS_TILES",
                                                     "64,3,1").split(","))
 FWD_WS_MAXNREG = 168
@@ -185,8 +189,8 @@ def _dw_ws_ok(ws: Tensor, tma_out: bool) -> bool:
 
 
 def _fwd_ws_ok(x: Tensor, bias: Optional[Tensor], softcap: Optional[float], tma: bool) -> bool:
-    """Whether the fused forward runs as the Gluon kernel (FWD_WS): 16-bit TMA operands, no
-    bias, no softcap, the device's splits (FWD_DEVICE_SPLITS), an sm_90 device."""
+    """Whether the fused forward runs as the Gluon kernel (FWD_WS, off by default): 16-bit TMA
+    operands, no bias, no softcap, the device's splits (FWD_DEVICE_SPLITS), an sm_90 device."""
     return (FWD_WS and tma and bias is None and softcap is None and FWD_DEVICE_SPLITS
             and x.element_size() == 2 and x.is_cuda and _hopper(x.device.index))
 

@@ -21,6 +21,10 @@ the epilogues drift apart and overlap the other half's MMAs (a ping-pong that th
 allows; one with a W load per half measured 10% slower than _fwd_kernel, H100:
 bench/results/HISTORY.md). A half with no valid row (a block's tail) computes nothing; its
 consumer only passes the stages on.
+Not the default (fused_cuda.FWD_WS): on an H100 at the qwen3-8b shape it takes 12.3-12.6 ms a
+step's forwards against _fwd_kernel's 11.8 (bench/results/fwd_ws_h100.txt). It is kept, tested
+(tests/test_fwd_ws_gpu.py) and built for sm_90 in CI (aot_check), as the starting point of the
+next schedule: what it lacks against Triton's 8-warp kernel is not yet known (HISTORY.md).
 Legend: n valid rows (count, on the device), H hidden, V vocab, BV = BLOCK_V.
 """
 from triton.experimental import gluon
@@ -144,7 +148,7 @@ def _fwd_ws_kernel(x_ptr, w_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr
                    BLOCK_V: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_N: gl.constexpr,
                    STAGES: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
     """kernels._fwd_kernel's contract with HAS_COUNT, STORE_Z, DEVICE_SPLITS, USE_TMA and no
-    bias or softcap (fused_cuda.block_forward launches it in its place on sm_90): the same
+    bias or softcap (fused_cuda.block_forward launches it in its place with FWD_WS): the same
     grid (the plan table's largest nb * S programs; those past the block's valid row blocks
     exit), the same [S, out_n] statistics, the same stored tile values and zoff references.
     num_warps = 4: consumer 0 (the default partition); consumer 1 and the loader are workers."""
