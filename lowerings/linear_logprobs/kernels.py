@@ -105,6 +105,23 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
 
 
 @triton.jit
+def _plan_split(count_ptr, out_row0, N, plan_ptr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                GROUP_N: tl.constexpr):
+    """(n, pid_n, split, cols_per_split, programs) of a DEVICE_SPLITS forward program: the
+    block's valid rows n (count on the device), its nb = cdiv(n, BLOCK_N) row blocks' plan
+    [nb] = (S, columns per split) (fused_cuda.fwd_plan_table), this program's row block and
+    split, and how many programs work (nb S; the grid's others exit)."""
+    n_valid = _valid_rows(count_ptr, out_row0, N, True)
+    nb = tl.cdiv(n_valid, BLOCK_N)
+    n_spl = tl.load(plan_ptr + 2 * nb)
+    # whole BLOCK_V tiles, as the launcher's divisibility specialization of the argument
+    # told the compiler (without the hint the fused forward spills ~1.3-4.4 KB a thread)
+    cols_per_split = tl.multiple_of(tl.load(plan_ptr + 2 * nb + 1), BLOCK_V)
+    pid_n, split = _swizzle_id(tl.program_id(0), nb, n_spl, GROUP_N)
+    return n_valid, pid_n, split, cols_per_split, nb * n_spl
+
+
+@triton.jit
 def _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY: tl.constexpr):
     """One logits tile z [BN, BV] fp32 (-inf on masked columns) folded into its rows' running
     statistics: (m, s, t, zt, m_sh, d, e) with m the max, s = sum e^(z - m),
@@ -172,17 +189,13 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     nb = cdiv(n, BLOCK_N), read on the device from plan [nb] = (S, columns per split)
     (fused_cuda.fwd_plan_table), so a block with few valid rows still fills the GPU; cols_per_split,
     n_blocks and n_splits are then unused and the grid is the table's largest nb * S."""
-    n_valid = _valid_rows(count_ptr, out_row0, N, HAS_COUNT)
     if DEVICE_SPLITS:   # the splits of this many valid row blocks (fused_cuda.fwd_plan_table)
-        nb = tl.cdiv(n_valid, BLOCK_N)
-        n_spl = tl.load(plan_ptr + 2 * nb)
-        # whole BLOCK_V tiles, as the launcher's divisibility specialization of the argument
-        # told the compiler (without the hint the fused forward spills ~1.3-4.4 KB a thread)
-        cols_per_split = tl.multiple_of(tl.load(plan_ptr + 2 * nb + 1), BLOCK_V)
-        if tl.program_id(0) >= nb * n_spl:
+        n_valid, pid_n, split, cols_per_split, programs = _plan_split(
+            count_ptr, out_row0, N, plan_ptr, BLOCK_N, BLOCK_V, GROUP_N)
+        if tl.program_id(0) >= programs:
             return
-        pid_n, split = _swizzle_id(tl.program_id(0), nb, n_spl, GROUP_N)
     else:
+        n_valid = _valid_rows(count_ptr, out_row0, N, HAS_COUNT)
         pid_n, split = _swizzle(n_blocks, n_splits, GROUP_N)
         if pid_n * BLOCK_N >= n_valid:
             return

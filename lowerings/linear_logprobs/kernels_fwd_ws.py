@@ -34,10 +34,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from lowerings.linear_logprobs import kernels as _k
 
-# kernels.py's helpers compiled as Gluon functions: the valid rows, the tile order, and the
+# kernels.py's helpers compiled as Gluon functions: the program's rows and split, and the
 # epilogue's statistics and stored values (one definition each)
-_valid_rows = gluon.jit(_k._valid_rows.fn)
-_tile_of = gluon.jit(_k._swizzle_id.fn)
+_plan_split = gluon.jit(_k._plan_split.fn)
 _tile_stats = gluon.jit(_k._tile_stats.fn)
 _tile_out = gluon.jit(_k._tile_out.fn)
 
@@ -152,13 +151,10 @@ def _fwd_ws_kernel(x_ptr, w_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr
     grid (the plan table's largest nb * S programs; those past the block's valid row blocks
     exit), the same [S, out_n] statistics, the same stored tile values and zoff references.
     num_warps = 4: consumer 0 (the default partition); consumer 1 and the loader are workers."""
-    n_valid = _valid_rows(count_ptr, out_row0, N, True)
-    nb = gl.cdiv(n_valid, BLOCK_N)
-    n_spl = gl.load(plan_ptr + 2 * nb)
-    cols_per_split = gl.multiple_of(gl.load(plan_ptr + 2 * nb + 1), BLOCK_V)
-    if gl.program_id(0) >= nb * n_spl:
+    n_valid, pid_n, split, cols_per_split, programs = _plan_split(
+        count_ptr, out_row0, N, plan_ptr, BLOCK_N, BLOCK_V, GROUP_N)
+    if gl.program_id(0) >= programs:
         return
-    pid_n, split = _tile_of(gl.program_id(0), nb, n_spl, GROUP_N)
     HALF: gl.constexpr = BLOCK_N // 2
     row0 = pid_n * BLOCK_N
     col_begin = split * cols_per_split
