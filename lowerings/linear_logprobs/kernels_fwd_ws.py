@@ -17,10 +17,11 @@ read on the device at the block's valid count, as _fwd_kernel reads it):
 The two consumers share each stage, so W is loaded once per block as in the cooperative Triton
 kernel (48 KB of operands per 128 x 256 x 64 step). They are not locked together: while one
 runs its epilogue the other's wgmmas run alone and it moves ahead, up to the ring's depth, so
-the epilogues drift apart and overlap the other half's MMAs (a ping-pong that the ring's slack
-allows; one with a W load per half measured 10% slower than _fwd_kernel, H100:
-bench/results/HISTORY.md). A half with no valid row (a block's tail) computes nothing; its
-consumer only passes the stages on.
+the epilogues can drift apart and overlap the other half's MMAs (the intent: a ping-pong within
+the ring's slack; whether they do was not measured. One with a W load per half, a strict
+ping-pong, measured 8-14% slower than _fwd_kernel, H100: bench/results/HISTORY.md). A half with
+no valid row (a block's tail) computes nothing; its consumer only passes the stages on.
+
 Not the default (fused_cuda.FWD_WS): on an H100 at the qwen3-8b shape it takes 12.3-12.6 ms a
 step's forwards against _fwd_kernel's 11.8 (bench/results/fwd_ws_h100.txt). It is kept, tested
 (tests/test_fwd_ws_gpu.py) and built for sm_90 in CI (aot_check), as the starting point of the
