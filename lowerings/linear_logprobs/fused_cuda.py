@@ -238,8 +238,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
             rows, ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0), ref, plan,
             WITH_ENTROPY=with_entropy, STORE_E=scaled, E_HEADROOM=E_HEADROOM, BLOCK_N=bn,
             BLOCK_V=bv, BLOCK_K=fk, GROUP_N=_dense.GROUP_N, STAGES=fstages, TMA_STORE=bool(ftma),
-            num_warps=4,
-            maxnreg=FWD_WS_MAXNREG)
+            num_warps=4, maxnreg=FWD_WS_MAXNREG)
     else:
         _fwd_kernel[(n_prog,)](
             xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
