@@ -1,8 +1,8 @@
 """The fused path's warp-specialized Gluon forward (kernels_fwd_ws, sm_90; skipped elsewhere) against
 the Triton forward it replaces (kernels._fwd_kernel), through fused_cuda.block_forward: the
 block's log-probs, entropy and lse, the stored tile values and their zoff references, for a
-full block, a block whose last row half has no valid row, and one valid row; bitwise
-repeatable."""
+full block, a block whose last row half has no valid row, and one valid row, with one 8-warp
+consumer (the default tiles) and with two of 4 warps; bitwise repeatable."""
 import pytest
 import torch
 
@@ -38,7 +38,8 @@ def _block_forward(n, scaled, with_entropy, ws_kernel, monkeypatch, seed=0, tile
     return lp, ent, lse, ws if scaled else fc._z_view(ws), zoff, ref
 
 
-@pytest.mark.parametrize("tiles", [None, (64, 4, 0)], ids=["default", "register-stores"])
+@pytest.mark.parametrize("tiles", [None, (64, 4, 0, 1), (64, 3, 1, 2), (64, 4, 0, 2)],
+                         ids=["default", "register-stores", "two-consumers", "two-consumers-regs"])
 @pytest.mark.parametrize("scaled,with_entropy", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("n", [R, 70, 1])
 def test_matches_the_triton_forward(n, scaled, with_entropy, tiles, monkeypatch):

@@ -91,13 +91,15 @@ def cases():
         yield (f"forward, fused, STORE_E, WITH_ENTROPY={ent}", k._fwd_kernel,
                dict(logit, **fused_fwd, WITH_ENTROPY=ent, HAS_COUNT=True, STORE_Z=True,
                     STORE_E=True, FLATTEN=dense.FWD_FLATTEN), warps, stages)
-    fbk, fstages, ftma = fc.FWD_WS_TILES   # the warp-specialized Gluon forward (sm_90)
-    for ent, store_e in ((True, True), (False, True), (True, False)):
-        yield (f"forward, warp-specialized (Gluon), STORE_E={store_e}, WITH_ENTROPY={ent}",
-               kfwd_ws._fwd_ws_kernel,
+    fbk, fstages, ftma, fnc = fc.FWD_WS_TILES   # the warp-specialized Gluon forward (sm_90)
+    for ent, store_e, nc in ((True, True, fnc), (False, True, fnc), (True, False, fnc),
+                             (False, True, 3 - fnc)):
+        yield (f"forward, warp-specialized (Gluon), STORE_E={store_e}, WITH_ENTROPY={ent}, "
+               f"NC={nc}", kfwd_ws._fwd_ws_kernel,
                dict(WITH_ENTROPY=ent, STORE_E=store_e, E_HEADROOM=fc.E_HEADROOM, BLOCK_N=bn,
                     BLOCK_V=bv, BLOCK_K=fbk, GROUP_N=dense.GROUP_N, STAGES=fstages,
-                    TMA_STORE=bool(ftma), num_warps=4), 4, fc.FWD_WS_MAXNREG)
+                    TMA_STORE=bool(ftma), NC=nc, num_warps=8 // nc), 8 // nc,
+               fc.FWD_WS_MAXNREG)
     yield ("forward, recompute", k._fwd_kernel,
            dict(logit, **recompute, HAS_COUNT=False, STORE_Z=False, FLATTEN=dense.FWD_FLATTEN),
            warps, stages)

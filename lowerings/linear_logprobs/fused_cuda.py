@@ -69,21 +69,21 @@ DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
 DW_WS = os.environ.get("LINEAR_LOGPROBS_DW_WS", "1") == "1"
 DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES",
                                                    "128,256,64,3,8,168").split(","))
-# The forward as a warp-specialized Gluon kernel (kernels_fwd_ws: two 4-warp consumers on the
-# row block's halves sharing each operand stage, their epilogues free to drift apart and
-# overlap the other's wgmmas; a TMA loader warp), where _fwd_kernel would run with TMA, no bias
-# and no softcap on sm_90 (_fwd_ws_ok). OFF by default: H100, qwen3-8b 39% valid
-# (bench_fused, twice each in one call, bench/results/fwd_ws_h100.txt) its forward takes
-# 12.27 / 12.59 ms against _fwd_kernel's 11.80 / 11.82 (register stores: 12.47; a W load per
-# half, true ping-pong: 13.5). LINEAR_LOGPROBS_FWD_WS=1 takes it (the next attempt's A/B).
+# The forward as a warp-specialized Gluon kernel (kernels_fwd_ws: a TMA loader warp feeding one
+# 8-warp consumer, or two 4-warp consumers on the row block's halves sharing each operand
+# stage), where _fwd_kernel would run with TMA, no bias and no softcap on sm_90 (_fwd_ws_ok).
+# OFF by default: H100, qwen3-8b 39% valid, Nsight Compute cycles a full 2048-row block
+# (bench/results/ncu_h100_7a873e1.txt): _fwd_kernel 5.49 M, one consumer 5.53 M, two 5.66 M;
+# bench_fused in turns, one call: steps 37.82 / 37.83 ms with _fwd_kernel, 38.03 / 37.95 with
+# one consumer (bench/results/fwd_ws_h100.txt). LINEAR_LOGPROBS_FWD_WS=1 takes it (A/B runs).
 # Its row block and vocab tile are cuda.TILES' (the plan table's row blocks and zoff's tiles
 # are theirs); LINEAR_LOGPROBS_FWD_WS_TILES: (BLOCK_K, STAGES, TMA_STORE: the stored tiles
-# through shared memory and a TMA store, else from registers). FWD_WS_MAXNREG: the launch's
-# register cap (the partitions' own counts are set in the kernel: 240 / 248 for the
-# consumers' epilogues, 24 for the loader).
+# through shared memory and a TMA store, else from registers; NC: 1 consumer of 8 warps on the
+# whole block, or 2 of 4 warps on its halves). FWD_WS_MAXNREG: the launch's register cap (the
+# partitions' own counts are set in the kernel: 240 for the consumers, 24 for the loader).
 FWD_WS = os.environ.get("LINEAR_LOGPROBS_FWD_WS", "0") == "1"
 FWD_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_FWD_WS_TILES",
-                                                    "64,3,1").split(","))
+                                                    "64,3,1,1").split(","))
 FWD_WS_MAXNREG = 168
 # The dX step's most splits over V (kernels_fused._dx_splits picks S <= DX_SPLITS on the
 # device from the block's valid rows, for a grid of few programs: a block's short tail, or few
@@ -232,13 +232,13 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
             num_warps=rwarps)
     device_splits = dict(plan_ptr=plan, DEVICE_SPLITS=FWD_DEVICE_SPLITS)
     if _fwd_ws_ok(x, bias, softcap, tma):
-        fk, fstages, ftma = FWD_WS_TILES
+        fk, fstages, ftma, fnc = FWD_WS_TILES
         _fwd_ws_kernel[(n_prog,)](
             xg, w, ids_b, m, s, t, zt, count, rows, v, h, xg.stride(0), w.stride(0), scal[0], 0,
             rows, ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0), ref, plan,
             WITH_ENTROPY=with_entropy, STORE_E=scaled, E_HEADROOM=E_HEADROOM, BLOCK_N=bn,
             BLOCK_V=bv, BLOCK_K=fk, GROUP_N=_dense.GROUP_N, STAGES=fstages, TMA_STORE=bool(ftma),
-            num_warps=4, maxnreg=FWD_WS_MAXNREG)
+            NC=fnc, num_warps=8 // fnc, maxnreg=FWD_WS_MAXNREG)
     else:
         _fwd_kernel[(n_prog,)](
             xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,

@@ -1,31 +1,33 @@
 """The fused path's forward as a warp-specialized Gluon kernel (sm_90 only): the same results
-as kernels._fwd_kernel with STORE_Z and DEVICE_SPLITS (no bias, no softcap), its two row
-halves' statistics epilogues free to run while the other half's wgmmas keep the tensor cores
-busy, which Triton 3.6 does not build from tl.dot.
+as kernels._fwd_kernel with STORE_Z and DEVICE_SPLITS (no bias, no softcap), its operand stages
+fed by a TMA loader warp instead of the consumer's warps synchronizing at every K step.
 
 A program is one row block of BLOCK_N rows and one split of the vocab (fused_cuda.fwd_plan_table,
 read on the device at the block's valid count, as _fwd_kernel reads it):
 
   loader (1 warp)        for each vocab tile j of the split and K step k: X[block, k] and
                          W[tile j, k] into one STAGES-deep ring (ready / empty mbarriers; a
-                         stage is free once both consumers read it)
-  consumer q (4 warps)   row half q (BLOCK_N / 2 rows of each stage's X tile, the whole W
-                         tile): async wgmma over every ring position (one MMA in flight), then
+                         stage is free once every consumer read it)
+  consumer q of NC       rows [q, q + 1) * BLOCK_N / NC of each stage's X tile, the whole W
+                         tile: async wgmma over every ring position (one MMA in flight), then
                          the tile's epilogue (kernels._tile_stats / _tile_out, compiled as
                          Gluon: one definition of the math) and its stores
 
-The two consumers share each stage, so W is loaded once per block as in the cooperative Triton
-kernel (48 KB of operands per 128 x 256 x 64 step). They are not locked together: while one
-runs its epilogue the other's wgmmas run alone and it moves ahead, up to the ring's depth, so
-the epilogues can drift apart and overlap the other half's MMAs (the intent: a ping-pong within
-the ring's slack; whether they do was not measured. One with a W load per half, a strict
-ping-pong, measured 8-14% slower than _fwd_kernel, H100: bench/results/HISTORY.md). A half with
-no valid row (a block's tail) computes nothing; its consumer only passes the stages on.
+NC = 1 (the default tiles): one 8-warp consumer, Triton's schedule with the loader warp. NC = 2:
+two 4-warp consumers on the block's halves that share each stage (W loaded once per block, 48 KB
+of operands per 128 x 256 x 64 step), free to drift apart by up to the ring's depth, so one
+half's epilogue may run under the other's wgmmas; a half with no valid row (a block's tail)
+only passes the stages on.
 
-Not the default (fused_cuda.FWD_WS): on an H100 at the qwen3-8b shape it takes 12.3-12.6 ms a
-step's forwards against _fwd_kernel's 11.8 (bench/results/fwd_ws_h100.txt). It is kept, tested
-(tests/test_fwd_ws_gpu.py) and built for sm_90 in CI (aot_check), as the starting point of the
-next schedule: what it lacks against Triton's 8-warp kernel is not yet known (HISTORY.md).
+Not the default (fused_cuda.FWD_WS). Nsight Compute on an H100 (qwen3-8b, one full 2048-row
+block, bench/results/ncu_h100_7a873e1.txt): _fwd_kernel 5.49 M cycles, NC = 1 5.53 M, NC = 2
+5.66 M, the tensor pipe ~86 / 85 / 83% busy; the step in turns is level or slower
+(bench/results/fwd_ws_h100.txt). What all three lose against cuBLAS's plain logits GEMM (5.01 M
+cycles a block, ~96% busy) is the statistics epilogue, which no variant overlaps with the MMAs:
+a 128 x 256 fp32 accumulator takes half the register file, so a second one for the next tile
+does not fit, and the halves' drift (NC = 2) is bounded by the three 48 KB stages that fit in
+shared memory beside the store tile (HISTORY.md). A one-bit mbarrier phase: no consumer waits on
+a ring position more than STAGES past another's (a stage is refilled only once all released it).
 Legend: n valid rows (count, on the device), H hidden, V vocab, BV = BLOCK_V.
 """
 from triton.experimental import gluon
@@ -69,15 +71,17 @@ def _fwd_ws_consumer(x_bufs, w_bufs, o_bufs, z_desc, ready, empty, ids_ptr, m_pt
                      zoff_ptr, ref_ptr, n_valid, V, inv_temp, out_row0, out_n, split, stride_z,
                      n_ztiles, row0, col_begin, n_tiles, n_halves, k_steps,
                      WITH_ENTROPY: gl.constexpr, STORE_E: gl.constexpr,
-                     E_HEADROOM: gl.constexpr, TMA_STORE: gl.constexpr, WHICH: gl.constexpr):
-    """Row half WHICH of the block over every ring position j * k_steps + k. Neither consumer
-    waits on a position more than STAGES past the other's (a stage is refilled only once both
-    released it), so an mbarrier's one-bit phase never aliases."""
-    HALF: gl.constexpr = x_bufs.type.shape[1] // 2
+                     E_HEADROOM: gl.constexpr, TMA_STORE: gl.constexpr, WHICH: gl.constexpr,
+                     NC: gl.constexpr):
+    """Row part WHICH of NC (BLOCK_N / NC rows, on this partition's warps: 4 a 64-row part)
+    over every ring position j * k_steps + k. Neither consumer waits on a position more than
+    STAGES past the other's (a stage is refilled only once both released it), so an mbarrier's
+    one-bit phase never aliases."""
+    HALF: gl.constexpr = x_bufs.type.shape[1] // NC
     BLOCK_V: gl.constexpr = w_bufs.type.shape[1]
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_V, 16])
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_V, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     if WHICH < n_halves:
@@ -146,23 +150,27 @@ def _fwd_ws_kernel(x_ptr, w_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr
                    n_ztiles, ref_ptr, plan_ptr, WITH_ENTROPY: gl.constexpr,
                    STORE_E: gl.constexpr, E_HEADROOM: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_V: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_N: gl.constexpr,
-                   STAGES: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
+                   STAGES: gl.constexpr, TMA_STORE: gl.constexpr, NC: gl.constexpr,
+                   num_warps: gl.constexpr):
     """kernels._fwd_kernel's contract with HAS_COUNT, STORE_Z, DEVICE_SPLITS, USE_TMA and no
     bias or softcap (fused_cuda.block_forward launches it in its place with FWD_WS): the same
     grid (the plan table's largest nb * S programs; those past the block's valid row blocks
     exit), the same [S, out_n] statistics, the same stored tile values and zoff references.
-    num_warps = 4: consumer 0 (the default partition); consumer 1 and the loader are workers."""
+    NC = 2 (num_warps = 4): consumer 0 (the default partition) on rows [0, BLOCK_N / 2),
+    consumer 1 and the loader are workers; NC = 1 (num_warps = 8): one consumer on the whole
+    row block (Triton's 8-warp schedule, its stages fed by the loader warp instead of
+    synchronizing its warps every K step), and the loader."""
     n_valid, pid_n, split, cols_per_split, programs = _plan_split(
         count_ptr, out_row0, N, plan_ptr, BLOCK_N, BLOCK_V, GROUP_N)
     if gl.program_id(0) >= programs:
         return
-    HALF: gl.constexpr = BLOCK_N // 2
+    HALF: gl.constexpr = BLOCK_N // NC
     row0 = pid_n * BLOCK_N
     col_begin = split * cols_per_split
     # the split's tiles that hold a column < V (the first always does; tiles wholly past V, in
     # the last split, change no statistic and have no zoff slot: _fwd_kernel masks them out)
     n_tiles = gl.cdiv(gl.minimum(cols_per_split, V - col_begin), BLOCK_V)
-    n_halves = gl.minimum(gl.cdiv(n_valid - row0, HALF), 2)
+    n_halves = gl.minimum(gl.cdiv(n_valid - row0, HALF), NC)
     k_steps = gl.cdiv(H, BLOCK_K)
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
@@ -177,27 +185,42 @@ def _fwd_ws_kernel(x_ptr, w_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_V, BLOCK_K], w_layout)
     z_dtype: gl.constexpr = z_ptr.dtype.element_ty
     o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_V], z_dtype)
-    # TMA_STORE: each half's stored tile goes through its own smem tile [HALF, BV]
-    o_bufs = gl.allocate_shared_memory(z_dtype, [2 if TMA_STORE else 1, HALF, BLOCK_V],
-                                       o_layout)
+    # TMA_STORE: each part's stored tile goes through its own smem tile [HALF, BV] (else a
+    # token buffer: the consumers store from registers)
+    O_ROWS: gl.constexpr = HALF if TMA_STORE else 8
+    o_bufs = gl.allocate_shared_memory(z_dtype, [NC if TMA_STORE else 1, O_ROWS, BLOCK_V],
+                                       gl.NVMMASharedLayout.get_default_for([O_ROWS, BLOCK_V],
+                                                                            z_dtype))
     z_desc = tma.make_tensor_descriptor(z_ptr, [gl.maximum(n_valid, 1), V], [stride_z, 1],
                                         [HALF, BLOCK_V], o_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)   # both consumers release a stage
-    gl.warp_specialize([
-        (_fwd_ws_consumer, (x_bufs, w_bufs, o_bufs, z_desc, ready, empty, ids_ptr, m_ptr,
-                            s_ptr, t_ptr, zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V,
-                            inv_temp, out_row0, out_n, split, stride_z, n_ztiles, row0,
-                            col_begin, n_tiles, n_halves,
-                            k_steps, WITH_ENTROPY, STORE_E, E_HEADROOM, TMA_STORE, 0)),
-        (_fwd_ws_consumer, (x_bufs, w_bufs, o_bufs, z_desc, ready, empty, ids_ptr, m_ptr,
-                            s_ptr, t_ptr, zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V,
-                            inv_temp, out_row0, out_n, split, stride_z, n_ztiles, row0,
-                            col_begin, n_tiles, n_halves,
-                            k_steps, WITH_ENTROPY, STORE_E, E_HEADROOM, TMA_STORE, 1)),
-        (_fwd_ws_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, col_begin,
-                          n_tiles, k_steps)),
-    ], [4, 1], [240, 24])
+        mbarrier.init(empty.index(i), count=NC)   # every consumer releases a stage
+    # (the partitions' argument lists spelled out: a Gluon kernel builds no tuple of functions)
+    if NC == 2:
+        gl.warp_specialize([
+            (_fwd_ws_consumer, (x_bufs, w_bufs, o_bufs, z_desc, ready, empty, ids_ptr, m_ptr,
+                                s_ptr, t_ptr, zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V,
+                                inv_temp, out_row0, out_n, split, stride_z, n_ztiles, row0,
+                                col_begin, n_tiles, n_halves, k_steps, WITH_ENTROPY, STORE_E,
+                                E_HEADROOM, TMA_STORE, 0, NC)),
+            (_fwd_ws_consumer, (x_bufs, w_bufs, o_bufs, z_desc, ready, empty, ids_ptr, m_ptr,
+                                s_ptr, t_ptr, zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V,
+                                inv_temp, out_row0, out_n, split, stride_z, n_ztiles, row0,
+                                col_begin, n_tiles, n_halves, k_steps, WITH_ENTROPY, STORE_E,
+                                E_HEADROOM, TMA_STORE, 1, NC)),
+            (_fwd_ws_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, col_begin,
+                              n_tiles, k_steps)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_fwd_ws_consumer, (x_bufs, w_bufs, o_bufs, z_desc, ready, empty, ids_ptr, m_ptr,
+                                s_ptr, t_ptr, zt_ptr, z_ptr, zoff_ptr, ref_ptr, n_valid, V,
+                                inv_temp, out_row0, out_n, split, stride_z, n_ztiles, row0,
+                                col_begin, n_tiles, n_halves, k_steps, WITH_ENTROPY, STORE_E,
+                                E_HEADROOM, TMA_STORE, 0, NC)),
+            (_fwd_ws_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, row0, col_begin,
+                              n_tiles, k_steps)),
+        ], [1], [24])
