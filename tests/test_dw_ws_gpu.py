@@ -1,6 +1,7 @@
 """The fused path's warp-specialized Gluon dW step (kernels_dw_ws, sm_90; skipped elsewhere)
 against an fp32 reference and the Triton step it replaces: stored and accumulated blocks, a
-partial last K step, the skip rules of a block with no valid row, bitwise repeatability."""
+partial last K step (two consumers on each tile's vocab halves, the default, and one on the
+whole tile), the skip rules of a block with no valid row, bitwise repeatability."""
 import pytest
 import torch
 
@@ -26,8 +27,10 @@ def _operands(r=320, v=1000, h=512, seed=0):
     return ws, xg, dw0
 
 
+@pytest.mark.parametrize("tiles", [None, (128, 256, 64, 3, 8, 168, 1)],
+                         ids=["default", "one-consumer"])
 @pytest.mark.parametrize("n", [320, 257, 1])
-def test_stores_and_adds_the_valid_rows(n):
+def test_stores_and_adds_the_valid_rows(n, tiles):
     ws, xg, dw0 = _operands()
     ws[n:], xg[n:] = float("nan"), float("nan")
     v = dw0.shape[0]
@@ -36,7 +39,7 @@ def test_stores_and_adds_the_valid_rows(n):
     for acc in (False, True):
         ref = prod + dw0.float() if acc else prod
         dw, dw_t = dw0.clone(), dw0.clone()
-        _ws_step(ws, xg, dw, counts, ws.shape[0], acc, final=1)
+        _ws_step(ws, xg, dw, counts, ws.shape[0], acc, final=1, tiles=tiles)
         _triton_step(ws.nan_to_num(0.0), xg.nan_to_num(0.0), dw_t, counts, ws.shape[0], acc)
         scale = ref.abs().max()
         err = ((dw.float() - ref).abs().max() / scale).item()
@@ -46,7 +49,7 @@ def test_stores_and_adds_the_valid_rows(n):
         # the largest entry, and never worse than the Triton step (which rounds twice adding)
         assert err <= 2 ** -8 and err <= err_t * 1.01 + 1e-6, (acc, err, err_t)
         dw2 = dw0.clone()
-        _ws_step(ws, xg, dw2, counts, ws.shape[0], acc, final=1)
+        _ws_step(ws, xg, dw2, counts, ws.shape[0], acc, final=1, tiles=tiles)
         assert torch.equal(dw, dw2)   # bitwise repeatable
 
 

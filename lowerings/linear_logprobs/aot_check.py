@@ -135,11 +135,12 @@ def cases():
     # the Gluon warp-specialized step (sm_90's default, fused_cuda.DW_WS_TILES); its num_stages
     # slot carries maxnreg (check: a Gluon kernel pipelines by hand, and its register split
     # between the partitions follows maxnreg)
-    wsc, wsh, wsk, wss, wswarps, wsregs = fc.DW_WS_TILES
-    for acc in (False, True):
-        yield (f"dW step, warp-specialized (Gluon), ACCUMULATE={acc}", kdw_ws._dw_step_ws_kernel,
+    wsc, wsh, wsk, wss, wswarps, wsregs, wsnc = fc.DW_WS_TILES
+    for acc, nc, nwarps in ((False, wsnc, wswarps), (True, wsnc, wswarps), (True, 1, 8)):
+        yield (f"dW step, warp-specialized (Gluon), ACCUMULATE={acc}, NC={nc}",
+               kdw_ws._dw_step_ws_kernel,
                dict(ACCUMULATE=acc, ON_DEVICE=True, BLOCK_C=wsc, BLOCK_H=wsh, BLOCK_K=wsk,
-                    GROUP_C=rows.GROUP_M, STAGES=wss, num_warps=wswarps), wswarps, wsregs)
+                    GROUP_C=rows.GROUP_M, STAGES=wss, NC=nc, num_warps=nwarps), nwarps, wsregs)
     gm, gh, gk, gwarps, gstages = gemm
     tiles = dict(DOT_PREC="tf32", USE_TMA=True, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk)
     yield ("dX step, recompute", k._dx_step_kernel,

@@ -3,7 +3,7 @@
 each --ws-tiles entry, and cuBLAS (addmm_, beta = 1) on the same valid rows.
 
     python -m lowerings.linear_logprobs.bench_dw_ws [--rows 2048] [--valid 2048 271]
-        [--vocab 151936] [--hidden 4096] [--ws-tiles 128,256,64,3,8,168 ...] [--reps 20]
+        [--vocab 151936] [--hidden 4096] [--ws-tiles 128,256,64,3,4,168,2 ...] [--reps 20]
 
 First checks each kernel's stored and accumulated dW against an fp32 reference (largest error
 relative to the reference's largest magnitude; the stored case with no valid row must write
@@ -43,12 +43,13 @@ def ws_step(ws, xg, dw, counts, rows, acc, n_later=0, final=1, on_device=False, 
     """The Gluon dW step (kernels_dw_ws) at `tiles` (fused_cuda.DW_WS_TILES by default); with
     on_device, the fused path's skip rule over counts[1 : 1 + n_later] and `final`."""
     v, h = dw.shape
-    wc, wh, wk, stages, warps, regs = tiles or fc.DW_WS_TILES
+    wc, wh, wk, stages, warps, regs, nc = tiles or fc.DW_WS_TILES
     n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
     _dw_step_ws_kernel[(min(n_cblocks * n_hblocks, dense.sm_count(ws.device.index)),)](
         ws, xg, dw, counts, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0), n_cblocks,
         n_hblocks, n_later, final, ACCUMULATE=acc, ON_DEVICE=on_device, BLOCK_C=wc, BLOCK_H=wh,
-        BLOCK_K=wk, GROUP_C=rows_mod.GROUP_M, STAGES=stages, num_warps=warps, maxnreg=regs)
+        BLOCK_K=wk, GROUP_C=rows_mod.GROUP_M, STAGES=stages, NC=nc, num_warps=warps,
+        maxnreg=regs)
 
 
 def _cublas_step(ws, xg, dw, count, rows, acc):
@@ -63,7 +64,8 @@ def main():
     ap.add_argument("--valid", type=int, nargs="+", default=[2048, 271])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--ws-tiles", nargs="+", default=["128,256,64,3,8,168"])
+    ap.add_argument("--ws-tiles", nargs="+", default=["128,256,64,3,4,168,2",
+                                                        "128,256,64,3,8,168,1"])
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     dense._ensure_allocator()

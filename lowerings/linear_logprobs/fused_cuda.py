@@ -59,16 +59,19 @@ DLOGITS_TILE = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DLOGITS_TIL
 # LINEAR_LOGPROBS_DW_PERSISTENT=0 takes the one-program-per-tile kernel (tuning runs).
 DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
 # The dW step as a warp-specialized Gluon kernel (kernels_dw_ws: a TMA loader warp running ahead
-# of an 8-warp wgmma consumer across tiles, the old dW tile prefetched into the epilogue buffer,
-# one rounding a block), taken on sm_90 wherever the Triton step would write dW through TMA
-# (_dw_ws_ok). H100, one 2048-row qwen3-8b block (bench_dw_ws, bench/results/dw_ws_h100.txt):
-# 3.98 ms against the Triton step's 4.04 (cuBLAS beta = 1: 3.91), a 271-row tail block 1.06
-# against 1.39 ms, and half the accumulated block's rounding error (the Triton step's TMA
-# reduce-add rounds twice). LINEAR_LOGPROBS_DW_WS=0 keeps the Triton step (A/B runs);
-# LINEAR_LOGPROBS_DW_WS_TILES: (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, consumer warps, maxnreg).
+# of two 4-warp wgmma consumers, each on half of a tile's vocab rows, sharing each stage's xg
+# tile, across tiles; the old dW tile prefetched into the epilogue buffer, one rounding a
+# block), taken on sm_90 wherever the Triton step would write dW through TMA (_dw_ws_ok). H100,
+# one 2048-row qwen3-8b block (bench_dw_ws, bench/results/dw_ws_h100.txt): 3.88 ms against one
+# 8-warp consumer's 3.96, cuBLAS's (beta = 1) 3.96 and the Triton step's 4.13; Nsight Compute
+# 5.33 against 5.42 M cycles a full block; a 271-row tail block 1.01 against 1.03 / 1.31 / 1.35
+# ms; half the accumulated block's rounding error of the Triton step's TMA reduce-add (which
+# rounds twice). LINEAR_LOGPROBS_DW_WS=0 keeps the Triton step (A/B runs);
+# LINEAR_LOGPROBS_DW_WS_TILES: (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, warps a consumer, maxnreg, NC:
+# 2 consumers on each tile's vocab halves, or 1 on the whole tile: "128,256,64,3,8,168,1").
 DW_WS = os.environ.get("LINEAR_LOGPROBS_DW_WS", "1") == "1"
 DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES",
-                                                   "128,256,64,3,8,168").split(","))
+                                                   "128,256,64,3,4,168,2").split(","))
 # The forward as a warp-specialized Gluon kernel (kernels_fwd_ws: a TMA loader warp feeding one
 # 8-warp consumer, or two 4-warp consumers on the row block's halves sharing each operand
 # stage), where _fwd_kernel would run with TMA, no bias and no softcap on sm_90 (_fwd_ws_ok).
@@ -311,7 +314,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                 xg.stride(0), dw.stride(0), n_cblocks, n_hblocks, g - 1 - b, int(b == 0))
         ws_step = _dw_ws_ok(ws, tiles["TMA_OUT"])
         if ws_step:
-            wc, wh, wk, wstages, wwarps, wregs = DW_WS_TILES
+            wc, wh, wk, wstages, wwarps, wregs, wnc = DW_WS_TILES
             n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
             args = args[:12] + (n_cblocks, n_hblocks) + args[14:]
         for acc in (False, True):
@@ -319,7 +322,8 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                 n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
                 _dw_step_ws_kernel[(n_prog,)](
                     *args, ACCUMULATE=acc, ON_DEVICE=True, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
-                    GROUP_C=_rows.GROUP_M, STAGES=wstages, num_warps=wwarps, maxnreg=wregs)
+                    GROUP_C=_rows.GROUP_M, STAGES=wstages, NC=wnc, num_warps=wwarps,
+                    maxnreg=wregs)
             elif DW_PERSISTENT:
                 n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
                 _dw_step_persistent_kernel[(n_prog,)](*args, n_prog, ACCUMULATE=acc, **tiles)
