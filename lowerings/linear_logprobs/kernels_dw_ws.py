@@ -69,8 +69,9 @@ def _dw_ws_loader(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_buf, ready, empty, c
                                             b_bufs.index(s))
             it += 1
         if ACCUMULATE:
-            # the old dW tile, once the consumer's store of the previous tile has left c_buf (it
-            # says so during this tile's first K step, so this wait never holds the ring back)
+            # the old dW tile, once every consumer's store of the previous tile has left c_buf
+            # (each says so during this tile's first K step, so this wait never holds the ring
+            # back)
             mbarrier.wait(c_empty, (t + 1) & 1)
             mbarrier.expect(c_ready, NC * c_desc.block_type.nbytes)
             for q in gl.static_range(NC):
@@ -102,7 +103,7 @@ def _dw_ws_consumer(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, c_des
         for k in range(k_steps):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            # ws tile [BK, BC] read as its transpose [BC, BK]: an MN-major wgmma A operand
+            # its part of ws's tile [BK, BC / NC] read as the transpose: an MN-major A operand
             acc = warpgroup_mma(a_bufs.index(s * NC + WHICH).permute((1, 0)), b_bufs.index(s),
                                 acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))

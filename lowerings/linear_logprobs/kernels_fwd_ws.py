@@ -74,9 +74,9 @@ def _fwd_ws_consumer(x_bufs, w_bufs, o_bufs, z_desc, ready, empty, ids_ptr, m_pt
                      E_HEADROOM: gl.constexpr, TMA_STORE: gl.constexpr, WHICH: gl.constexpr,
                      NC: gl.constexpr):
     """Row part WHICH of NC (BLOCK_N / NC rows, on this partition's warps: 4 a 64-row part)
-    over every ring position j * k_steps + k. Neither consumer waits on a position more than
-    STAGES past the other's (a stage is refilled only once both released it), so an mbarrier's
-    one-bit phase never aliases."""
+    over every ring position j * k_steps + k. No consumer waits on a position more than STAGES
+    past another's (a stage is refilled only once every consumer released it), so an
+    mbarrier's one-bit phase never aliases."""
     HALF: gl.constexpr = x_bufs.type.shape[1] // NC
     BLOCK_V: gl.constexpr = w_bufs.type.shape[1]
     STAGES: gl.constexpr = x_bufs.type.shape[0]
