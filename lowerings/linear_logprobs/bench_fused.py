@@ -4,6 +4,7 @@
         [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile [MODE]] [--recompute] [--cublas]
         [--workspace-mib MIB ...] [--trace DIR] [--host-profile]
         [--targets {random,sampled,least}] [--logit-std S] [--cuda-graph] [--clocks] [--gspo]
+        [--counters [R ...]]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run (each timed after 5 s of it untimed: the GPU's sustained clock,
@@ -36,6 +37,12 @@ a CUDA graph and replayed (torch.cuda.graph; the host's launch cost gone), its t
 its gradients equal an eager step's. --clocks: the median SM clock and board power (nvidia-smi,
 every 50 ms) while the floor's GEMMs and the step are timed: a step that runs at a lower clock
 than the floor under the same power cap loses to it on energy, not on its kernels' schedule.
+--counters [R ...]: for Nsight Compute (`ncu --profile-from-start off --clock-control none
+... bench_fused --counters 2048 271`): the step twice to compile and warm it, then, between
+cudaProfilerStart and Stop, one step, the valid floor's three cuBLAS GEMMs and cuBLAS's three
+GEMMs of one block of each R valid rows (block_gemms, as --cublas), and nothing timed: ncu
+replays each kernel alone at its own clock, so its counters (cycles, DRAM and L2 bytes, tensor
+pipe) compare our kernels with cuBLAS's on the same rows (bench/results/ncu_h100_7a873e1.txt).
 --gspo: GSPO (loss_type "grpo", sequence-level importance sampling) instead of DAPO: whole
 sequences next-fit into the row blocks by their valid tokens (fused_order.pack_sequences; a
 packed shape, e.g. qwen3-8b-packed, passes cu_seqlens and max_seqlen = the shape's T).
@@ -120,6 +127,8 @@ def main():
     ap.add_argument("--logit-std", type=float, default=3.0)
     ap.add_argument("--clocks", action="store_true",
                     help="the SM clock and power (nvidia-smi) while the floor and the step are timed")
+    ap.add_argument("--counters", type=int, nargs="*", metavar="R",
+                    help="one step and cuBLAS's GEMMs between cudaProfilerStart / Stop, for ncu")
     ap.add_argument("--gspo", action="store_true",
                     help="GSPO (sequence-level importance sampling): whole-sequence row blocks")
     args = ap.parse_args()
@@ -132,23 +141,22 @@ def main():
     rows = torch.nonzero(mask.reshape(-1))[:, 0]
     xv = h2[rows]
     dz = torch.randn(n_valid, w.shape[0], device="cuda", dtype=w.dtype)
-    floor_clock = {}
-    heat(lambda: (xv @ w.T, dz @ w, dz.T @ xv))
-    with clocks(floor_clock) if args.clocks else contextlib.nullcontext():
-        floor = bench(lambda: xv @ w.T) + bench(lambda: dz @ w) + bench(lambda: dz.T @ xv)
-    if args.clocks:
-        print(f"valid floor {floor:.2f} ms{clock_note(floor_clock)}")
-    del dz
+    floor_gemms = (lambda: xv @ w.T, lambda: dz @ w, lambda: dz.T @ xv)
+    if args.counters is None:
+        floor_clock = {}
+        heat(lambda: [f() for f in floor_gemms])
+        with clocks(floor_clock) if args.clocks else contextlib.nullcontext():
+            floor = sum(bench(f) for f in floor_gemms)
+        if args.clocks:
+            print(f"valid floor {floor:.2f} ms{clock_note(floor_clock)}")
+        del dz, floor_gemms
     if args.cublas:
         rows = cg_fused._budget_rows(h2, w, cg.GRPOConfig())
-        xb, zb = xv[:rows].contiguous(), torch.randn(rows, w.shape[0], device="cuda", dtype=w.dtype)
-        dwb = torch.zeros_like(w)
-        per = [bench(lambda: xb @ w.T), bench(lambda: zb @ w), bench(lambda: dwb.addmm_(zb.T, xb))]
+        per = [bench(f) for f in block_gemms(xv, w, rows)]
         scale = n_valid / rows
         print(f"cuBLAS, one {rows}-row block x {scale:.2f} blocks: logits {per[0] * scale:.2f}, "
               f"dX {per[1] * scale:.2f}, dW (beta=1) {per[2] * scale:.2f} ms; "
               f"sum {sum(per) * scale:.2f} = {sum(per) * scale / floor:.3f}x valid floor")
-        del xb, zb, dwb
     cfg = cg.GRPOConfig(loss_type="grpo" if args.gspo else "dapo", beta=0.04,
                         importance_sampling_level="sequence" if args.gspo else "token",
                         gradient_mode="recompute" if args.recompute else "auto")
@@ -166,6 +174,21 @@ def main():
     def step():
         hidden.grad = weight.grad = None
         fn(hidden, weight).backward()
+
+    if args.counters is not None:
+        gemms = floor_gemms + tuple(f for r in args.counters for f in block_gemms(xv, w, r))
+        for _ in range(2):   # compiled and warm: ncu sees one steady step
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        step()
+        for f in gemms:
+            f()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        print(f"{args.shape}: N_valid = {n_valid}, profiled one step, the floor's 3 GEMMs and "
+              f"cuBLAS's for blocks of {args.counters} rows")
+        return
 
     def measure(tag):
         step()
@@ -291,6 +314,16 @@ def main():
             variant(cuda_rows, "GEMM_TILES", {**cuda_rows.GEMM_TILES, 2: tiles},
                     f"GEMM_TILES[bf16]={tiles}")
         measure("default again (drift over the sweep)")
+
+
+def block_gemms(xv: torch.Tensor, w: torch.Tensor, rows: int) -> tuple:
+    """cuBLAS's three GEMMs of one block of `rows` valid rows (xv's first), as callables: logits,
+    dX, and dW with beta = 1 (as the fused dW step adds a block into dW). The rate the block
+    schedule allows cuBLAS (--cublas, --counters)."""
+    xb = xv[:rows].contiguous()                                                 # [R, H]
+    zb = torch.randn(rows, w.shape[0], device=xv.device, dtype=w.dtype)         # [R, V]
+    dwb = torch.zeros_like(w)                                                   # [V, H]
+    return (lambda: xb @ w.T, lambda: zb @ w, lambda: dwb.addmm_(zb.T, xb))
 
 
 def launch_cost(step):
