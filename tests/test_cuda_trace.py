@@ -7,7 +7,7 @@ place (no clone, no dropped launch)."""
 import pytest
 
 _TRACE_PRELUDE = r'''
-import inspect, torch, triton
+import inspect, json, torch, triton
 from triton.backends.compiler import GPUTarget
 
 class FakeDriver:
@@ -22,6 +22,37 @@ from torch._inductor.fx_utils import FakeTensorUpdater
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from lowerings.linear_logprobs import _linear_logprobs_backward_op, _linear_logprobs_op
+
+import sys
+sys.path.insert(0, "tests")
+from ttir_writes import ttir_written_params
+import lowerings.linear_logprobs.launch as launch
+
+# every traced launch of the op, once per (kernel, constexprs), for check_declared
+recorded = {}
+_traced_launch = launch._traced_launch
+
+
+def _record(kernel, grid, bound, options):
+    key = (kernel.fn.__name__,) + tuple((p.name, bound[p.name]) for p in kernel.params if p.is_constexpr)
+    with torch._C._DisableTorchDispatch():   # stand-ins of the traced (functional) tensors
+        plain = {k: torch.empty(2, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+                 for k, v in bound.items()}
+    recorded.setdefault(key, (kernel, plain))
+    return _traced_launch(kernel, grid, bound, options)
+
+
+launch._traced_launch = _record
+
+
+def check_declared():
+    """The guard: every buffer a traced launch's TTIR writes is among the buffers its kernel
+    declares (launch.writes), so the compiled graph keeps and orders every write."""
+    for key, (kernel, bound) in recorded.items():
+        undeclared = ttir_written_params(kernel, bound) - set(launch.written_params(kernel, bound))
+        assert not undeclared, f"{key[0]} writes {sorted(undeclared)} without declaring it ({key})"
+    return {key[0] for key in recorded}
+
 
 env = ShapeEnv()
 mode = FakeTensorMode(shape_env=env)
@@ -40,8 +71,13 @@ def reinplaced_counts(bw):
         counts[name] = counts.get(name, 0) + 1
         if node.target is torch.ops.higher_order.auto_functionalized_v2:
             assert node.meta["only_clone_these_tensors"] == [], node.format_node()
-        if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
-            assert node.kwargs["tensors_to_clone"] == [], node.format_node()
+        assert node.target is not torch.ops.higher_order.triton_kernel_wrapper_functional, \
+            "a Triton launch traced through wrap_triton: its writes would be inferred, not declared"
+        if node.target is torch.ops.higher_order.auto_functionalized_v2:
+            name = node.args[0].__name__   # the mutable op's name: launches count per kernel
+            if node.args[0] is torch.ops.compiled_grpo.triton_launch.default:
+                name = json.loads(node.kwargs["spec"])[1]
+            counts[name] = counts.get(name, 0) + 1
     return counts
 '''
 _CUDA_TRACE = _TRACE_PRELUDE + r'''
@@ -72,9 +108,11 @@ with mode:
         *a[:3], None, *a[3:], 0.7, False, True, True, True, False, None, 0.5, 30.0), grab)(
         x, w, ids, lsec, entc, lsec, lsec, lsec)
     counts = reinplaced_counts(graphs[1])
-# per row group: dW and dX for each of 3 chunks, then the dX store
-assert counts["auto_functionalized_v2"] == 2 * (3 * 2 + 1), counts
+# per row group: dlogits, dW and dX for each of 3 chunks, then the dX store
+assert counts["auto_functionalized_v2"] == 2 * (3 * 3 + 1), counts
+assert counts["_dlogits_kernel"] == 6 and counts["_linear_logprobs_dw_rows.default"] == 6, counts
 assert not any("scatter" in k or "clone" in k or "copy_" in k for k in counts), counts
+assert check_declared() == {"_fwd_kernel", "_dlogits_kernel"}
 print("OK")
 '''
 
@@ -128,8 +166,11 @@ with mode:
         grab)(x, w, ids, lsec, entc, lsec, m)
     counts = reinplaced_counts(graphs[1])
 # per row group: gather, then dlogits, dW and dX steps for each of 3 chunks; nothing copied
-assert counts["triton_kernel_wrapper_functional"] == 2 * (1 + 3 * 3), counts
+assert counts["auto_functionalized_v2"] == 2 * (1 + 3 * 3), counts
+assert counts["_dw_step_kernel"] == 6 and counts["_gather_rows_kernel"] == 2, counts
 assert not any("clone" in k or "copy_" in k for k in counts), counts
+assert check_declared() == {"_gather_rows_kernel", "_fwd_kernel", "_dlogits_kernel", "_dw_step_kernel",
+                            "_dx_step_kernel"}
 print("OK")
 '''
 
@@ -140,35 +181,31 @@ def test_cuda_rows_backward_trace_in_place_and_symbolic_n():
     _run_trace(_CUDA_ROWS_TRACE)
 
 
-# Both dW step kernels with the TMA epilogue and ACCUMULATE: their only real write to dW is a
-# descriptor reduce-add, which torch's TTIR mutation analysis does not list (kernels_dw._dw_out).
-_DW_TMA_OUT_TRACE = _TRACE_PRELUDE + r'''
-from torch.library import wrap_triton
+# The guard itself: a kernel whose only write is a bulk reduce-add through a tensor descriptor (the
+# dW steps' TMA epilogue, the write torch 2.11's analysis missed) is caught until it is declared.
+_DESCRIPTOR_WRITE_TRACE = _TRACE_PRELUDE + r'''
+from ttir_writes import _toy_kernel
 from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel, _dw_step_persistent_kernel
-tiles = dict(ACCUMULATE=True, ON_DEVICE=False, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=True,
-             BLOCK_C=128, BLOCK_H=128, BLOCK_K=64, GROUP_C=8)
-for kernel, extra in ((_dw_step_kernel, ()), (_dw_step_persistent_kernel, (4,))):
-    def step(ws, xg, dw, count):
-        dw = dw.clone()     # the trace then has no input mutation to replay outside fake mode
-        wrap_triton(kernel)[(4,)](ws, xg, dw, count, 0, 256, 0, 512, 256, 512, 256, 256, 4, 2,
-                                  0, 0, *extra, **tiles)
-        return dw
-    graphs.clear()
-    with mode:
-        args = (torch.empty(256, 512, device="cuda", dtype=torch.bfloat16),
-                torch.empty(256, 256, device="cuda", dtype=torch.bfloat16),
-                torch.empty(512, 256, device="cuda", dtype=torch.bfloat16),
-                torch.empty(1, device="cuda", dtype=torch.int32))
-        aot_function(step, lambda gm, a: graphs.append(gm) or gm)(*args)
-    out = next(n for n in graphs[0].graph.nodes if n.op == "output").args[0][0]
-    # dW comes back out of the kernel node (a mutation seen), not as the untouched input
-    assert out.op == "call_function" and out.args[0].target is \
-        torch.ops.higher_order.triton_kernel_wrapper_functional, graphs[0].code
+_reduce_only = _toy_kernel()
+with mode:
+    t = lambda *s: torch.empty(*s, device="cuda", dtype=torch.bfloat16)
+    toy = dict(out_ptr=t(64, 64), src_ptr=t(64, 64), n=64)
+    assert ttir_written_params(_reduce_only, toy) == {"out_ptr"}
+    assert set(launch.written_params(_reduce_only, toy)) == set()     # undeclared: the guard fails
+    tiles = dict(ACCUMULATE=True, ON_DEVICE=False, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=True,
+                 BLOCK_C=128, BLOCK_H=128, BLOCK_K=64, GROUP_C=8)
+    for kernel, extra in ((_dw_step_kernel, {}), (_dw_step_persistent_kernel, {"n_programs": 4})):
+        bound = dict(ws_ptr=t(256, 512), x_ptr=t(256, 256), dw_ptr=t(512, 256),
+                     count_ptr=torch.empty(1, device="cuda", dtype=torch.int32), row0=0, n_rows=256,
+                     v0=0, cols=512, H=256, stride_ws=512, stride_x=256, stride_dw=256, n_cblocks=4,
+                     n_hblocks=2, n_later=0, final=0, **extra, **tiles)
+        assert ttir_written_params(kernel, bound) == {"dw_ptr"}           # the reduce-add is seen
+        assert launch.written_params(kernel, bound) == ("dw_ptr",)        # and declared
 print("OK")
 '''
 
 
-def test_dw_tma_epilogue_reads_as_mutating_dw():
-    """The dW steps' TMA epilogue (reduce-add into dW) is seen by Inductor as writing dW, so a
-    compiled graph keeps the launch (both the grid and the persistent kernel)."""
-    _run_trace(_DW_TMA_OUT_TRACE)
+def test_guard_sees_descriptor_writes():
+    """The CPU guard finds a write made only through a descriptor reduce-add (the dW steps' TMA
+    epilogue) and fails a kernel that does not declare it; the dW kernels declare theirs."""
+    _run_trace(_DESCRIPTOR_WRITE_TRACE)

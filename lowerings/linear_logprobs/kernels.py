@@ -5,6 +5,8 @@ Legend: N tokens (dynamic), H hidden, V vocab (static), BN/BV/BK tile sizes.
 import triton
 import triton.language as tl
 
+from lowerings.linear_logprobs.launch import writes
+
 
 @triton.jit
 def _swizzle(n_blocks, n_other, GROUP_N: tl.constexpr):
@@ -159,6 +161,7 @@ def _tile_out(d, e, m_sh, ref, STORE_E: tl.constexpr, E_HEADROOM: tl.constexpr):
         return d, m_sh
 
 
+@writes("m_ptr", "s_ptr", "t_ptr", "zt_ptr", z_ptr="STORE_Z", zoff_ptr="STORE_Z")
 @triton.jit
 def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, N, V, H,
                 stride_x, stride_w, inv_temp, cap_pre, cap_post, cols_per_split, n_blocks,
@@ -259,6 +262,7 @@ def _dz_tile(z, y, cols, ids, lse, coef, g_lp, gent_ptr, ent_ptr, rows, row_mask
     return dz
 
 
+@writes("ws_ptr", dbp_ptr="NEED_DB")
 @triton.jit
 def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, glse_ptr,
                     ws_ptr, dbp_ptr, count_ptr, N, V, H, x_row_first, row_first, n_rows, v_first,
@@ -331,6 +335,7 @@ def _tile(src, r0, c0, rows, cols, stride, USE_TMA: tl.constexpr, BR: tl.constex
                        mask=(r < rows)[:, None] & (c < cols)[None, :], other=0.0)
 
 
+@writes("acc_ptr", dx_ptr="STORE")
 @triton.jit
 def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n_rows, v0, cols,
                     V, H, stride_ws, stride_w, stride_dx, n_mblocks, n_hblocks,
@@ -368,6 +373,7 @@ def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n
         tl.store(acc_ptrs, acc, mask=mask)
 
 
+@writes("out_ptr")
 @triton.jit
 def _gather_rows_kernel(x_ptr, perm_ptr, count_ptr, out_ptr, row0, n_rows, H, stride_x,
                         stride_out, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):

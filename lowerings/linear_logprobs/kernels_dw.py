@@ -7,9 +7,11 @@ Legend: n valid rows of the group (its K loop), C = cols vocab rows of dW, H hid
 import triton
 import triton.language as tl
 
+from lowerings.linear_logprobs.launch import writes
 from lowerings.linear_logprobs.kernels import _desc, _swizzle, _swizzle_id, _tile, _valid_rows
 
 
+@writes("dw_ptr")
 @triton.jit
 def _dw_step_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, stride_ws,
                     stride_x, stride_dw, n_cblocks, n_hblocks, n_later, final,
@@ -40,12 +42,8 @@ def _dw_out(dw_ptr, v0, cols, H, stride_dw, TMA_OUT: tl.constexpr, BLOCK_C: tl.c
     """Where the dW steps write dW[v0 : v0 + cols]: a TMA descriptor of those rows (TMA_OUT)
     or the pointer itself (_dw_tile's masked stores)."""
     if TMA_OUT:
-        # Never runs (cols >= 0): a pointer store to dW for torch's TTIR mutation analysis
-        # (triton_kernel_wrap.analyze_kernel_access), whose write ops list tt.descriptor_store
-        # but not tt.descriptor_reduce. Without it a step whose only write is the reduce-add
-        # reads as not mutating dW, and Inductor drops the launch from a compiled graph.
-        if cols < 0:
-            tl.store(dw_ptr, 0.0)
+        # The reduce-add through this descriptor is a write torch's TTIR analysis does not see:
+        # the launchers declare dW written (launch.writes), so no launch relies on that analysis.
         return tl.make_tensor_descriptor(dw_ptr + tl.cast(v0, tl.int64) * stride_dw,
                                          shape=[cols, H], strides=[stride_dw, 1],
                                          block_shape=[BLOCK_C, BLOCK_H])
@@ -136,6 +134,7 @@ def _dw_tile(a_src, b_src, dw_ptr, dw_dst, pid_c, pid_h, n_valid, v0, cols, H, s
         tl.store(ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask)
 
 
+@writes("dw_ptr")
 @triton.jit
 def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H,
                                stride_ws, stride_x, stride_dw, n_cblocks, n_hblocks, n_later,

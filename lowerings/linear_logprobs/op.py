@@ -62,9 +62,10 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from lowerings.linear_logprobs import cpu as _torch_impl
+from lowerings.linear_logprobs.launch import declared
 
 
 class LinearLogprobs(NamedTuple):
@@ -102,11 +103,11 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optio
     if _rows_path(hidden, row_mask):
         from lowerings.linear_logprobs import cuda_rows
         return cuda_rows.forward(hidden, weight, ids, bias, row_mask, temperature, fp32_lm_head,
-                                 with_entropy, wrap=wrap_triton, **scaling)
+                                 with_entropy, wrap=declared, **scaling)
     if _on_cuda(hidden):
         from lowerings.linear_logprobs import cuda as _triton_impl
         out = _triton_impl.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
-                                   with_entropy, wrap=wrap_triton, **scaling)
+                                   with_entropy, wrap=declared, **scaling)
     else:
         out = _torch_impl.forward(hidden, weight, ids, bias, temperature, with_entropy, **scaling)
     return _mask_rows(row_mask, *out)
@@ -128,7 +129,7 @@ def _linear_logprobs_backward_op(
         return cuda_rows.backward(hidden, weight, ids, bias, row_mask, lse, entropy,
                                   grad_logprobs, grad_entropy, grad_lse, temperature,
                                   fp32_lm_head, with_entropy, need_hidden, need_weight,
-                                  need_bias, wrap=wrap_triton, **scaling)
+                                  need_bias, wrap=declared, **scaling)
     grad_logprobs, grad_entropy, grad_lse = _mask_rows(row_mask, grad_logprobs, grad_entropy,
                                                        grad_lse)
     if _on_cuda(hidden):
@@ -136,7 +137,7 @@ def _linear_logprobs_backward_op(
         return _triton_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
                                      grad_entropy, grad_lse, temperature, fp32_lm_head,
                                      with_entropy, need_hidden, need_weight, need_bias,
-                                     wrap=wrap_triton, **scaling)
+                                     wrap=declared, **scaling)
     return _torch_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
                                 grad_entropy, grad_lse, temperature, with_entropy, need_hidden,
                                 need_weight, need_bias, **scaling)

@@ -1,0 +1,140 @@
+"""Triton launches whose writes are declared, not inferred: the recompute op's launchers' `wrap`.
+
+Why. A kernel launched through `torch.library.wrap_triton` is traced as a functional node whose
+outputs are the tensors torch's TTIR analysis finds it writing
+(torch/_higher_order_ops/triton_kernel_wrap.py); a node found writing nothing has no output and
+Inductor removes it. That analysis lists a fixed set of write ops. On torch 2.11 (H200, the
+qwen3-8b bench shape) it found no write in the dW step whose epilogue is a bulk reduce-add
+(`tt.descriptor_reduce`, kernels_dw._dw_tile): 230 of the 253 dW launches of the masked recompute
+backward vanished from the compiled graph and dW came back 87-91% wrong
+(bench/results/compile_grads_root_cause_h200_897d288.txt). Nothing failed loudly.
+
+So no launch here depends on that analysis. Each kernel states the pointer parameters it writes
+(`writes`, beside its definition), and under tracing each launch is one call of the mutable custom
+op `compiled_grpo::triton_launch`, whose `writes` argument (mutates_args) holds those buffers.
+Functionalization turns it into `auto_functionalized_v2`, which Inductor keeps, orders by the
+declared reads and writes, and reinplaces onto the one buffer (tests/test_cuda_trace.py checks:
+no clone, no dropped launch, every write a kernel's TTIR holds is declared). Eager launches go
+straight to the kernel. The custom op is opaque to Inductor's scheduler; its cost is the host
+time of a Python launch (as in eager), not GPU time.
+"""
+import functools
+import importlib
+import json
+from typing import Any, Sequence
+
+import torch
+import torch._guards
+from torch import Tensor
+
+
+def writes(*always: str, **when: str):
+    """Declare the pointer parameters a @triton.jit kernel writes: `always`, plus each keyword's
+    parameter when the constexpr it names is true at the launch (`dbp_ptr="NEED_DB"`)."""
+    def mark(kernel):
+        kernel.declared_writes = (tuple(always), dict(when))
+        return kernel
+    return mark
+
+
+def written_params(kernel, bound: dict) -> tuple[str, ...]:
+    """The parameters `kernel` declares writing at a launch with arguments `bound` (name -> value)."""
+    if not hasattr(kernel, "declared_writes"):
+        raise TypeError(f"Triton kernel {kernel.fn.__name__} declares no writes "
+                        f"(decorate it with lowerings.linear_logprobs.launch.writes)")
+    always, when = kernel.declared_writes
+    return always + tuple(p for p, flag in when.items() if bound[flag])
+
+
+class declared:
+    """`declared(kernel)[grid](*args, **kwargs)`: the kernel's launch, eager; while tracing, one
+    `compiled_grpo::triton_launch` whose mutated buffers are the kernel's declared writes."""
+
+    def __init__(self, kernel):
+        if not hasattr(kernel, "declared_writes"):
+            written_params(kernel, {})      # raises: the kernel declares no writes
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return functools.partial(_launch, self.kernel, tuple(grid))
+
+
+def _tracing(args) -> bool:
+    return torch._guards.detect_fake_mode([a for a in args if isinstance(a, Tensor)]) is not None
+
+
+def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    if not _tracing((*args, *kwargs.values())):
+        kernel[grid](*args, **kwargs)
+        return
+    names = kernel.arg_names
+    bound = dict(zip(names, args))
+    bound.update((k, v) for k, v in kwargs.items() if k in names)
+    options = {k: v for k, v in kwargs.items() if k not in names}          # num_warps, num_stages
+    _traced_launch(kernel, grid, bound, options)
+
+
+def _traced_launch(kernel, grid: tuple, bound: dict, options: dict) -> None:
+    """One `triton_launch`: the declared-written buffers, the other tensors, the runtime ints and
+    floats (each tensor once: a buffer passed for several parameters keeps one identity), and a
+    JSON plan of where each parameter's value is."""
+    out = written_params(kernel, bound)
+    w_list: list[Tensor] = []
+    for name in out:
+        if not isinstance(bound[name], Tensor):
+            raise ValueError(f"{kernel.fn.__name__} declares writing {name}, not a tensor here")
+        if not any(t is bound[name] for t in w_list):
+            w_list.append(bound[name])
+    r_list: list[Tensor] = []
+    ints: list = []
+    floats: list = []
+    plan = []
+    constexprs = {p.name for p in kernel.params if p.is_constexpr}
+    for name in kernel.arg_names:
+        v = bound[name]
+        if isinstance(v, Tensor):
+            for kind, lst in (("w", w_list), ("r", r_list)):
+                i = next((i for i, t in enumerate(lst) if t is v), None)
+                if i is not None:
+                    plan.append((kind, i))
+                    break
+            else:
+                r_list.append(v)
+                plan.append(("r", len(r_list) - 1))
+        elif name in constexprs or v is None or isinstance(v, str):
+            plan.append(("c", v))
+        elif isinstance(v, (int, torch.SymInt)):            # bool is an int
+            ints.append(v)
+            plan.append(("i", len(ints) - 1))
+        elif isinstance(v, (float, torch.SymFloat)):
+            floats.append(v)
+            plan.append(("f", len(floats) - 1))
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: argument {name} of type {type(v).__name__}")
+    spec = json.dumps([kernel.fn.__module__, kernel.fn.__name__, plan, options])
+    triton_launch(spec, list(grid), w_list, r_list, ints, floats)
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(spec: str):
+    module, name, plan, options = json.loads(spec)
+    return getattr(importlib.import_module(module), name), plan, options
+
+
+@torch.library.custom_op("compiled_grpo::triton_launch", mutates_args=("writes",))
+def triton_launch(spec: str, grid: Sequence[int], writes: list[Tensor], reads: list[Tensor],
+                  ints: Sequence[int], floats: Sequence[float]) -> None:
+    """Launch the kernel of `spec` (module, name, where each parameter's value is, launch options)
+    over `grid`; it writes the `writes` buffers (and no other)."""
+    kernel, plan, options = _plan(spec)
+    lists: dict[str, Any] = {"w": writes, "r": reads, "i": ints, "f": floats}
+    args = [v if kind == "c" else lists[kind][v] for kind, v in plan]
+    if writes and writes[0].is_cuda:
+        from lowerings.linear_logprobs.cuda import _ensure_allocator
+        _ensure_allocator()   # in-kernel TMA descriptors need Triton's scratch allocator
+    kernel[tuple(grid)](*args, **options)
+
+
+@triton_launch.register_fake
+def _(spec, grid, writes, reads, ints, floats):
+    return None
