@@ -38,7 +38,8 @@ def _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens=None
     if tuple(token_ids.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"token_ids must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
                          f"got {tuple(token_ids.shape)}")
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+    if (not isinstance(temperature, (int, float, torch.SymInt, torch.SymFloat)) or isinstance(temperature, bool)
+            or not temperature > 0):
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     if mask is None:
         valid = torch.ones_like(token_ids, dtype=torch.bool)
@@ -55,8 +56,9 @@ def _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens=None
 
 def check_model_scaling(logit_scale, final_logit_softcapping) -> None:
     """logit_scale a finite number > 0; final_logit_softcapping None or a finite number > 0."""
-    def real(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+    def real(x):   # x > 0 and x < inf, not math.isfinite: a dynamic=True compile passes SymFloats
+        return (isinstance(x, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(x, bool)
+                and 0 < x < math.inf)
     if not real(logit_scale):
         raise ValueError(f"logit_scale must be a finite number > 0, got {logit_scale!r}")
     if final_logit_softcapping is not None and not real(final_logit_softcapping):

@@ -169,3 +169,30 @@ def test_num_items_in_batch_int_recompiles_once_into_a_dynamic_int(device):
             out = compiled(**inp, num_items_in_batch=n, config=cfg)
         torch.testing.assert_close(out.loss, cg.grpo_loss(**inp, num_items_in_batch=n, config=cfg).loss)
         assert cnt.frame_count == min(i + 1, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_true_symbolic_scalars_one_frame(device):
+    """torch.compile(dynamic=True) hands Python float arguments in as SymFloats: the argument
+    checks of temperature / logit_scale / final_logit_softcapping take them without a graph break
+    (fullgraph=True compiles), and values and gradients equal eager."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 8, H, generator=g).to(device).requires_grad_()
+    w = torch.randn(V, H, generator=g).to(device).requires_grad_()
+    ids = torch.randint(0, V, (2, 8), generator=g).to(device)
+    mask = (torch.rand(2, 8, generator=g) > 0.3).to(device)
+
+    def f(h, w, temperature, scale, cap):
+        out = cg.token_logprobs(h, w, ids, mask=mask, temperature=temperature, logit_scale=scale,
+                                final_logit_softcapping=cap)
+        return out.logprobs.sum()
+
+    compiled = torch.compile(f, dynamic=True, fullgraph=True)
+    for args in ((0.7, 0.5, 3.0), (1.3, 2.0, 5.0)):
+        got = compiled(h, w, *args)
+        gh, gw = torch.autograd.grad(got, (h, w))
+        want = f(h, w, *args)
+        eh, ew = torch.autograd.grad(want, (h, w))
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(gh, eh)
+        torch.testing.assert_close(gw, ew)
