@@ -8,7 +8,7 @@ gradients w.r.t. hidden, weight and bias equal the eager call.
 
 Shapes are tiny (B=2, T=5, H=16, V=37): these tests are about graphs, not numerics
 (tests/test_loss_golden.py owns numerics). Runs on CPU, and on CUDA too when one is present
-(there the op launches its Triton kernels through `wrap_triton`).
+(there the op launches its Triton kernels through `launch.declared`: custom ops with declared writes).
 """
 import pytest
 import torch

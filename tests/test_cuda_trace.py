@@ -1,6 +1,6 @@
 """The CUDA branch of compiled_grpo::linear_logprobs traced on a CPU machine: fake CUDA tensors
 with a symbolic N, Triton's active driver replaced by one that only names an sm_90 target
-(enough for wrap_triton's TTIR analysis). Each script runs in a subprocess: the interpreter
+(enough to generate each kernel's TTIR for the write guard). Each script runs in a subprocess: the interpreter
 tests set TRITON_INTERPRET=1 for the pytest process. They check that N stays symbolic (no
 guard) and that every Triton step survives Inductor's reinplace pass writing its buffers in
 place (no clone, no dropped launch)."""

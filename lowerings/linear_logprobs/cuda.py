@@ -52,7 +52,8 @@ in fp32, so `fp32_lm_head` changes nothing for them. fp32 inputs use IEEE fp32 d
 All pointer offsets are int64 (N*V and V*H exceed 2^31 at real sizes).
 
 `forward`/`backward` take `wrap`, the function applied to each kernel before launch:
-`torch.library.wrap_triton` inside the triton_op, identity in the TRITON_INTERPRET tests.
+`launch.declared` inside the triton_op (each kernel's declared writes become a mutable custom op's
+under tracing), identity in the TRITON_INTERPRET tests.
 """
 import os
 from typing import Callable, Optional

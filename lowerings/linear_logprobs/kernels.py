@@ -182,7 +182,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     MMA's registers: a TMA store through shared memory measured no faster, H100).
     FLATTEN: one flattened (vocab tile, K step) loop, so the pipeliner can issue the next
     tile's operand loads during this tile's statistics epilogue (cuda.FWD_FLATTEN).
-    (No parameter has a default: a launch through wrap_triton, the recompute op's, must name
+    (No parameter has a default: the recompute op's traced launches (launch.py) name
     every one.) STORE_E (with STORE_Z; the exp-scaled backward, fused_cuda.py): the tile goes to
     z in z's dtype as e = exp(z - R) with R = max(M, m_sh - E_HEADROOM), M = ref[row] a per-row
     reference (the target logit plus a lead), and R to zoff[row, tile]: e <= e^E_HEADROOM, and

@@ -16,9 +16,11 @@ become zeros) and returns (d_hidden, d_weight, d_bias). lse is differentiable
 entropy slot holds zeros (not computed; the kernels skip that work) and its grad is ignored.
 
 Each op body branches on `hidden.device.type`, settled at trace time because fake tensors keep
-their device: CUDA launches the Triton kernels of `cuda.py` through
-`wrap_triton`, so Inductor sees and schedules them; every other device runs the chunked
-pure-PyTorch body of `cpu.py`, which Inductor compiles like any aten code.
+their device: CUDA launches the Triton kernels of `cuda.py` / `cuda_rows.py` through
+`launch.declared`: eager, a plain launch; traced, one mutable custom op per launch whose mutated
+buffers are what the kernel declares it writes (not wrap_triton, whose inferred writes dropped
+dW launches: launch.py); every other device runs the chunked pure-PyTorch body of `cpu.py`, which
+Inductor compiles like any aten code.
 Neither path allocates an [N, V] tensor (see those modules for workspace sizes), and neither
 reads a tensor value on the host, so dynamic N compiles once. Mark N dynamic on hidden and ids
 alike (the outputs are viewed as ids.shape, so a static hidden would specialize ids' N and
