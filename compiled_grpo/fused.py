@@ -62,6 +62,7 @@ ROW_ALIGN = 128          # block rows: a whole number of the kernels' 128-row ti
 MIN_ROWS = 16            # ... or of 16 when the workspace budget is smaller (tests, tiny heads)
 MAX_BLOCKS = 64          # bound on the unrolled loop (compiled graph size); past it R grows
 COMPILED_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # block counts inside torch.compile
+CPU_BLOCK_ROWS = 2048     # token-level block rows at most off CUDA (V = 151936 fp32: the budget's ~1k)
 
 
 def _plan_vocab(weight: Tensor, shard) -> int:
@@ -285,6 +286,12 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         if blocks is None:
             blocks = _op.next_fit_blocks(_hint(s_num), _hint(n), block_rows, _hint(max_seqlen))
     else:   # several blocks: whole dX waves where the budget holds one (see wave_rows)
+        if not _auto_device_ok(hidden):
+            # The CPU body computes every row of a block, valid or not (the Triton kernels stop at
+            # the device count), and a compiled graph's blocks have the budget's R rows (static
+            # under dynamic N): at a small vocab ~1M rows for a batch of 32 (bench.tp's cpu-tiny,
+            # V = 128: 7 s a call). CPU_BLOCK_ROWS bounds R there; N plays no part (no guard).
+            budget = min(budget, CPU_BLOCK_ROWS)
         align = ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS
         wave = _op.wave_rows(hidden, weight)
         if wave is not None and budget >= wave and _hint(n) > budget:

@@ -163,3 +163,25 @@ def test_compiled_block_counts_step_so_dynamic_sizes_rarely_recompile():
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
     assert cnt.frame_count == 7
+
+
+def test_compiled_cpu_blocks_bounded_at_small_vocab(monkeypatch):
+    """Off CUDA a compiled graph's token-level blocks hold at most fused.CPU_BLOCK_ROWS rows: the
+    CPU body computes every row of a block, and the default 640 MiB budget at a small vocab is
+    ~1M rows (bench.tp's cpu-tiny fused TP step took 7 s a call with such blocks)."""
+    from lowerings.linear_logprobs import fused as lf
+    seen = []
+    forward_rows = lf._cpu._forward_rows
+
+    def spy(x, *a, **k):
+        seen.append(x.shape[0])
+        return forward_rows(x, *a, **k)
+
+    monkeypatch.setattr(lf._cpu, "_forward_rows", spy)
+    cfg = cg.GRPOConfig(beta=0.04, gradient_mode="fused")             # the default budget
+    inp = make_inputs(B=2, T=8, seed=3)
+    torch._dynamo.reset()
+    loss = torch.compile(lambda **kw: cg.grpo_loss(**kw, config=cfg).loss, backend="aot_eager",
+                         fullgraph=True)(**inp)
+    torch.testing.assert_close(loss, cg.grpo_loss(**inp, config=cfg).loss)
+    assert seen and max(seen) <= F.CPU_BLOCK_ROWS, seen
