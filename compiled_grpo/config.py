@@ -135,6 +135,8 @@ class GRPOConfig:
         for field in ("vespo_lambda_pos", "vespo_lambda_neg"):
             if not _is_real(getattr(self, field)) or getattr(self, field) < 0:
                 bad(field, "must be a finite number >= 0 (TRL clamps it to >= 1e-4)")
+        from compiled_grpo.logprobs import check_model_scaling   # logits' scale factors in fp32 range
+        check_model_scaling(self.logit_scale, self.final_logit_softcapping, self.temperature)
         q = self.top_entropy_quantile
         if not _is_real(q) or not 0.0 <= q <= 1.0:
             bad("top_entropy_quantile", "must be a number in [0, 1] (1.0 keeps every token)")

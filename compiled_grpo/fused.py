@@ -247,7 +247,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
 
     ``max_seqlen``: packed inputs' bound on a sequence's length, which sequence-coupled losses
     need (whole sequences first-fit decreasing into R-row blocks; why_not_fused checked it fits)."""
-    check_model_scaling(cfg.logit_scale, cfg.final_logit_softcapping)
+    check_model_scaling(cfg.logit_scale, cfg.final_logit_softcapping, cfg.temperature)
     if shard is not None:
         weight, bias = shard.weight, shard.bias
     ids, _ = _prepare(hidden, weight, token_ids, bias, valid, cfg.temperature,   # checks + ids

@@ -54,8 +54,15 @@ def _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens=None
     return ids, valid
 
 
-def check_model_scaling(logit_scale, final_logit_softcapping) -> None:
-    """logit_scale a finite number > 0; final_logit_softcapping None or a finite number > 0."""
+# Bounds of the logits' scale factors (s / T; s / c and c / T with a cap c): within them a logit
+# a * s / T stays a finite fp32 number for any |a| < 2^27 (fp32 max ~2^128), and no factor
+# flushes to 0. Real heads use factors within [1e-2, 1e2].
+SCALE_MIN, SCALE_MAX = 2.0 ** -100, 2.0 ** 100
+
+
+def check_model_scaling(logit_scale, final_logit_softcapping, temperature=None) -> None:
+    """logit_scale a finite number > 0; final_logit_softcapping None or a finite number > 0; with
+    a temperature (already checked > 0), the logits' scale factors within [SCALE_MIN, SCALE_MAX]."""
     def real(x):   # x > 0 and x < inf, not math.isfinite: a dynamic=True compile passes SymFloats
         return (isinstance(x, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(x, bool)
                 and 0 < x < math.inf)
@@ -64,6 +71,21 @@ def check_model_scaling(logit_scale, final_logit_softcapping) -> None:
     if final_logit_softcapping is not None and not real(final_logit_softcapping):
         raise ValueError(f"final_logit_softcapping must be None or a finite number > 0, "
                          f"got {final_logit_softcapping!r}")
+    if temperature is None:
+        return
+    # The kernels and bodies scale fp32 logits by s / T (and by s / c, c / T with a cap): a
+    # factor past SCALE_MAX overflows the logits to inf (NaN everywhere), one under SCALE_MIN
+    # flushes them toward 0 (a silently uniform softmax).
+    factors = [("logit_scale / temperature", logit_scale / temperature)]
+    if final_logit_softcapping is not None:
+        factors += [("logit_scale / final_logit_softcapping", logit_scale / final_logit_softcapping),
+                    ("final_logit_softcapping / temperature", final_logit_softcapping / temperature)]
+    for what, f in factors:
+        if not SCALE_MIN <= f <= SCALE_MAX:
+            raise ValueError(f"temperature, logit_scale and final_logit_softcapping must keep {what} "
+                             f"within [2^-100, 2^100] (fp32 logits stay finite), got {f!r} "
+                             f"(temperature={temperature!r}, logit_scale={logit_scale!r}, "
+                             f"final_logit_softcapping={final_logit_softcapping!r})")
 
 
 def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Optional[Tensor] = None, *,
@@ -99,7 +121,7 @@ def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Opti
         weight, bias = shard.weight, shard.bias
     ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens,
                           vocab_size=None if shard is None else shard.vocab_size or float("inf"))
-    check_model_scaling(logit_scale, final_logit_softcapping)
+    check_model_scaling(logit_scale, final_logit_softcapping, temperature)
     scaling = dict(logit_scale=float(logit_scale), final_logit_softcapping=final_logit_softcapping)
     # row_mask: masked rows cost no FLOPs on CUDA (padding or prompt tokens) and get no gradient.
     row_mask = None if mask is None else valid.reshape(-1)

@@ -242,7 +242,7 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, *, top_quantile: float) -> 
     Rule"; TRL 1.16 ``GRPOTrainer.get_high_entropy_mask(entropies, mask, 1 - top_entropy_quantile)``)::
 
         thr  = torch.quantile(entropy[m].float(), 1 - top_quantile)   # linear interpolation
-        keep = (where(m, entropy, 0) >= thr) & m                       # bool [B, T]
+        keep = (where(m, entropy.float(), 0) >= thr) & m               # bool [B, T]
 
     With no host sync and no data-dependent shape: masked entries sort to +inf behind the n
     valid ones, and torch.quantile's own steps (rank = q * (n - 1) in float32, gather below and
@@ -260,7 +260,9 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, *, top_quantile: float) -> 
     above = rank.ceil().to(torch.int64).clamp(min=0)
     lo, hi = ranked.gather(0, below.reshape(1)), ranked.gather(0, above.reshape(1))  # [1]
     thr = torch.lerp(lo, hi, rank - rank.to(torch.int64)).reshape(())  # 0-dim fp32
-    return (torch.where(mask, entropy.detach(), 0) >= thr) & mask  # [B, T]
+    # compared in fp32, the dtype thr was formed in: fp64 entropies against their fp32-rounded
+    # quantile could drop the quantile's own token (one valid token, q = 0.5: dropped)
+    return (torch.where(mask, entropy.detach().float(), 0) >= thr) & mask  # [B, T]
 
 
 def vespo_weight(log_ratio: Tensor, mask: Tensor, advantages: Tensor, sampling_ratio: Optional[Tensor], config, *,

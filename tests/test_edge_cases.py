@@ -197,3 +197,59 @@ def test_one_token_vocab():
     out = cg.grpo_loss(**inp, config=cg.GRPOConfig(metrics="with_entropy", entropy_coef=0.1))
     assert not out.logprobs.any() and not out.entropy.any()
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.loss, (inp["hidden"], inp["weight"])))
+
+
+@pytest.mark.parametrize("garbage,dtype,temperature", [(1e4, torch.float32, 1.0), (3e38, torch.float32, 1.0),
+                                                       (1e3, torch.float16, 1.0), (1e2, torch.float32, 1e-4)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_garbage_hidden_at_masked_rows_never_reaches_the_grads(garbage, dtype, temperature, compiled):
+    """Masked rows' hidden states (finite but huge) change nothing: log-probs and dX / dW / db equal
+    those of the same batch with zeros there (the recompute backward zeroes a padded row's
+    dlogits; its saved lse is 0, so exp(z - 0) overflowed and inf * 0 made NaN grads)."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, V = 2, 6, 8, 13
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    clean = torch.randn(B, T, H, generator=g)
+    hidden0 = torch.where(mask[..., None], clean, 0).to(dtype)
+    hidden1 = torch.where(mask[..., None], clean, garbage).to(dtype)
+    weight = torch.randn(V, H, generator=g).to(dtype)
+    bias = torch.randn(V, generator=g).to(dtype)
+    ids = torch.randint(0, V, (B, T), generator=g)
+
+    def f(h, w, b):
+        out = cg.token_logprobs(h, w, ids, b, mask=mask, with_entropy=True, temperature=temperature)
+        return (out.logprobs.sum() + 0.1 * out.entropy.sum() + 0.01 * out.lse.sum()), out.logprobs
+
+    fn = torch.compile(f, backend="inductor", fullgraph=True) if compiled else f
+    results = []
+    for h in (hidden0, hidden1):
+        leaves = [t.clone().requires_grad_() for t in (h, weight, bias)]
+        loss, lp = fn(*leaves)
+        results.append((lp.detach(), *torch.autograd.grad(loss, leaves)))
+    for a, b in zip(*results):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a)
+
+
+def test_high_entropy_mask_keeps_the_quantile_token_in_float64():
+    """The quantile is formed in fp32 (as TRL's) and compared in fp32: one valid fp64 token at
+    top_quantile 0.5 is kept (compared in fp64 against its own fp32 rounding it was dropped)."""
+    ent = torch.tensor([[0.1 + 1e-12, 5.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, False]])
+    assert cg.high_entropy_mask(ent, mask, top_quantile=0.5).tolist() == [[True, False]]
+
+
+@pytest.mark.parametrize("kw,what", [(dict(temperature=1e-40), "logit_scale / temperature"),
+                                     (dict(logit_scale=1e38), "logit_scale / temperature"),
+                                     (dict(final_logit_softcapping=1e-39),
+                                      "logit_scale / final_logit_softcapping")])
+def test_logit_scale_factors_that_overflow_fp32_are_rejected(kw, what):
+    """s / T (and s / c, c / T) past 2^100 would overflow fp32 logits (NaN everywhere): GRPOConfig
+    and token_logprobs raise a ValueError naming the factor."""
+    with pytest.raises(ValueError, match=what):
+        cg.GRPOConfig(**kw)
+    h, w = _leaves((2, 3, 4), (5, 4))
+    args = {"temperature": kw.get("temperature", 1.0), "logit_scale": kw.get("logit_scale", 1.0),
+            "final_logit_softcapping": kw.get("final_logit_softcapping")}
+    with pytest.raises(ValueError, match=what):
+        cg.token_logprobs(h, w, torch.zeros(2, 3, dtype=torch.long), **args)

@@ -169,9 +169,14 @@ def dlogits(z: Tensor, y: Optional[Tensor], lse: Tensor, ent: Tensor, g_lp: Tens
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
              entropy: Tensor, g_lp: Tensor, g_ent: Tensor, g_lse: Tensor, temperature: float,
              with_entropy: bool, need_x: bool, need_w: bool, need_b: bool,
-             logit_scale: float = 1.0, softcap: Optional[float] = None
-             ) -> tuple[Tensor, Tensor, Tensor]:
+             logit_scale: float = 1.0, softcap: Optional[float] = None,
+             row_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes; [0]-shaped when not needed.
+
+    row_mask [N] bool: padded rows (False) have dlogits 0, whatever their hidden state. Their
+    saved lse is 0, so exp(z - lse) of a garbage row overflows to inf, and inf times its zero
+    incoming grad is NaN: the rule of every body (the CUDA row path skips such rows, the fused
+    blocks zero them) is that a padded row's dlogits are never formed into a gradient.
 
     dlogits = (g_lp * (onehot - p) + g_lse * p - g_ent * p * (log p + H)) / T, i.e.
     g_lp * onehot - p * (g_lp - g_lse + g_ent * (z - lse + H)), over T; then times
@@ -205,6 +210,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                                  softcap)                                  # [R, C]
             dz = dlogits(z, y, lse_g, rs(ent_), rs(g_lp_), rs(g_ent_), rs(g_lse_), rs(ids),
                          cols, temperature, with_entropy, logit_scale)     # [R, C]
+            if row_mask is not None:
+                dz = torch.where(rs(row_mask)[:, None], dz, 0)
             if need_x:
                 rs(dx).addmm_(dz, w_fin)                                   # [R, H]
             if need_w:

@@ -142,7 +142,7 @@ def _linear_logprobs_backward_op(
                                      wrap=declared, **scaling)
     return _torch_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
                                 grad_entropy, grad_lse, temperature, with_entropy, need_hidden,
-                                need_weight, need_bias, **scaling)
+                                need_weight, need_bias, row_mask=row_mask, **scaling)
 
 
 def _model_scaling(logit_scale: float, softcap: Optional[float]) -> tuple:
