@@ -99,6 +99,17 @@ def _local(name: str, x):
     return x.to_local()
 
 
+def _group_size_rank(tp_group) -> tuple[int, int]:
+    """(world, rank) of tp_group, or a ValueError naming it (torch's own errors do not)."""
+    if not isinstance(tp_group, dist.ProcessGroup):
+        raise ValueError(f"tp_group must be a torch.distributed ProcessGroup (dist.new_group(...), "
+                         f"mesh.get_group()), got {type(tp_group).__name__}")
+    if not dist.is_initialized():
+        raise ValueError("tp_group needs torch.distributed initialized (dist.init_process_group) in this "
+                         "process; without tensor parallelism pass tp_group=None")
+    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
 def vocab_shard(weight, bias, tp_group, vocab_start) -> VocabShard:
     """Resolve this rank's shard from ``tp_group`` / ``vocab_start`` or a DTensor weight."""
     if is_dtensor(weight):
@@ -106,7 +117,7 @@ def vocab_shard(weight, bias, tp_group, vocab_start) -> VocabShard:
             raise ValueError("vocab_start must be None for a DTensor weight (its placement gives the shard)")
         mesh = weight.device_mesh
         group = mesh.get_group() if tp_group is None else tp_group
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        world, rank = _group_size_rank(group)
         vocab = weight.shape[0]
         chunk = -(-vocab // world)  # torch.chunk's split, which DTensor's Shard(0) uses
         w = _local("weight", weight)
@@ -117,7 +128,7 @@ def vocab_shard(weight, bias, tp_group, vocab_start) -> VocabShard:
                          "vocab shards) or a DTensor weight")
     if is_dtensor(bias):
         raise ValueError("bias is a DTensor but weight is not; pass both as DTensors or both as local shards")
-    world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    world, rank = _group_size_rank(tp_group)
     group = tp_group if world > 1 else None
     v_r = weight.shape[0]
     if vocab_start is None:

@@ -253,3 +253,16 @@ def test_logit_scale_factors_that_overflow_fp32_are_rejected(kw, what):
             "final_logit_softcapping": kw.get("final_logit_softcapping")}
     with pytest.raises(ValueError, match=what):
         cg.token_logprobs(h, w, torch.zeros(2, 3, dtype=torch.long), **args)
+
+
+def test_tp_group_that_is_not_usable_is_named():
+    """A tp_group that is no ProcessGroup, or a group in a process without
+    init_process_group, raises a ValueError naming tp_group (not torch's default-group error)."""
+    import torch.distributed as dist
+    h, w = _leaves((2, 3, 4), (5, 4))
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="tp_group must be a torch.distributed ProcessGroup"):
+        cg.token_logprobs(h, w, ids, tp_group=3)
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="tp_group needs torch.distributed initialized"):
+            cg.token_logprobs(h, w, ids, tp_group=dist.ProcessGroup(dist.HashStore(), 0, 1))
