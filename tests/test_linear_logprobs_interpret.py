@@ -209,3 +209,24 @@ def test_minus_inf_bias_bans_tokens():
     for got, want in ((lp, rlp), (ent, rent), (lse, rlse), (dx, xr.grad), (dw, wr.grad), (db, br.grad)):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.double(), want.detach(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_zero_rows(masked):
+    """N = 0 (an empty batch, B = 0 or T = 0) through both launchers: empty outputs, zero dW / d_bias,
+    an empty dX (cuda.py divided by the row group's R = 0 when sizing its vocab chunks)."""
+    x, w, ids, b = make(0, 24, 75, torch.float32, True)
+    if masked:
+        mask = torch.zeros(0, dtype=torch.bool)
+        fwd = lambda: rk.forward(x, w, ids, b, mask, 0.7, False, True)  # noqa: E731
+        bwd = lambda lse, ent, g: rk.backward(x, w, ids, b, mask, lse, ent, g, g, g, 0.7,  # noqa: E731
+                                              False, True, True, True, True)
+    else:
+        fwd = lambda: tk.forward(x, w, ids, b, 0.7, False, True)  # noqa: E731
+        bwd = lambda lse, ent, g: tk.backward(x, w, ids, b, lse, ent, g, g, g, 0.7, False, True,  # noqa: E731
+                                              True, True, True)
+    lp, ent, lse = fwd()
+    assert lp.shape == ent.shape == lse.shape == (0,)
+    dx, dw, db = bwd(lse, ent, torch.zeros(0))
+    assert dx.shape == (0, 24)
+    assert torch.equal(dw, torch.zeros_like(w)) and torch.equal(db, torch.zeros_like(b))

@@ -295,7 +295,7 @@ def _chunk_cols(v: int, r, groups: int, elem_bytes: int, bv: int, ws_bytes: int 
     """C, the backward's vocab columns a step: CHUNK_V, shrunk so that the workspace [R, C]
     fits ws_bytes (WS_BYTES by default), grown so that there are at most MAX_STEPS (group,
     chunk) steps."""
-    fit = (ws_bytes or WS_BYTES) // (_hint(r) * elem_bytes) // bv * bv    # C of the budget
+    fit = (ws_bytes or WS_BYTES) // (max(1, _hint(r)) * elem_bytes) // bv * bv   # C of the budget (N = 0: R = 0)
     few_steps = cdiv(cdiv(v * groups, MAX_STEPS), bv) * bv  # C of MAX_STEPS
     return min(max(min(CHUNK_V, fit), few_steps, bv), cdiv(v, bv) * bv)
 
