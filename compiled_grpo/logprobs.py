@@ -49,8 +49,14 @@ def _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens=None
             raise ValueError(f"mask must have the shape of token_ids {tuple(token_ids.shape)}, got {tuple(mask.shape)}")
         valid = mask_to_bool(mask)
     check_token_ids(token_ids, weight.shape[0] if vocab_size is None else vocab_size, valid)
-    # Masked positions may hold padding ids such as -100: read row 0 there instead.
+    # Masked positions may hold padding ids such as -100: read row 0 there instead. A bad id at a
+    # valid position is clamped too: where the check above is a device assert (compiled, CUDA)
+    # the computation still runs, and an out-of-range gather inside Inductor's parallel CPU
+    # loops aborted the process (std::terminate) instead of raising the assert's RuntimeError.
+    bound = weight.shape[0] if vocab_size is None else vocab_size
     ids = torch.where(valid, token_ids, 0).long()
+    if bound != float("inf"):
+        ids = ids.clamp(0, bound - 1)
     return ids, valid
 
 

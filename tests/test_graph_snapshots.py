@@ -52,6 +52,7 @@ or_
 .all
 torch._assert_async
 torch.where
+.clamp
 compiled_grpo.linear_logprobs
 torch.where
 sub
@@ -160,6 +161,7 @@ or_
 .all
 torch._assert_async
 torch.where
+.clamp
 compiled_grpo.linear_logprobs
 torch.where
 sub

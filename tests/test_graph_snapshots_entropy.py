@@ -33,6 +33,7 @@ or_
 .all
 torch._assert_async
 torch.where
+.clamp
 compiled_grpo.linear_logprobs
 torch.where
 torch.where
