@@ -180,6 +180,13 @@ def _backward(ctx, g_lp, g_ent, g_lse):
 _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def upcast_lm_head(*tensors: Optional[Tensor]) -> tuple:
+    """fp32_lm_head's casts: bf16 / fp16 tensors to fp32 (autograd casts their grads back); fp32,
+    fp64 and None as they are. One definition for the op and the fused path."""
+    return tuple(t.float() if t is not None and t.dtype in (torch.bfloat16, torch.float16) else t
+                 for t in tensors)
+
+
 def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor] = None,
                     *, temperature: float = 1.0, fp32_lm_head: bool = False,
                     with_entropy: bool = False, row_mask: Optional[Tensor] = None,
@@ -188,8 +195,12 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[
     """hidden [..., H], weight [V, H], ids [...] int64 in [0, V), bias [V] -> LinearLogprobs [...].
 
     Callers guarantee ids in [0, V) (the loss maps masked positions to 0); no device check here.
-    fp32_lm_head upcasts the GEMM operands to fp32 (for bf16/fp16 inputs the products are exact
-    in fp32 either way, so on CUDA it only changes fp32-input precision; see the kernels).
+    fp32_lm_head (Fast-LLM's name; vLLM's bf16_last_layer_fp32, TRL's cast_lm_head_to_fp32):
+    bf16 / fp16 hidden, weight and bias are cast to fp32 before the op (upcast_lm_head), so every
+    path runs fp32 operands with IEEE fp32 products: the logits as before (16-bit products are
+    exact in fp32), but the dlogits workspace and the dX / dW GEMMs in fp32 instead of the input
+    dtype, and dW summed over row groups in fp32. The casts' backward returns the grads in the
+    inputs' dtypes. Costs an fp32 copy of W (and of dW) and fp32 GEMM speed.
 
     row_mask [...] bool: rows where it is False are padding. Their logprobs, entropy and lse
     are 0, their incoming grads are ignored and they get zero d_hidden; on CUDA they also cost
@@ -200,6 +211,8 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[
     cap): z = c * tanh((hidden @ weight.T + bias) * logit_scale / c) / temperature, c the cap;
     without a cap z = (hidden @ weight.T + bias) * logit_scale / temperature. Callers validate
     them (finite, > 0)."""
+    if fp32_lm_head:
+        hidden, weight, bias = upcast_lm_head(hidden, weight, bias)
     lead = ids.shape
     h = hidden.reshape(-1, hidden.shape[-1])                               # [N, H]
     rm = None if row_mask is None else row_mask.reshape(-1).to(torch.bool)
