@@ -202,7 +202,8 @@ def test_one_token_vocab():
 @pytest.mark.parametrize("garbage,dtype,temperature", [(1e4, torch.float32, 1.0), (3e38, torch.float32, 1.0),
                                                        (1e3, torch.float16, 1.0), (1e2, torch.float32, 1e-4)])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_garbage_hidden_at_masked_rows_never_reaches_the_grads(garbage, dtype, temperature, compiled):
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_garbage_hidden_at_masked_rows_never_reaches_the_grads(garbage, dtype, temperature, compiled, device):
     """Masked rows' hidden states (finite but huge) change nothing: log-probs and dX / dW / db equal
     those of the same batch with zeros there (the recompute backward zeroes a padded row's
     dlogits; its saved lse is 0, so exp(z - 0) overflowed and inf * 0 made NaN grads)."""
@@ -215,6 +216,7 @@ def test_garbage_hidden_at_masked_rows_never_reaches_the_grads(garbage, dtype, t
     weight = torch.randn(V, H, generator=g).to(dtype)
     bias = torch.randn(V, generator=g).to(dtype)
     ids = torch.randint(0, V, (B, T), generator=g)
+    hidden0, hidden1, weight, bias, ids, mask = (t.to(device) for t in (hidden0, hidden1, weight, bias, ids, mask))
 
     def f(h, w, b):
         out = cg.token_logprobs(h, w, ids, b, mask=mask, with_entropy=True, temperature=temperature)
