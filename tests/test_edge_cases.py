@@ -268,3 +268,24 @@ def test_tp_group_that_is_not_usable_is_named():
     if not dist.is_initialized():
         with pytest.raises(ValueError, match="tp_group needs torch.distributed initialized"):
             cg.token_logprobs(h, w, ids, tp_group=dist.ProcessGroup(dist.HashStore(), 0, 1))
+
+
+@pytest.mark.parametrize("what", ["old", "ref", "adv"])
+@pytest.mark.parametrize("val", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_inputs_at_valid_positions_one_policy_in_every_mode(what, val):
+    """README "Edge cases": NaN in old / ref log-probs or advantages at a valid position makes the
+    loss NaN; +-inf follow the formulas as TRL's code does (ratio 0 or inf, then the clips and
+    clamps). Either way the same loss in the recompute and fused modes, and no error."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, V = 2, 5, 8, 19
+    h, w = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    adv, old = torch.randn(B, generator=g), torch.randn(B, T, generator=g) - 3
+    ref = old.clone()
+    {"old": old, "ref": ref, "adv": adv}[what].view(-1)[1] = val
+    losses = [cg.grpo_loss(h, w, ids, adv, mask, old, ref,
+                           config=cg.GRPOConfig(beta=0.04, gradient_mode=m)).loss for m in ("recompute", "fused")]
+    torch.testing.assert_close(losses[0], losses[1], equal_nan=True)
+    if val != val:
+        assert losses[0].isnan()
