@@ -361,3 +361,15 @@ def test_order_rows_grouped():
         got = perm[b * 20: b * 20 + 20]
         assert torch.equal(got[: len(want)], want) and not got[len(want):].any()
         assert counts[b] == mask[rows].sum()
+
+
+def test_fused_zero_rows(monkeypatch):
+    """N = 0 (an empty batch) through the fused block steps' Triton body: empty outputs, zero dW
+    and d_bias, an empty dX."""
+    monkeypatch.setattr(fk, "_triton_body", lambda t: True)
+    x, w, ids, b = make(0, 24, 75, torch.float32, True)
+    res = fk.fused_linear_logprobs(x, w, ids, b, torch.zeros(0, dtype=torch.bool),
+                                   lambda r0, idx, lp, ent: (lp, ent), blocks=1, block_rows=16,
+                                   need_b=True)
+    assert res.logprobs.shape == (0,) and res.d_hidden.shape == (0, 24)
+    assert torch.equal(res.d_weight, torch.zeros_like(w)) and torch.equal(res.d_bias, torch.zeros_like(b))

@@ -47,6 +47,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lowerings.linear_logprobs import cpu as _cpu
+from lowerings.linear_logprobs.cpu import _hint
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs import fused_cuda as _fcuda
@@ -148,6 +149,13 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     w_dtype = weight.dtype
     if _triton_body(hidden):   # one common dtype for the kernels, cast once (mixed heads)
         hidden, weight = _dense._prepare(hidden, weight, False)[:2]
+    if _hint(n) == 0:   # no row (Dynamo specializes a size of 0: no guard on N): the slots past N
+        # would read a row 0 that does not exist; the result is empty, dW and d_bias zeros
+        dt = torch.float64 if ws_dtype(hidden, weight) == torch.float64 else torch.float32
+        empty = hidden.new_zeros(0, dtype=dt)
+        return FusedResult(empty, empty.clone(), empty.clone(), hidden.new_zeros((0, h)) if need_x else None,
+                           weight.new_zeros(weight.shape, dtype=w_dtype) if need_w else None,
+                           bias.new_zeros(v) if need_b else None)
     slot = None
     if plan is not None:   # grouped blocks: R slots each, like the global order's
         perm, counts, slot = plan
