@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lowerings.linear_logprobs.aot_check import cases
+from bench.kernels.aot_check import cases
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "lowerings.linear_logprobs.aot_check"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "bench.kernels.aot_check"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]

@@ -122,7 +122,7 @@ def test_sampled_targets_are_on_policy():
 
 
 def test_least_targets_are_each_rows_argmin():
-    """least (bench_fused's stress input): each id is its row's least likely token, chunking
+    """least (bench.kernels.fused's stress input): each id is its row's least likely token, chunking
     changes nothing, and at logit std 8 the log-probs fall past -48 (the exp-scaled backward's
     re-referenced rows)."""
     sh = shapes.SHAPES["cpu-tiny"]

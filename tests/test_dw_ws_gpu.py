@@ -7,8 +7,8 @@ import torch
 
 from lowerings.linear_logprobs import cuda as dense
 from lowerings.linear_logprobs import fused_cuda as fc
-from lowerings.linear_logprobs.bench_dw_ws import triton_step as _triton_step
-from lowerings.linear_logprobs.bench_dw_ws import ws_step as _ws_step
+from bench.kernels.dw_ws import triton_step as _triton_step
+from bench.kernels.dw_ws import ws_step as _ws_step
 from lowerings.linear_logprobs.cuda import cdiv
 
 pytestmark = pytest.mark.skipif(

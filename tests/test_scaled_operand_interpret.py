@@ -1,4 +1,4 @@
-"""The A-operand-scaled dX / dW GEMMs of lowerings/linear_logprobs/bench_scaled_operand.py (a
+"""The A-operand-scaled dX / dW GEMMs of bench/kernels/scaled_operand.py (a
 measured design alternative of the fused path, README: issue 11) under TRITON_INTERPRET=1, on CPU
 tensors: the timing script's numbers are only worth something if its scaled steps compute
 (s-scaled a) @ w and (s-scaled a).T @ x."""
@@ -7,7 +7,7 @@ import torch
 import triton
 
 from interpret import DTYPE_16   # fp16: numpy, so the interpreter, has no bf16
-from lowerings.linear_logprobs import bench_scaled_operand as bso
+from bench.kernels import scaled_operand as bso
 
 R, V, H, TILE = 48, 160, 32, 32   # 3 row tiles (the last partial), 5 vocab tiles of TILE columns
 

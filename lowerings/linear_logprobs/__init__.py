@@ -10,10 +10,9 @@ the [N, V] logits.
     fused.py, fused_cuda.py  the fused-gradient block steps (grpo_loss's default on CUDA):
                logits once, the caller's per-token gradient, dlogits in place, dX / dW
     kernels_fused.py  their own @triton.jit kernels (dlogits in place, persistent dW, split dX)
-    bench_op.py  `python -m lowerings.linear_logprobs.bench_op`: the op alone, per-kernel times
-    bench_rows.py, bench_fused.py  the same for the row-masked and the fused path
-    aot_check.py `python -m lowerings.linear_logprobs.aot_check`: every CUDA kernel compiled for
-               sm_90 at its launch tiles, on any machine (no GPU): builds and fits, or not
+    launch.py  the recompute op's Triton launches with declared writes (custom ops when traced)
+    kernels_dw.py, kernels_dw_ws.py, kernels_fwd_ws.py  the dW steps; the Gluon kernels
+The per-kernel benchmarks and the sm_90 build check are in bench/kernels/.
 """
 from lowerings.linear_logprobs.op import (LinearLogprobs, _linear_logprobs_backward_op,
                                           _linear_logprobs_op, linear_logprobs)

@@ -44,7 +44,7 @@ host `TensorDescriptor`s do not trace through wrap_triton, torch 2.11); their ze
 the row / column / K masks. Same dots in the same order: bitwise-equal outputs. H200,
 N=16384, H=4096, V=151936 bf16: forward 41.0 -> 32.0 ms (cuBLAS logits GEMM 29.8 ms), eager
 and under torch.compile alike (compiled fwd 32.4 ms, dlogits 34.7 ms in all vs eager 30.1 /
-34.4; `python -m lowerings.linear_logprobs.bench_op --compile --tma=1 --profile`). Elsewhere (older GPUs,
+34.4; `python -m bench.kernels.op --compile --tma=1 --profile`). Elsewhere (older GPUs,
 fp32, the TRITON_INTERPRET tests) masked pointer loads.
 
 Precision: bf16/fp16 tiles use tensor-core dots with fp32 accumulation; their products are exact
@@ -84,7 +84,7 @@ def next_power_of_2(n: int) -> int:
 TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_TILES", "128,256,64,8,3").split(","))
 GROUP_N = 16                # row blocks per program group (L2 reuse, see _swizzle)
 # The forward's vocab-tile loop flattened with its K loop (kernels._fwd_kernel FLATTEN): H100,
-# qwen3-8b fused step, 39% valid (bench_fused --sweep fwd): forward 13.3 ms against 13.9-14.5,
+# qwen3-8b fused step, 39% valid (bench.kernels.fused --sweep fwd): forward 13.3 ms against 13.9-14.5,
 # step 40.2 against 41.0-41.2 ms. LINEAR_LOGPROBS_FWD_FLATTEN=0 turns it off (tuning runs).
 FWD_FLATTEN = os.environ.get("LINEAR_LOGPROBS_FWD_FLATTEN", "1") == "1"
 FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see _fwd_splits for the pick

@@ -48,7 +48,7 @@ def _tiles(env: str, default: dict) -> dict:
 GEMM_TILES = _tiles("LINEAR_LOGPROBS_GEMM_TILES",    # the dX step
                     {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3), 8: (64, 64, 32, 4, 2)})
 DW_TILES = _tiles("LINEAR_LOGPROBS_DW_TILES", dict(GEMM_TILES))   # the dW step
-# The dlogits workspace [R, C] of this path. H100, qwen3-8b shape, 67% valid (bench_rows
+# The dlogits workspace [R, C] of this path. H100, qwen3-8b shape, 67% valid (bench.kernels.rows
 # --sweep): 16 MiB (C = 4096) 102.1 ms, 24 MiB 97.6 ms, 32 MiB 97.7 ms, peaks within 5 MiB.
 WS_BYTES = int(os.environ.get("LINEAR_LOGPROBS_ROWS_WS_MIB", "24")) << 20
 

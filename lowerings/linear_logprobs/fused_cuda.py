@@ -51,18 +51,18 @@ from lowerings.linear_logprobs.kernels_fused import (_dx_split_kernel, _dx_split
 # The in-place dlogits pass: an elementwise [BLOCK_N, BLOCK_V] tile a program, (BLOCK_N,
 # BLOCK_V, num_warps); LINEAR_LOGPROBS_DLOGITS_TILE="64,256,8" overrides it (tuning runs). d_bias
 # partial sums are [cdiv(R, BLOCK_N), V] fp32 (only with a bias). H100, qwen3-8b, 39% valid
-# (bench_fused --sweep dlogits): 1.73 ms a step at (32, 256, 8), 2.00 at (32, 256, 4).
+# (bench.kernels.fused --sweep dlogits): 1.73 ms a step at (32, 256, 8), 2.00 at (32, 256, 4).
 DLOGITS_TILE = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DLOGITS_TILE",
                                                     "32,256,8").split(","))
 # The dW step as a persistent grid (kernels_dw._dw_step_persistent_kernel): H100, qwen3-8b bench,
-# 39% valid (bench_fused --sweep dw): step 39.8 ms against 41.8 with one program per tile.
+# 39% valid (bench.kernels.fused --sweep dw): step 39.8 ms against 41.8 with one program per tile.
 # LINEAR_LOGPROBS_DW_PERSISTENT=0 takes the one-program-per-tile kernel (tuning runs).
 DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
 # The dW step as a warp-specialized Gluon kernel (kernels_dw_ws: a TMA loader warp running ahead
 # of two 4-warp wgmma consumers, each on half of a tile's vocab rows, sharing each stage's xg
 # tile, across tiles; the old dW tile prefetched into the epilogue buffer, one rounding a
 # block), taken on sm_90 wherever the Triton step would write dW through TMA (_dw_ws_ok). H100,
-# one 2048-row qwen3-8b block (bench_dw_ws, bench/results/dw_ws_h100.txt): 3.88 ms against one
+# one 2048-row qwen3-8b block (bench.kernels.dw_ws, bench/results/dw_ws_h100.txt): 3.88 ms against one
 # 8-warp consumer's 3.96, cuBLAS's (beta = 1) 3.96 and the Triton step's 4.13; Nsight Compute
 # 5.33 against 5.42 M cycles a full block; a 271-row tail block 1.01 against 1.03 / 1.31 / 1.35
 # ms; half the accumulated block's rounding error of the Triton step's TMA reduce-add (which
@@ -77,7 +77,7 @@ DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES"
 # stage), where _fwd_kernel would run with TMA, no bias and no softcap on sm_90 (_fwd_ws_ok).
 # OFF by default: H100, qwen3-8b 39% valid, Nsight Compute cycles a full 2048-row block
 # (bench/results/ncu_h100_7a873e1.txt): _fwd_kernel 5.49 M, one consumer 5.53 M, two 5.66 M;
-# bench_fused in turns, one call: steps 37.82 / 37.83 ms with _fwd_kernel, 38.03 / 37.95 with
+# bench.kernels.fused in turns, one call: steps 37.82 / 37.83 ms with _fwd_kernel, 38.03 / 37.95 with
 # one consumer (bench/results/fwd_ws_h100.txt). LINEAR_LOGPROBS_FWD_WS=1 takes it (A/B runs).
 # Its row block and vocab tile are cuda.TILES' (the plan table's row blocks and zoff's tiles
 # are theirs); LINEAR_LOGPROBS_FWD_WS_TILES: (BLOCK_K, STAGES, TMA_STORE: the stored tiles

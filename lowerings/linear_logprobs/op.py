@@ -30,7 +30,7 @@ Measured on one H200 (torch 2.11, triton 3.6), N=16384, H=4096, V=151936 bf16:
   GRPO loss fwd+bwd (`python -m bench --shapes qwen3-8b`, bench/results/HISTORY.md): 122.9 ms eager
   = 1.33x the floor of three cuBLAS bf16 GEMMs of N*H*V (92.3 ms, same run), 124.3 ms = 1.35x
   inside torch.compile; peak beyond inputs+grads 58 / 61 MiB (N*V bf16 logits: 4748 MiB).
-  The op alone (`python -m lowerings.linear_logprobs.bench_op --compile --tma=1 --profile`, before the
+  The op alone (`python -m bench.kernels.op --compile --tma=1 --profile`, before the
   forward-split and 6144-column changes): kernel times forward 30.1 ms (cuBLAS logits GEMM
   29.8 ms), dlogits recompute 34.4 ms, dX GEMMs 31.6 ms, dW GEMMs 30.9 ms, eager and compiled
   alike. Recompute makes it 8NHV against the floor's 6NHV: 1.33x is this design's bound.
@@ -50,7 +50,7 @@ count: no FLOP and no host sync for padding. H100, qwen3-8b shape, the bench's 3
 (`python -m bench --shapes qwen3-8b qwen3-8b-packed`, README "real batches"): grpo_loss on the
 padded batch 58.4 ms = 0.97x the same loss on the valid tokens compacted outside (60.3 ms), 74 MiB
 beyond grads (58 MiB, 63.0 ms on H200, since the masked path's row groups went from 2048 to 1536
-rows). At 67% valid (`python -m lowerings.linear_logprobs.bench_rows --profile`): 96.7 ms
+rows). At 67% valid (`python -m bench.kernels.rows --profile`): 96.7 ms
 masked vs 88.3 ms compacted (cuBLAS steps), because the masked path's Triton dW / dX steps run
 ~20% / ~7% slower than cuBLAS (25.8 / 22.1 ms); the forward and dlogits kernels match.
 Numerics (tests/test_linear_logprobs_gpu.py, N=1024, full head): error vs an fp32 upcast

@@ -1,6 +1,6 @@
 """GPU micro-benchmark of the row-masked path (cuda_rows.py) on a padded batch.
 
-    python -m lowerings.linear_logprobs.bench_rows [N] [H] [V] [--T=2048] [--compile] [--profile]
+    python -m bench.kernels.rows [N] [H] [V] [--T=2048] [--compile] [--profile]
         [--sweep]    (GEMM-step tiles of the masked path only: per-kernel times, then exit)
 
 A right-padded [B, T] batch (B = N / T, completion lengths ~ U[1, T]: ~50% valid, as the bench's

@@ -2,7 +2,7 @@
 ahead-of-time path (triton.compile of an ASTSource for a GPUTarget, down to a cubin through the
 ptxas that the triton wheel ships).
 
-    python -m lowerings.linear_logprobs.aot_check
+    python -m bench.kernels.aot_check
 
 Each kernel is built at the tiles and flags its launcher uses for bf16 operands with TMA (the
 module values, so a retuned table is what gets checked), with the divisibility-by-16 that

@@ -3,7 +3,7 @@ process: the cached Triton scratch (cuda._tma_alloc) and the block steps' bodies
 (fused.block_steps), against a fresh torch.empty a launch and the custom ops (the code before
 38397ec).
 
-    python -m lowerings.linear_logprobs.bench_host [SHAPE ...]   (default qwen2.5-0.5b; CUDA)
+    python -m bench.kernels.host [SHAPE ...]   (default qwen2.5-0.5b; CUDA)
 
 Per variant, twice, the four variants twice in turn: "lead-in", one step's host time right after
 a synchronize; "queued host", host time a step over 20 steps queued back to back; "wall", those

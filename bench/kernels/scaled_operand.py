@@ -1,6 +1,6 @@
 """What a per-(row, vocab tile) scale on the A operand costs the fused path's dX and dW GEMM steps.
 
-    python -m lowerings.linear_logprobs.bench_scaled_operand [--rows 2048] [--vocab 151936]
+    python -m bench.kernels.scaled_operand [--rows 2048] [--vocab 151936]
         [--hidden 4096]
 
 A design question of issue 11 (the dlogits pass, ~5% of the valid floor at qwen3-8b): without

@@ -1,6 +1,6 @@
 """GPU profile of grpo_loss's fused-gradient path (fused.py, fused_cuda.py) on the bench's inputs.
 
-    python -m lowerings.linear_logprobs.bench_fused [--shape qwen3-8b] [--all-valid]
+    python -m bench.kernels.fused [--shape qwen3-8b] [--all-valid]
         [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile [MODE]] [--recompute] [--cublas]
         [--workspace-mib MIB ...] [--trace DIR] [--host-profile]
         [--targets {random,sampled,least}] [--logit-std S] [--cuda-graph] [--clocks] [--gspo]
@@ -38,7 +38,7 @@ its gradients equal an eager step's. --clocks: the median SM clock and board pow
 every 50 ms) while the floor's GEMMs and the step are timed: a step that runs at a lower clock
 than the floor under the same power cap loses to it on energy, not on its kernels' schedule.
 --counters [R ...]: for Nsight Compute (`ncu --profile-from-start off --clock-control none
-... bench_fused --counters 2048 271`): the step twice to compile and warm it, then, between
+... bench.kernels.fused --counters 2048 271`): the step twice to compile and warm it, then, between
 cudaProfilerStart and Stop, one step, the valid floor's three cuBLAS GEMMs and cuBLAS's three
 GEMMs of one block of each R valid rows (block_gemms, as --cublas), and nothing timed: ncu
 replays each kernel alone at its own clock, so its counters (cycles, DRAM and L2 bytes, tensor

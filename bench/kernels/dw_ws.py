@@ -2,7 +2,7 @@
 (kernels_dw, the TMA reduce-add epilogue), the warp-specialized Gluon kernel (kernels_dw_ws) at
 each --ws-tiles entry, and cuBLAS (addmm_, beta = 1) on the same valid rows.
 
-    python -m lowerings.linear_logprobs.bench_dw_ws [--rows 2048] [--valid 2048 271]
+    python -m bench.kernels.dw_ws [--rows 2048] [--valid 2048 271]
         [--vocab 151936] [--hidden 4096] [--ws-tiles 128,256,64,3,4,168,2 ...] [--reps 20]
 
 First checks each kernel's stored and accumulated dW against an fp32 reference (largest error

@@ -1,6 +1,6 @@
 """GPU micro-benchmark of compiled_grpo::linear_logprobs (eager launch of the op).
 
-    python -m lowerings.linear_logprobs.bench_op [N] [H] [V] [--sweep] [--compile] [--tma=0,1] [--profile]
+    python -m bench.kernels.op [N] [H] [V] [--sweep] [--compile] [--tma=0,1] [--profile]
         [--sweep=bwd]
 
 Prints, in one run on one GPU: the floor (three bf16 cuBLAS GEMMs of N*H*V: logits, dX, dW),
