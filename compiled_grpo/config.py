@@ -176,6 +176,14 @@ class GRPOConfig:
         return tuple(m for m in self.metrics if m not in METRIC_LEVELS)
 
 
+
+# help(GRPOConfig) lists each choice field's valid values, from the tuples __post_init__ checks
+GRPOConfig.__doc__ += "\n    Valid values (checked at construction, ValueError naming the field):\n\n" + "".join(
+    f"    - ``{name}``: {', '.join(repr(c) for c in choices)}\n"
+    for name, choices in (("loss_type", LOSS_TYPES), ("importance_sampling_level", IS_LEVELS),
+                          ("kl_estimator", KL_ESTIMATORS), ("gradient_mode", GRADIENT_MODES),
+                          ("vllm_importance_sampling_mode", VLLM_IS_MODES)))
+
 def _normalize_metrics(metrics) -> tuple:
     names = (metrics,) if isinstance(metrics, str) else metrics
     if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):

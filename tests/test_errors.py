@@ -184,3 +184,19 @@ def test_unknown_or_reserved_metric_names():
         cg.metric("basic")
     with pytest.raises(ValueError, match="metric name"):
         cg.metric("entropy")
+
+
+def test_bad_argument_under_fullgraph_compile_is_a_dynamo_error_carrying_the_message():
+    """README "Edge cases": under torch.compile(fullgraph=True) a bad argument surfaces as Dynamo's
+    Unsupported (a RuntimeError, torch._dynamo.exc.TorchDynamoException), whose __cause__ carries
+    the library's ValueError message; eager, or compiled without fullgraph, it is the ValueError."""
+    import torch._dynamo
+    h, w = torch.randn(2, 3, 4), torch.randn(5, 4)
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    fn = lambda h, w, ids, m: cg.token_logprobs(h, w, ids, mask=m).logprobs  # noqa: E731
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException) as info:
+        torch.compile(fn, fullgraph=True)(h, w, ids, torch.ones(2, 4))
+    assert "mask must have the shape of token_ids" in str(info.value.__cause__)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="mask must have the shape of token_ids"):
+        torch.compile(fn)(h, w, ids, torch.ones(2, 4))
