@@ -9,7 +9,7 @@ may round differently). Slow: about a minute of compile per case on an H100."""
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.mark.parametrize("case", __import__("bench.compile_grads", fromlist=["CASES"]).CASES)

@@ -11,9 +11,9 @@ from bench.kernels.dw_ws import triton_step as _triton_step
 from bench.kernels.dw_ws import ws_step as _ws_step
 from lowerings.linear_logprobs.cuda import cdiv
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-    reason="needs an sm_90 GPU (Hopper wgmma)")
+    reason="needs an sm_90 GPU (Hopper wgmma)")]
 
 
 def _operands(r=320, v=1000, h=512, seed=0):

@@ -6,7 +6,7 @@ import torch
 
 import compiled_grpo as cg
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _gpu_inputs(B=4, T=256, Hd=4096, Vd=151936, seed=0, p_valid=0.6):

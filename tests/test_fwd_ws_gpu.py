@@ -10,9 +10,9 @@ from lowerings.linear_logprobs import cuda as dense
 from lowerings.linear_logprobs import fused_cuda as fc
 from lowerings.linear_logprobs.cuda import cdiv
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-    reason="needs an sm_90 GPU (Hopper wgmma)")
+    reason="needs an sm_90 GPU (Hopper wgmma)")]
 
 R, V, H = 256, 1000, 512   # two 128-row blocks; V: a partial last vocab tile
 

@@ -13,7 +13,7 @@ from compiled_grpo import fused as F
 from helpers import make_inputs
 from test_liger_parity import CASES, NO_CLAMPS, case_seed, liger
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _rel(a, b):

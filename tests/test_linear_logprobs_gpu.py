@@ -10,7 +10,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from lowerings.linear_logprobs import linear_logprobs
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 H, V = 4096, 151936
 
@@ -160,8 +160,10 @@ def test_compiled_backward_memory_matches_eager():
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
                     reason="TMA operand loads need sm_90+")
 def test_tma_matches_pointer_loads(monkeypatch):
-    """The TMA and pointer paths of the logits-tile GEMM agree (the same dots in the same order:
-    bitwise in practice); N, V not multiples of any tile, so TMA's zero fill replaces masks."""
+    """The TMA and pointer paths of the logits-tile GEMM agree: the forward's log-probs, entropy
+    and lse bitwise (the same dots in the same order), the gradients within rounding (their
+    GEMM steps may tile differently); N, V not multiples of any tile, so TMA's zero fill
+    replaces masks."""
     import lowerings.linear_logprobs.cuda as tk
     x, w, ids, b = make(777, v=50000, bias=True)
     runs = []
@@ -172,9 +174,9 @@ def test_tma_matches_pointer_loads(monkeypatch):
         out = linear_logprobs(xg, wg, ids, bg, temperature=0.7, with_entropy=True)
         (out.logprobs.sum() + (out.entropy * 0.3).sum() + out.lse.sum() * 0.1).backward()
         runs.append((out.logprobs, out.entropy, out.lse, xg.grad, wg.grad, bg.grad))
-    for a, c in zip(*runs):
+    for a, c in zip(*runs):   # the forward statistics run the same dots in the same order: bitwise
         torch.testing.assert_close(a, c)
-    print("TMA vs pointer bitwise equal:", [torch.equal(a, c) for a, c in zip(*runs)])
+    assert all(torch.equal(a, c) for a, c in zip(runs[0][:3], runs[1][:3])), "forward not bitwise"
 
 
 def test_tma_scratch_one_buffer_a_stream():

@@ -74,6 +74,7 @@ from accelerate.utils import is_peft_model
 from trl.trainer.utils import nanmax, nanmin
 
 import compiled_grpo as cg
+from compiled_grpo.config import LOSS_TYPES
 
 try:
     from torch.distributed.tensor import DTensor
@@ -85,7 +86,7 @@ if not trl.__version__.startswith(TRL_SERIES + "."):
     raise ImportError(f"compiled_grpo.integrations.trl overrides private methods of TRL {TRL_SERIES}.x's GRPOTrainer; "
                       f"found trl {trl.__version__}. Install the pinned release: pip install -e \".[trl]\"")
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+SUPPORTED_LOSS_TYPES = LOSS_TYPES   # every loss type of GRPOConfig (compiled_grpo.config)
 _ITEMS_NORMALIZED = ("dapo", "cispo", "vespo")  # divided by num_items_in_batch, not by the accumulation steps
 _HIDDEN_FLAG = "compiled_grpo_hidden_states"  # forward kwarg that returns the backbone's last hidden state
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
