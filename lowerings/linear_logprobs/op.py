@@ -26,33 +26,11 @@ reads a tensor value on the host, so dynamic N compiles once. Mark N dynamic on 
 alike (the outputs are viewed as ids.shape, so a static hidden would specialize ids' N and
 `mark_dynamic(ids, 0)` then raises ConstraintViolationError); note that `x.clone()` drops a mark.
 
-Measured on one H200 (torch 2.11, triton 3.6), N=16384, H=4096, V=151936 bf16:
-  GRPO loss fwd+bwd (`python -m bench --shapes qwen3-8b`, bench/results/HISTORY.md): 122.9 ms eager
-  = 1.33x the floor of three cuBLAS bf16 GEMMs of N*H*V (92.3 ms, same run), 124.3 ms = 1.35x
-  inside torch.compile; peak beyond inputs+grads 58 / 61 MiB (N*V bf16 logits: 4748 MiB).
-  The op alone (`python -m bench.kernels.op --compile --tma=1 --profile`, before the
-  forward-split and 6144-column changes): kernel times forward 30.1 ms (cuBLAS logits GEMM
-  29.8 ms), dlogits recompute 34.4 ms, dX GEMMs 31.6 ms, dW GEMMs 30.9 ms, eager and compiled
-  alike. Recompute makes it 8NHV against the floor's 6NHV: 1.33x is this design's bound.
-  What moved it from 1.57x (compiled) / 1.38x (eager) and 256 MiB: the fp32 dX accumulator of
-  one row group instead of all N rows (its read-modify-write stays L2-sized, 256 -> 58 MiB);
-  TMA operand loads under torch.compile too (fwd 41 -> 32 ms); Inductor passes `1/temperature`
-  as an fp64 scalar, which promoted every logits tile to fp64 until the kernels cast it (fwd
-  49 -> 44 ms with pointer loads); the entropy statistic kept relative to the running max (the
-  tile held once: fwd with entropy 38.5 -> 33.9 ms); a forward split count that fills the last
-  wave of SMs (32.0 -> 31.1 ms); 6144- rather than 4096-column backward chunks (-1.7 ms).
-  Sweeps (`--sweep=bwd`): 2048-column chunks +6 ms; dX row groups of 16 MiB +5 ms (twice the
-  dW read-modify-writes), of 64 MiB -1 ms (more memory).
-  Compile caches do not key on LINEAR_LOGPROBS_TMA: see cuda.TMA.
+The recompute op's measurements and what moved them: bench/results/HISTORY.md ("The recompute
+op's design measurements"). Compile caches do not key on LINEAR_LOGPROBS_TMA: see cuda.TMA.
 Padded rows (`row_mask`, what token_logprobs / grpo_loss pass for their mask): on CUDA the op
 runs cuda_rows.py, valid rows compacted first on the device and every kernel stopping at a device
-count: no FLOP and no host sync for padding. H100, qwen3-8b shape, the bench's 39%-valid batch
-(`python -m bench --shapes qwen3-8b qwen3-8b-packed`, README "real batches"): grpo_loss on the
-padded batch 58.4 ms = 0.97x the same loss on the valid tokens compacted outside (60.3 ms), 74 MiB
-beyond grads (58 MiB, 63.0 ms on H200, since the masked path's row groups went from 2048 to 1536
-rows). At 67% valid (`python -m bench.kernels.rows --profile`): 96.7 ms
-masked vs 88.3 ms compacted (cuBLAS steps), because the masked path's Triton dW / dX steps run
-~20% / ~7% slower than cuBLAS (25.8 / 22.1 ms); the forward and dlogits kernels match.
+count: no FLOP and no host sync for padding.
 Numerics (tests/test_linear_logprobs_gpu.py, N=1024, full head): error vs an fp32 upcast
 reference <= 2x that of eager bf16 for logprobs, entropy, d_hidden, d_weight, d_bias; bitwise
 deterministic across runs.
