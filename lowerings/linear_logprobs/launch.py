@@ -60,7 +60,11 @@ class declared:
 
 
 def _tracing(args) -> bool:
-    return torch._guards.detect_fake_mode([a for a in args if isinstance(a, Tensor)]) is not None
+    """Whether the launch is being traced: its first tensor is fake (FakeTensor, or a
+    FunctionalTensor around one). A plain torch.Tensor never is: that check costs ~0.1 us
+    against detect_fake_mode's ~13 us over a launch's arguments (~800 launches an eager step)."""
+    t = next(a for a in args if isinstance(a, Tensor))
+    return type(t) is not Tensor and torch._guards.detect_fake_mode([t]) is not None
 
 
 def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
