@@ -346,7 +346,8 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
             is_high_clipped=pol.is_high_clipped.expand(valid.shape), kl_ref=d(kl), entropy=d(entropy),
             epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high)
         extra = _option_metrics(terms, samp, valid, cfg, segments) if cfg.metrics_level != "none" else None
-        metrics = compute_metrics(stats, cfg.metrics_level, cfg.custom_metrics, extra)
+        metrics = compute_metrics(stats, cfg.metrics_level, cfg.custom_metrics, extra, segments=segments,
+                                  per_sequence=cfg.importance_sampling_level == "sequence")
     logp = logp.detach()
     if out_shape is not None and len(out_shape) == 2:  # HF's packed batch [1, N]
         per_token, logp = per_token.reshape(out_shape), logp.reshape(out_shape)

@@ -159,9 +159,6 @@ class GRPOConfig:
             bad("max_completion_length", "must be None or a positive int")
         if self.loss_type == "dr_grpo" and m is None:
             bad("max_completion_length", "loss_type='dr_grpo' normalizes by B * max_completion_length; set it")
-        if self.importance_sampling_level == "sequence" and self.loss_type in ("cispo", "sapo"):
-            bad("importance_sampling_level", f"sequence-level importance sampling is not defined for "
-                f"loss_type={self.loss_type!r} (as in Liger and TRL); use 'token'")
         object.__setattr__(self, "metrics", _normalize_metrics(self.metrics))
 
     @property

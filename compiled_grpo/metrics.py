@@ -119,13 +119,29 @@ def option_metrics(mask: Tensor, old: Tensor, sampling_logprobs: Optional[Tensor
     return out
 
 
-def compute_metrics(stats: TokenStats, level: str, custom_names: tuple, extra: Optional[dict] = None) -> GRPOMetrics:
+def sequence_flag_mean(flag: Tensor, mask: Tensor, segments=None, dtype=torch.float32) -> Tensor:
+    """TRL 1.16's clip ratios under sequence-level IS: one flag per sequence (set if its valid
+    tokens are), averaged over all sequences, empty ones included (TRL's global_masked_mean of a
+    [B, 1] tensor); 0 with no sequence. flag, mask [B, T] (packed: [N] with segments)."""
+    hit = (flag & mask).to(torch.float32)   # exact counts to 2^24 sequences
+    per_seq = hit.sum(-1) if segments is None else segments.sum(hit)            # [S]
+    return (per_seq > 0).to(dtype).sum() / max(per_seq.numel(), 1)
+
+
+def compute_metrics(stats: TokenStats, level: str, custom_names: tuple, extra: Optional[dict] = None,
+                    segments=None, per_sequence: bool = False) -> GRPOMetrics:
     """Built-in metrics for ``level`` ('basic' or 'with_entropy') plus the requested custom ones;
-    ``extra``: option_metrics(...), reported with the basic level."""
+    ``extra``: option_metrics(...), reported with the basic level. ``per_sequence`` (sequence-level
+    importance sampling): the clip ratios count sequences, as TRL's do (sequence_flag_mean)."""
     out = {}
     m = stats.mask
     if level in ("basic", "with_entropy"):
         dtype = stats.ratio.dtype
+
+        def clip_mean(flag):
+            if per_sequence:
+                return sequence_flag_mean(flag, m, segments, dtype)
+            return masked_mean(flag.to(dtype), m)
         ratio = torch.where(m, stats.ratio, 0)  # [B, T]
         coef = stats.coef
         outside = (coef < 1 - stats.epsilon_low) | (coef > 1 + stats.epsilon_high)  # [B, T]
@@ -138,9 +154,9 @@ def compute_metrics(stats: TokenStats, level: str, custom_names: tuple, extra: O
             # k3 between old and current policy: rho - log(rho) - 1 (Fast-LLM ``kl_new_old``)
             kl_new_old=masked_mean(stats.ratio - stats.log_ratio - 1, m),
             clipped_ratio_fraction=masked_mean(outside.to(dtype), m),
-            clip_ratio_low=masked_mean(stats.is_low_clipped.to(dtype), m),
-            clip_ratio_high=masked_mean(stats.is_high_clipped.to(dtype), m),
-            clip_ratio=masked_mean((stats.is_low_clipped | stats.is_high_clipped).to(dtype), m),
+            clip_ratio_low=clip_mean(stats.is_low_clipped),
+            clip_ratio_high=clip_mean(stats.is_high_clipped),
+            clip_ratio=clip_mean(stats.is_low_clipped | stats.is_high_clipped),
             advantage=adv.mean,
             max_advantage=adv.max,
             min_advantage=adv.min,

@@ -25,7 +25,7 @@ from helpers import make_inputs
 
 CASES = [dict(loss_type=lt, importance_sampling_level=lvl) for lt, lvl in itertools.product(
     ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"), ("token", "sequence"))
-    if not (lvl == "sequence" and lt in ("cispo", "sapo"))]
+    ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['loss_type']}-{c['importance_sampling_level']}")

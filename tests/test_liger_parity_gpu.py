@@ -53,4 +53,5 @@ def test_cuda_fused_path_matches_liger(case):
         assert _rel(a, b) < 1e-4, (name, _rel(a, b))
     if beta != 0.0:
         assert _rel(ours.metrics.kl_ref, metrics[0].double()) < 1e-4
-    torch.testing.assert_close(ours.metrics.clip_ratio.double(), metrics[-1].double(), rtol=0, atol=1e-6)
+    if level == "token":   # sequence level: Liger weighs the clip flags by tokens, TRL (and we) by sequences
+        torch.testing.assert_close(ours.metrics.clip_ratio.double(), metrics[-1].double(), rtol=0, atol=1e-6)

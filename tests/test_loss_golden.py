@@ -10,7 +10,7 @@ import compiled_grpo as cg
 from helpers import golden_loss, make_inputs
 
 PAIRS = [(lt, lvl) for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
-         for lvl in ("token", "sequence") if not (lvl == "sequence" and lt in ("cispo", "sapo"))]
+         for lvl in ("token", "sequence")]
 NO_CLAMPS = dict(log_ratio_clamp=None, kl_input_clamp=None, kl_output_clamp=None)
 
 

@@ -28,8 +28,12 @@ def test_basic_and_entropy_metrics_by_hand(level):
     else:
         seq = {i: sum(p[k] - q[k] for k in valid if k[0] == i) / sum(1 for k in valid if k[0] == i) for i in range(3)}
         coef = {k: math.exp(seq[k[0]]) for k in valid}
-    low = sum(1 for k in valid if coef[k] < 0.8 and a[k[0]] < 0) / n
-    high = sum(1 for k in valid if coef[k] > 1.2 and a[k[0]] > 0) / n
+    if level == "token":
+        low = sum(1 for k in valid if coef[k] < 0.8 and a[k[0]] < 0) / n
+        high = sum(1 for k in valid if coef[k] > 1.2 and a[k[0]] > 0) / n
+    else:   # TRL 1.16: one flag per sequence, averaged over the B sequences
+        low = sum(1 for i in range(3) if math.exp(seq[i]) < 0.8 and a[i] < 0) / 3
+        high = sum(1 for i in range(3) if math.exp(seq[i]) > 1.2 and a[i] > 0) / 3
     kl = {k: math.exp(r[k] - p[k]) - (r[k] - p[k]) - 1 for k in valid}
     logits = inp["hidden"].detach() @ inp["weight"].detach().T
     ent = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)

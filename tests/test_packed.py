@@ -21,7 +21,7 @@ LENGTHS = (5, 0, 3, 7, 4)            # sequence 1 empty; sequence 4 fully masked
 T = max(LENGTHS)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PAIRS = [(lt, lvl) for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
-         for lvl in ("token", "sequence") if not (lvl == "sequence" and lt in ("cispo", "sapo"))]
+         for lvl in ("token", "sequence")]
 PER_TOKEN = ("token_ids", "mask", "old_logprobs", "ref_logprobs", "sampling_ratio")
 
 

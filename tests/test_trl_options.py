@@ -71,6 +71,7 @@ def cg_config(args, **kw):
     """compiled_grpo's config of the same options (guards off: TRL's numbers)."""
     return cg.GRPOConfig(
         loss_type=args.loss_type, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high or args.epsilon,
+        importance_sampling_level=args.importance_sampling_level,
         beta=args.beta, use_bias_correction_kl=args.use_bias_correction_kl, entropy_coef=args.entropy_coef,
         off_policy_mask_threshold=args.off_policy_mask_threshold, top_entropy_quantile=args.top_entropy_quantile,
         vllm_importance_sampling_correction=args.vllm_importance_sampling_correction,
@@ -131,11 +132,11 @@ def ours(b, cfg, mode, *, old=True, samp=True):
     return out, torch.autograd.grad(out.loss, (b["hidden"], b["weight"]))
 
 
-def assert_matches(trl_result, our_result, metric_map):
+def assert_matches(trl_result, our_result, metric_map, rtol=None, atol=None):
     (loss, grads, metrics), (out, our_grads) = trl_result, our_result
-    torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(out.loss, loss.detach(), rtol=rtol or 1e-12, atol=atol or 1e-14)
     for a, b_ in zip(our_grads, grads):
-        torch.testing.assert_close(a, b_, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(a, b_, rtol=rtol or 1e-10, atol=atol or 1e-13)
     for trl_name, our_name in metric_map.items():
         ours_v = getattr(out.metrics, our_name).item()
         assert abs(ours_v - metrics[trl_name]) <= 1e-6 * max(1.0, abs(metrics[trl_name])), (trl_name, ours_v, metrics)
@@ -154,6 +155,12 @@ CASES = {
     "top_entropy_0.4_entropy_bonus": dict(top_entropy_quantile=0.4, entropy_coef=0.03),
     "top_entropy_0_bnpo": dict(loss_type="bnpo", top_entropy_quantile=0.0),
     "everything_grpo": dict(loss_type="grpo", off_policy_mask_threshold=0.02, top_entropy_quantile=0.5, beta=0.04),
+    # TRL 1.16 allows sequence-level IS for cispo and sapo (a warning for cispo): the GSPO ratio
+    # through the loss type's own clip rule
+    "cispo_sequence": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.05, beta=0.04),
+    "sapo_sequence": dict(loss_type="sapo", importance_sampling_level="sequence"),
+    "grpo_sequence": dict(loss_type="grpo", importance_sampling_level="sequence"),
+    "dapo_sequence": dict(loss_type="dapo", importance_sampling_level="sequence"),
 }
 
 
@@ -162,12 +169,17 @@ def test_loss_options_match_trl(name, trainer, monkeypatch):
     args = configure(trainer, vllm_importance_sampling_correction=False, **CASES[name])
     b = batch(seed=len(name))
     ref = trl_loss(trainer, b, monkeypatch)
-    metric_map = dict(CLIPS) if args.loss_type != "vespo" else {"entropy": "entropy"}
+    metric_map = dict(CLIPS) if args.loss_type not in ("vespo", "cispo", "sapo") else {"entropy": "entropy"}
+    if args.loss_type == "cispo":
+        metric_map["cispo_clip_ratio"] = "clip_ratio_high"
     if args.beta:
         metric_map["kl"] = "kl_ref"
     modes = ("recompute", "auto") if args.top_entropy_quantile < 1 else ("recompute", "fused")
+    # TRL forms sapo's temperatures as a default-dtype (fp32) tensor: its loss is ~1e-8 off the
+    # float64 value there
+    tol = dict(rtol=1e-7, atol=1e-9) if args.loss_type == "sapo" else {}
     for mode in modes:
-        assert_matches(ref, ours(b, cg_config(args), mode), metric_map)
+        assert_matches(ref, ours(b, cg_config(args), mode), metric_map, **tol)
     if args.loss_type == "vespo":  # TRL's mean over sequences of its [B, 1] phi
         out, _ = ours(b, cg_config(args), "recompute")
         torch.testing.assert_close(out.metrics.vespo_phi_seq_mean.item(), ref[2]["vespo/phi_seq_mean"],
