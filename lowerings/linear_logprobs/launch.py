@@ -37,12 +37,16 @@ def writes(*always: str, **when: str):
     return mark
 
 
-def written_params(kernel, bound: dict) -> tuple[str, ...]:
-    """The parameters `kernel` declares writing at a launch with arguments `bound` (name -> value)."""
+def _declaration(kernel) -> tuple[tuple, dict]:
     if not hasattr(kernel, "declared_writes"):
         raise TypeError(f"Triton kernel {kernel.fn.__name__} declares no writes "
                         f"(decorate it with lowerings.linear_logprobs.launch.writes)")
-    always, when = kernel.declared_writes
+    return kernel.declared_writes
+
+
+def written_params(kernel, bound: dict) -> tuple[str, ...]:
+    """The parameters `kernel` declares writing at a launch with arguments `bound` (name -> value)."""
+    always, when = _declaration(kernel)
     return always + tuple(p for p, flag in when.items() if bound[flag])
 
 
@@ -51,8 +55,7 @@ class declared:
     `compiled_grpo::triton_launch` whose mutated buffers are the kernel's declared writes."""
 
     def __init__(self, kernel):
-        if not hasattr(kernel, "declared_writes"):
-            written_params(kernel, {})      # raises: the kernel declares no writes
+        _declaration(kernel)   # an undeclared kernel fails here, eager too, not first when traced
         self.kernel = kernel
 
     def __getitem__(self, grid):
