@@ -15,7 +15,7 @@ far smaller error); only the points where the kernels round to bf16 are rounded:
              c = -g exp(R - lse), rounded to bf16 as well: two roundings a product, not one
   cX exact   the exp-scaled operands with c X unrounded: what the scaled rows' rounding costs
 
-and, a block's fp32 sum into the bf16 dW (kernels_dw._dw_tile): "one rounding a product sum"
+and, a block's fp32 sum into the bf16 dW (kernels.dw._dw_tile): "one rounding a product sum"
 (final only), the pointer epilogue's load-add-store (one rounding a block) and the TMA
 reduce-add (the tile rounded, then the sum: two a block; cuda.DW_TMA_OUT, the default). Prints
 each one's relative error (Frobenius norm) against exact float64 dW.

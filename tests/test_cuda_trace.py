@@ -185,7 +185,7 @@ def test_cuda_rows_backward_trace_in_place_and_symbolic_n():
 # dW steps' TMA epilogue, the write torch 2.11's analysis missed) is caught until it is declared.
 _DESCRIPTOR_WRITE_TRACE = _TRACE_PRELUDE + r'''
 from ttir_writes import _toy_kernel
-from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel, _dw_step_persistent_kernel
+from lowerings.linear_logprobs.kernels.dw import _dw_step_kernel, _dw_step_persistent_kernel
 _reduce_only = _toy_kernel()
 with mode:
     t = lambda *s: torch.empty(*s, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The fused path's warp-specialized Gluon dW step (kernels_dw_ws, sm_90; skipped elsewhere)
+"""The fused path's warp-specialized Gluon dW step (kernels.dw_gluon, sm_90; skipped elsewhere)
 against an fp32 reference and the Triton step it replaces: stored and accumulated blocks, a
 partial last K step (two consumers on each tile's vocab halves, the default, and one on the
 whole tile), the skip rules of a block with no valid row, bitwise repeatability."""
@@ -54,7 +54,7 @@ def test_stores_and_adds_the_valid_rows(n, tiles):
 
 
 def test_skip_rules_of_the_fused_pair():
-    """kernels_dw._dw_skips, ON_DEVICE: a block with no valid row stores zeros only when it is
+    """kernels.dw._dw_skips, ON_DEVICE: a block with no valid row stores zeros only when it is
     the final block run and none before it had rows; adding needs an earlier block with rows."""
     ws, xg, dw0 = _operands()
     r = ws.shape[0]

@@ -12,7 +12,7 @@ import lowerings.linear_logprobs.fused as fk
 import lowerings.linear_logprobs.fused_cuda as fck
 import triton
 import triton.language as tl
-from lowerings.linear_logprobs.kernels_fused import _dx_splits
+from lowerings.linear_logprobs.kernels.fused_block import _dx_splits
 
 
 def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, whole_blocks,
@@ -155,7 +155,7 @@ def _dx_splits_probe(args_ptr, out_ptr, S_MAX: tl.constexpr, BLOCK_M: tl.constex
     (0, 16, 132, 3072, 1),      # an empty block
 ])
 def test_dx_splits(n, h_blocks, sms, max_rows, want):
-    """The dX step's split count over V (kernels_fused._dx_splits), as its docstring states it."""
+    """The dX step's split count over V (kernels.fused_block._dx_splits), as its docstring states it."""
     out = torch.zeros(2, dtype=torch.int32)
     _dx_splits_probe[(1,)](torch.tensor([n, h_blocks, sms, max_rows], dtype=torch.int32), out,
                            S_MAX=8, BLOCK_M=128)
@@ -190,7 +190,7 @@ def test_first_fit_kernel(seed):
     counts, BLOCK_G past G too."""
     import random
     from lowerings.linear_logprobs.fused_order import first_fit_blocks, next_fit_blocks
-    from lowerings.linear_logprobs.kernels_fused import _first_fit_kernel
+    from lowerings.linear_logprobs.kernels.fused_block import _first_fit_kernel
     rng = random.Random(seed)
     for _ in range(25):
         bound = rng.randint(1, 40)
@@ -265,7 +265,7 @@ def test_fused_exp_scaled(monkeypatch, kind, blocks, block_rows, whole_blocks, d
 def test_fused_exp_scaled_far_targets(monkeypatch):
     """Logits spread over hundreds (weights x 30) and targets drawn from the least likely
     tokens: logp[y] down to ~-500, so the rows' maxima pass M + E_HEADROOM and are re-referenced
-    (kernels_fused._fused_combine_kernel); the rows whose target is the argmax are not. Gradients still match the
+    (kernels.fused_block._fused_combine_kernel); the rows whose target is the argmax are not. Gradients still match the
     float64 golden (the dlogits of such rows are ~g_lp * (onehot - onehot(argmax)))."""
     monkeypatch.setattr(fck, "_fused_dlogits_kernel", _NoLaunch())
     x, w, _, _ = make(40, 24, 75, torch.float32, False, seed=5)

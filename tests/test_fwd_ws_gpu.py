@@ -1,5 +1,5 @@
-"""The fused path's warp-specialized Gluon forward (kernels_fwd_ws, sm_90; skipped elsewhere) against
-the Triton forward it replaces (kernels._fwd_kernel), through fused_cuda.block_forward: the
+"""The fused path's warp-specialized Gluon forward (kernels.fwd_gluon, sm_90; skipped elsewhere) against
+the Triton forward it replaces (kernels.logits._fwd_kernel), through fused_cuda.block_forward: the
 block's log-probs, entropy and lse, the stored tile values and their zoff references, for a
 full block, a block whose last row half has no valid row, and one valid row, with one 8-warp
 consumer (the default tiles) and with two of 4 warps; bitwise repeatable."""

@@ -31,11 +31,11 @@ from lowerings.linear_logprobs import cuda_rows as rows
 from lowerings.linear_logprobs import fused as fused
 from lowerings.linear_logprobs import fused_order
 from lowerings.linear_logprobs import fused_cuda as fc
-from lowerings.linear_logprobs import kernels as k
-from lowerings.linear_logprobs import kernels_dw as kdw
-from lowerings.linear_logprobs import kernels_dw_ws as kdw_ws
-from lowerings.linear_logprobs import kernels_fwd_ws as kfwd_ws
-from lowerings.linear_logprobs import kernels_fused as kf
+from lowerings.linear_logprobs.kernels import logits as k
+from lowerings.linear_logprobs.kernels import dw as kdw
+from lowerings.linear_logprobs.kernels import dw_gluon as kdw_ws
+from lowerings.linear_logprobs.kernels import fwd_gluon as kfwd_ws
+from lowerings.linear_logprobs.kernels import fused_block as kf
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448                  # bytes of shared memory a block may opt into on H100 / H200

@@ -1,5 +1,5 @@
 """GPU A/B of the fused path's dW step on one row block (sm_90): the Triton persistent kernel
-(kernels_dw, the TMA reduce-add epilogue), the warp-specialized Gluon kernel (kernels_dw_ws) at
+(kernels.dw, the TMA reduce-add epilogue), the warp-specialized Gluon kernel (kernels.dw_gluon) at
 each --ws-tiles entry, and cuBLAS (addmm_, beta = 1) on the same valid rows.
 
     python -m bench.kernels.dw_ws [--rows 2048] [--valid 2048 271]
@@ -21,12 +21,12 @@ from lowerings.linear_logprobs import cuda as dense
 from lowerings.linear_logprobs import cuda_rows as rows_mod
 from lowerings.linear_logprobs import fused_cuda as fc
 from lowerings.linear_logprobs.cuda import cdiv
-from lowerings.linear_logprobs.kernels_dw import _dw_step_persistent_kernel
-from lowerings.linear_logprobs.kernels_dw_ws import _dw_step_ws_kernel
+from lowerings.linear_logprobs.kernels.dw import _dw_step_persistent_kernel
+from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel
 
 
 def triton_step(ws, xg, dw, counts, rows, acc):
-    """The Triton persistent dW step (kernels_dw, TMA operands and the TMA reduce-add epilogue)
+    """The Triton persistent dW step (kernels.dw, TMA operands and the TMA reduce-add epilogue)
     over the first counts[0] of `rows` rows, storing or adding (acc)."""
     v, h = dw.shape
     wc, wh, wk, warps, stages = rows_mod.step_tiles(2)[1]
@@ -40,7 +40,7 @@ def triton_step(ws, xg, dw, counts, rows, acc):
 
 
 def ws_step(ws, xg, dw, counts, rows, acc, n_later=0, final=1, on_device=False, tiles=None):
-    """The Gluon dW step (kernels_dw_ws) at `tiles` (fused_cuda.DW_WS_TILES by default); with
+    """The Gluon dW step (kernels.dw_gluon) at `tiles` (fused_cuda.DW_WS_TILES by default); with
     on_device, the fused path's skip rule over counts[1 : 1 + n_later] and `final`."""
     v, h = dw.shape
     wc, wh, wk, stages, warps, regs, nc = tiles or fc.DW_WS_TILES

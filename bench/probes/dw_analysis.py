@@ -3,7 +3,7 @@ for each (ACCUMULATE, TMA_OUT): the root-cause check of the compiled-dW issue. N
 import torch
 from torch._higher_order_ops import triton_kernel_wrap as t
 
-from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel
+from lowerings.linear_logprobs.kernels.dw import _dw_step_kernel
 
 ws = torch.empty(256, 512, device="cuda", dtype=torch.bfloat16)
 xg = torch.empty(256, 256, device="cuda", dtype=torch.bfloat16)

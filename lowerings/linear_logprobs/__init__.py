@@ -3,15 +3,13 @@ the [N, V] logits.
 
     op.py      the triton_op pair, its autograd and the public `linear_logprobs` (start here)
     cuda.py    CUDA launchers: the forward and the row-grouped backward loop
-    kernels.py the @triton.jit kernels (logits tile, forward statistics, dlogits, GEMM steps)
+    kernels/   the @triton.jit and Gluon kernels, a module by what each computes (its __init__)
     gemms.py   the backward's GEMM steps as mutable custom ops (in-place under torch.compile)
     cpu.py     the chunked pure-PyTorch body of every other device
     cuda_rows.py  the row-masked CUDA path (padding skipped on the device)
     fused.py, fused_cuda.py  the fused-gradient block steps (grpo_loss's default on CUDA):
                logits once, the caller's per-token gradient, dlogits in place, dX / dW
-    kernels_fused.py  their own @triton.jit kernels (dlogits in place, persistent dW, split dX)
     launch.py  the recompute op's Triton launches with declared writes (custom ops when traced)
-    kernels_dw.py, kernels_dw_ws.py, kernels_fwd_ws.py  the dW steps; the Gluon kernels
 The per-kernel benchmarks and the sm_90 build check are in bench/kernels/.
 """
 from lowerings.linear_logprobs.op import (LinearLogprobs, _linear_logprobs_backward_op,

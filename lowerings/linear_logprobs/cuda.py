@@ -63,7 +63,7 @@ import torch._guards
 import triton
 from torch import Tensor
 
-from lowerings.linear_logprobs.kernels import _dlogits_kernel, _fwd_kernel
+from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
 from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
                                               _dx_acc_op, _dx_store_impl, _dx_store_op)
 
@@ -83,7 +83,7 @@ def next_power_of_2(n: int) -> int:
 # the interpreter tests (tiles of 16) and for tuning runs (LINEAR_LOGPROBS_TILES="128,128,64,8,3").
 TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_TILES", "128,256,64,8,3").split(","))
 GROUP_N = 16                # row blocks per program group (L2 reuse, see _swizzle)
-# The forward's vocab-tile loop flattened with its K loop (kernels._fwd_kernel FLATTEN): H100,
+# The forward's vocab-tile loop flattened with its K loop (kernels.logits._fwd_kernel FLATTEN): H100,
 # qwen3-8b fused step, 39% valid (bench.kernels.fused --sweep fwd): forward 13.3 ms against 13.9-14.5,
 # step 40.2 against 41.0-41.2 ms. LINEAR_LOGPROBS_FWD_FLATTEN=0 turns it off (tuning runs).
 FWD_FLATTEN = os.environ.get("LINEAR_LOGPROBS_FWD_FLATTEN", "1") == "1"
@@ -107,7 +107,7 @@ MAX_ROW_GROUPS = 16
 # (a cache hit otherwise replays the kernels of the earlier setting; that is what once made TMA
 # look no faster under compile).
 TMA = os.environ.get("LINEAR_LOGPROBS_TMA", "1")
-# The dW steps' epilogue through TMA (kernels_dw._dw_tile, TMA_OUT): the old dW is added by the L2
+# The dW steps' epilogue through TMA (kernels.dw._dw_tile, TMA_OUT): the old dW is added by the L2
 # (a bulk reduce-add) instead of loaded by the program. "0" keeps the load-add-store epilogue.
 DW_TMA_OUT = os.environ.get("LINEAR_LOGPROBS_DW_TMA_OUT", "1") == "1"
 
@@ -186,13 +186,13 @@ def _tma_aligned(t: Tensor) -> bool:
 
 
 def _dw_tma_out(tma: bool, dw: Tensor) -> bool:
-    """The dW steps write dW through a tensor map (kernels_dw._dw_tile's TMA_OUT: bulk stores and
+    """The dW steps write dW through a tensor map (kernels.dw._dw_tile's TMA_OUT: bulk stores and
     L2 reduce-adds) when the operands take TMA and dW is addressable (DW_TMA_OUT)."""
     return tma and DW_TMA_OUT and dw.element_size() == 2 and _tma_aligned(dw)
 
 
 def _scalars(temperature: float, logit_scale: float, softcap: Optional[float]) -> tuple:
-    """(inv_temp, cap_pre, cap_post) of kernels._logits_tile: s / T, s / c and c / T for
+    """(inv_temp, cap_pre, cap_post) of kernels.logits._logits_tile: s / T, s / c and c / T for
     z = c * tanh(a * s / c) / T; without a cap z = a * (s / T) (cap_pre, cap_post unused)."""
     if softcap is None:
         return logit_scale / temperature, 1.0, 1.0

@@ -33,9 +33,9 @@ from torch import Tensor
 
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs.cuda import cdiv
-from lowerings.linear_logprobs.kernels import (_dlogits_kernel, _dx_step_kernel, _fwd_kernel,
+from lowerings.linear_logprobs.kernels.logits import (_dlogits_kernel, _dx_step_kernel, _fwd_kernel,
                                                _gather_rows_kernel)
-from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel
+from lowerings.linear_logprobs.kernels.dw import _dw_step_kernel
 
 # Tiles of the two GEMM steps, (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages) by operand
 # size in bytes; LINEAR_LOGPROBS_GEMM_TILES="128,256,64,8,3" overrides them (tuning runs, and
@@ -59,7 +59,7 @@ def step_tiles(itemsize: int) -> tuple[tuple, tuple]:
     return GEMM_TILES[size], DW_TILES[size]
 
 
-GROUP_M = 8       # row (or vocab) blocks a program group shares in L2 (see kernels._swizzle)
+GROUP_M = 8       # row (or vocab) blocks a program group shares in L2 (see kernels.logits._swizzle)
 GATHER_ROWS, GATHER_H = 16, 256
 
 

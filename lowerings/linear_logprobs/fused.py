@@ -25,10 +25,10 @@ fp32 partials for the dX step when it splits its K = V loop (a block whose dX gr
 SMs idle: a short last block, or few H blocks; fused_cuda.DX_SPLITS). On CUDA z is stored as
 d = z - (running row max) in fp16 with the max per (row, 256-column tile) in fp32, which keeps
 z exact where p is large (fp16's 11 bits where bf16 would have 8); the dlogits are then
-formed in place in the input dtype (kernels._fused_dlogits_kernel). Or, where exact (exp_scaled:
+formed in place in the input dtype (kernels.logits._fused_dlogits_kernel). Or, where exact (exp_scaled:
 no entropy gradient, no softcap, no d_bias, no shards, bf16 / fp32), the exp-scaled backward: z
 stored as e = exp(z - R*) in the input dtype, the dlogits c * e' applied as a scale of dX's rows
-and of X's rows before dW, no pass between the GEMMs (kernels_fused.py). dW is rounded to its dtype
+and of X's rows before dW, no pass between the GEMMs (kernels/fused_block.py). dW is rounded to its dtype
 once per block (G roundings, as the recompute path's row groups); dX rows once. No atomics:
 bitwise deterministic.
 
@@ -234,7 +234,7 @@ def block_steps(hidden: Tensor) -> tuple[Callable, Callable]:
 
 def exp_scaled(ws_dtype: torch.dtype, entropy_grad: bool, softcap: Optional[float],
                need_b: bool, combine: Optional[Callable]) -> bool:
-    """Whether the Triton body's blocks take the exp-scaled backward (kernels_fused's block
+    """Whether the Triton body's blocks take the exp-scaled backward (kernels.fused_block's block
     comment): the forward stores e = exp(z - R*) and the dlogits are one per-row scale of it,
     applied to dX rows as they are stored and to X's rows before the dW step, with no pass over
     the [R, V] tile between the GEMMs. Exact only where every dlogit is g_lp (1[v = y] - p) s / T
@@ -258,7 +258,7 @@ def scale_(tensors: list[Tensor], g: Tensor) -> None:
     if not tensors or not _triton_body(tensors[0]):
         torch._foreach_mul_(tensors, g)
         return
-    from lowerings.linear_logprobs.kernels_fused import _scale_kernel
+    from lowerings.linear_logprobs.kernels.fused_block import _scale_kernel
     g = g.detach().to(torch.float32).reshape(1)
     for t in tensors:
         assert t.is_contiguous()

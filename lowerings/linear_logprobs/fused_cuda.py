@@ -24,8 +24,8 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
                                         (rows past n exit),
                                         the K = V loop split S ways when the grid is small
                    _dx_split_reduce_kernel  (S > 1) the splits' fp32 partials summed into dX
-                   (sm_90: the dW step is kernels_dw_ws._dw_step_ws_kernel, same contract;
-                   with FWD_WS, off by default, the forward kernels_fwd_ws._fwd_ws_kernel)
+                   (sm_90: the dW step is kernels.dw_gluon._dw_step_ws_kernel, same contract;
+                   with FWD_WS, off by default, the forward kernels.fwd_gluon._fwd_ws_kernel)
 
 Every kernel stops at n, so a block's cost is that of its valid rows (2 + 4 = 6 n H V FLOPs).
 """
@@ -39,11 +39,11 @@ from torch import Tensor
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs.cuda import cdiv, next_power_of_2
 from lowerings.linear_logprobs import cuda_rows as _rows
-from lowerings.linear_logprobs.kernels import _fwd_kernel
-from lowerings.linear_logprobs.kernels_dw import _dw_step_kernel, _dw_step_persistent_kernel
-from lowerings.linear_logprobs.kernels_dw_ws import _dw_step_ws_kernel
-from lowerings.linear_logprobs.kernels_fwd_ws import _fwd_ws_kernel
-from lowerings.linear_logprobs.kernels_fused import (_dx_split_kernel, _dx_split_reduce_kernel,
+from lowerings.linear_logprobs.kernels.logits import _fwd_kernel
+from lowerings.linear_logprobs.kernels.dw import _dw_step_kernel, _dw_step_persistent_kernel
+from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel
+from lowerings.linear_logprobs.kernels.fwd_gluon import _fwd_ws_kernel
+from lowerings.linear_logprobs.kernels.fused_block import (_dx_split_kernel, _dx_split_reduce_kernel,
                                                      _exp_prep_kernel,
                                                      _fused_combine_kernel, _fused_dlogits_kernel,
                                                      _target_ref_kernel)
@@ -54,11 +54,11 @@ from lowerings.linear_logprobs.kernels_fused import (_dx_split_kernel, _dx_split
 # (bench.kernels.fused --sweep dlogits): 1.73 ms a step at (32, 256, 8), 2.00 at (32, 256, 4).
 DLOGITS_TILE = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DLOGITS_TILE",
                                                     "32,256,8").split(","))
-# The dW step as a persistent grid (kernels_dw._dw_step_persistent_kernel): H100, qwen3-8b bench,
+# The dW step as a persistent grid (kernels.dw._dw_step_persistent_kernel): H100, qwen3-8b bench,
 # 39% valid (bench.kernels.fused --sweep dw): step 39.8 ms against 41.8 with one program per tile.
 # LINEAR_LOGPROBS_DW_PERSISTENT=0 takes the one-program-per-tile kernel (tuning runs).
 DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
-# The dW step as a warp-specialized Gluon kernel (kernels_dw_ws: a TMA loader warp running ahead
+# The dW step as a warp-specialized Gluon kernel (kernels.dw_gluon: a TMA loader warp running ahead
 # of two 4-warp wgmma consumers, each on half of a tile's vocab rows, sharing each stage's xg
 # tile, across tiles; the old dW tile prefetched into the epilogue buffer, one rounding a
 # block), taken on sm_90 wherever the Triton step would write dW through TMA (_dw_ws_ok). H100,
@@ -72,7 +72,7 @@ DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
 DW_WS = os.environ.get("LINEAR_LOGPROBS_DW_WS", "1") == "1"
 DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES",
                                                    "128,256,64,3,4,168,2").split(","))
-# The forward as a warp-specialized Gluon kernel (kernels_fwd_ws: a TMA loader warp feeding one
+# The forward as a warp-specialized Gluon kernel (kernels.fwd_gluon: a TMA loader warp feeding one
 # 8-warp consumer, or two 4-warp consumers on the row block's halves sharing each operand
 # stage), where _fwd_kernel would run with TMA, no bias and no softcap on sm_90 (_fwd_ws_ok).
 # OFF by default: H100, qwen3-8b 39% valid, Nsight Compute cycles a full 2048-row block
@@ -88,14 +88,14 @@ FWD_WS = os.environ.get("LINEAR_LOGPROBS_FWD_WS", "0") == "1"
 FWD_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_FWD_WS_TILES",
                                                     "64,3,1,1").split(","))
 FWD_WS_MAXNREG = 168
-# The dX step's most splits over V (kernels_fused._dx_splits picks S <= DX_SPLITS on the
+# The dX step's most splits over V (kernels.fused_block._dx_splits picks S <= DX_SPLITS on the
 # device from the block's valid rows, for a grid of few programs: a block's short tail, or few
 # H blocks); 1 turns splitting off. The fp32 partials take at most DX_SPLIT_MIB
 # (LINEAR_LOGPROBS_DX_SPLIT_MIB): 48 MiB holds gemma2-2b's 1280-row blocks in 4 splits.
 DX_SPLITS = int(os.environ.get("LINEAR_LOGPROBS_DX_SPLITS", "8"))
 DX_SPLIT_BYTES = int(os.environ.get("LINEAR_LOGPROBS_DX_SPLIT_MIB", "48")) << 20
 REDUCE_TILE = (32, 256, 4)   # the partials' sum: (BLOCK_R, BLOCK_H, num_warps)
-# The exp-scaled backward (kernels_fused's block comment): taken where it is exact (no softcap,
+# The exp-scaled backward (kernels.fused_block's block comment): taken where it is exact (no softcap,
 # no entropy gradient, no d_bias, no vocab shards; fused.exp_scaled); LINEAR_LOGPROBS_EXP_SCALED=0
 # keeps the in-place dlogits pass everywhere (A/B runs). E_LEAD: M = target logit + E_LEAD;
 # E_HEADROOM: the largest stored e is e^E_HEADROOM (bf16 / fp32 range: |log| < 88 both ways).
@@ -227,7 +227,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     m, s, t, zt = (x.new_empty((n_buf, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
     n_blocks = cdiv(rows, bn)
     scal = _dense._scalars(temperature, logit_scale, softcap)
-    if scaled:   # ref[:R'] = M, the target logit + E_LEAD (kernels_fused's block comment)
+    if scaled:   # ref[:R'] = M, the target logit + E_LEAD (kernels.fused_block's block comment)
         rr, rh, rwarps = REF_TILE
         _target_ref_kernel[(cdiv(rows, rr),)](
             xg, w, bias if bias is not None else x, ids_b, count, ref, rows, v, h, xg.stride(0),
@@ -304,7 +304,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
         # The blocks run last to first (fused.py). Whether dW already holds a sum is read on the
         # device from the counts of the blocks after b, which ran before it: the step is
-        # launched storing and adding, and one of the two works (kernels_dw._dw_skips; the
+        # launched storing and adding, and one of the two works (kernels.dw._dw_skips; the
         # other's programs exit at once). The first block with valid rows stores.
         g = counts.shape[0]
         tiles = dict(ON_DEVICE=True, DOT_PREC=prec, USE_TMA=tma,

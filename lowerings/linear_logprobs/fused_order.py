@@ -12,7 +12,7 @@ import triton
 from torch import Tensor
 
 from lowerings.linear_logprobs import cuda_rows as _rows
-from lowerings.linear_logprobs.kernels_fused import _first_fit_kernel
+from lowerings.linear_logprobs.kernels.fused_block import _first_fit_kernel
 
 # Whole sequences into blocks: "ffd" first-fit decreasing (pack_sequences), "next_fit" in order
 # (next_fit_sequences). LINEAR_LOGPROBS_SEQ_PACKING=next_fit for A/B runs.

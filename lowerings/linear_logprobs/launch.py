@@ -5,7 +5,7 @@ outputs are the tensors torch's TTIR analysis finds it writing
 (torch/_higher_order_ops/triton_kernel_wrap.py); a node found writing nothing has no output and
 Inductor removes it. That analysis lists a fixed set of write ops. On torch 2.11 (H200, the
 qwen3-8b bench shape) it found no write in the dW step whose epilogue is a bulk reduce-add
-(`tt.descriptor_reduce`, kernels_dw._dw_tile): 230 of the 253 dW launches of the masked recompute
+(`tt.descriptor_reduce`, kernels.dw._dw_tile): 230 of the 253 dW launches of the masked recompute
 backward vanished from the compiled graph and dW came back 87-91% wrong
 (bench/results/compile_grads_root_cause_h200_897d288.txt). Nothing failed loudly.
 

@@ -1,6 +1,6 @@
 """The @triton.jit kernels of the fused-gradient block steps (launchers: fused_cuda.py; the
-helpers they share with the recompute path's kernels are in kernels.py, the dW step in
-kernels_dw.py).
+helpers they share with the recompute path's kernels are in kernels/logits.py, the dW step in
+kernels/dw.py).
 
 Legend: R' rows of a block (its n valid ones first, n on the device), H hidden, V vocab,
 S the dX step's split count over V.
@@ -8,7 +8,7 @@ S the dX step's split count over V.
 import triton
 import triton.language as tl
 
-from lowerings.linear_logprobs.kernels import _desc, _dz_tile, _swizzle_id, _tile, _valid_rows
+from lowerings.linear_logprobs.kernels.logits import _desc, _dz_tile, _swizzle_id, _tile, _valid_rows
 
 
 @triton.jit

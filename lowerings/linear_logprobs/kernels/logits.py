@@ -129,7 +129,7 @@ def _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY: tl.constexpr):
     statistics: (m, s, t, zt, m_sh, d, e) with m the max, s = sum e^(z - m),
     t = sum e^(z - m) (z - m) (WITH_ENTROPY), zt += the target logit (ids' column), and the
     tile as d = z - m_sh <= 0 and e = e^d (m_sh: the new max, finite). The one definition of
-    the forward's epilogue (kernels._fwd_kernel; kernels_fwd_ws compiles it as Gluon)."""
+    the forward's epilogue (kernels.logits._fwd_kernel; kernels.fwd_gluon compiles it as Gluon)."""
     # the target logit first: after the max, z is only needed as d = z - m_new (same
     # registers), so the tile is held once rather than as z and exp(z) side by side
     zt += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
@@ -187,7 +187,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     z in z's dtype as e = exp(z - R) with R = max(M, m_sh - E_HEADROOM), M = ref[row] a per-row
     reference (the target logit plus a lead), and R to zoff[row, tile]: e <= e^E_HEADROOM, and
     R = M in every tile of a row whose max stays under M + E_HEADROOM, so such a row's dlogits
-    are one per-row scale of its stored e (no separate pass; kernels_fused's block comment).
+    are one per-row scale of its stored e (no separate pass; kernels.fused_block's block comment).
     DEVICE_SPLITS (with HAS_COUNT; the fused path): the splits follow the valid rows' row blocks
     nb = cdiv(n, BLOCK_N), read on the device from plan [nb] = (S, columns per split)
     (fused_cuda.fwd_plan_table), so a block with few valid rows still fills the GPU; cols_per_split,

@@ -1,5 +1,5 @@
 """The fused path's forward as a warp-specialized Gluon kernel (sm_90 only): the same results
-as kernels._fwd_kernel with STORE_Z and DEVICE_SPLITS (no bias, no softcap), its operand stages
+as kernels.logits._fwd_kernel with STORE_Z and DEVICE_SPLITS (no bias, no softcap), its operand stages
 fed by a TMA loader warp instead of the consumer's warps synchronizing at every K step.
 
 A program is one row block of BLOCK_N rows and one split of the vocab (fused_cuda.fwd_plan_table,
@@ -10,7 +10,7 @@ read on the device at the block's valid count, as _fwd_kernel reads it):
                          stage is free once every consumer read it)
   consumer q of NC       rows [q, q + 1) * BLOCK_N / NC of each stage's X tile, the whole W
                          tile: async wgmma over every ring position (one MMA in flight), then
-                         the tile's epilogue (kernels._tile_stats / _tile_out, compiled as
+                         the tile's epilogue (kernels.logits._tile_stats / _tile_out, compiled as
                          Gluon: one definition of the math) and its stores
 
 NC = 1 (the default tiles): one 8-warp consumer, Triton's schedule with the loader warp. NC = 2:
@@ -35,9 +35,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from lowerings.linear_logprobs import kernels as _k
+from lowerings.linear_logprobs.kernels import logits as _k
 
-# kernels.py's helpers compiled as Gluon functions: the program's rows and split, and the
+# kernels/logits.py's helpers compiled as Gluon functions: the program's rows and split, and the
 # epilogue's statistics and stored values (one definition each)
 _plan_split = gluon.jit(_k._plan_split.fn)
 _tile_stats = gluon.jit(_k._tile_stats.fn)
@@ -152,7 +152,7 @@ def _fwd_ws_kernel(x_ptr, w_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr
                    BLOCK_V: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_N: gl.constexpr,
                    STAGES: gl.constexpr, TMA_STORE: gl.constexpr, NC: gl.constexpr,
                    num_warps: gl.constexpr):
-    """kernels._fwd_kernel's contract with HAS_COUNT, STORE_Z, DEVICE_SPLITS, USE_TMA and no
+    """kernels.logits._fwd_kernel's contract with HAS_COUNT, STORE_Z, DEVICE_SPLITS, USE_TMA and no
     bias or softcap (fused_cuda.block_forward launches it in its place with FWD_WS): the same
     grid (the plan table's largest nb * S programs; those past the block's valid row blocks
     exit), the same [S, out_n] statistics, the same stored tile values and zoff references.

@@ -1,5 +1,5 @@
 """The fused path's dW step as a warp-specialized persistent Gluon kernel (sm_90 only): the same
-arithmetic as kernels_dw._dw_step_persistent_kernel (dW (+)= ws[:n].T @ xg[:n], the K loop
+arithmetic as kernels.dw._dw_step_persistent_kernel (dW (+)= ws[:n].T @ xg[:n], the K loop
 stopping at the block's valid count n read on the device), with a producer/consumer schedule
 Triton 3.6 does not build from tl.dot:
 
@@ -19,9 +19,9 @@ bytes of one 128 x 256 tile a K step) and are not locked together, so one's epil
 the other's wgmmas go on, up to the ring's depth (three 48 KB stages: ~1.5 k cycles of one
 consumer's MMAs, about an epilogue's length). H100, qwen3-8b (bench/results/dw_ws_h100.txt,
 ncu_h100_7a873e1.txt): 5.33 M cycles a full block against one 8-warp consumer's 5.42 M (NC = 1);
-the forward's longer epilogue (the row statistics) outlasts that slack (kernels_fwd_ws).
+the forward's longer epilogue (the row statistics) outlasts that slack (kernels.fwd_gluon).
 
-One rounding per block, as the pointer epilogue of kernels_dw._dw_tile (the TMA reduce-add
+One rounding per block, as the pointer epilogue of kernels.dw._dw_tile (the TMA reduce-add
 rounds twice: bench/results/HISTORY.md, dW error budget). Deterministic: each dW element has one
 writer per launch. Legend: n valid rows of the block, C = cols vocab rows of dW, H hidden.
 """
@@ -30,12 +30,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from lowerings.linear_logprobs import kernels as _k
-from lowerings.linear_logprobs import kernels_dw as _kdw
+from lowerings.linear_logprobs.kernels import logits as _k
+from lowerings.linear_logprobs.kernels import dw as _kdw
 
 # The Triton step's helpers, their bodies compiled as Gluon functions (one definition of the
-# valid rows, the skip rule and the tile order): kernels_dw._dw_rows / _dw_skips, and
-# kernels._swizzle_id (GROUP_C vocab blocks share their xg columns in L2).
+# valid rows, the skip rule and the tile order): kernels.dw._dw_rows / _dw_skips, and
+# kernels.logits._swizzle_id (GROUP_C vocab blocks share their xg columns in L2).
 _dw_rows = gluon.jit(_kdw._dw_rows.fn)
 _dw_skips = gluon.jit(_kdw._dw_skips.fn)
 _tile_of = gluon.jit(_k._swizzle_id.fn)
@@ -137,8 +137,8 @@ def _dw_step_ws_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols,
                        BLOCK_C: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
                        GROUP_C: gl.constexpr, STAGES: gl.constexpr, NC: gl.constexpr,
                        num_warps: gl.constexpr):
-    """kernels_dw._dw_step_persistent_kernel's contract (launched storing and adding, the same
-    skip rule, kernels_dw._dw_skips) on a grid of at most one program per SM. NC = 1: one
+    """kernels.dw._dw_step_persistent_kernel's contract (launched storing and adding, the same
+    skip rule, kernels.dw._dw_skips) on a grid of at most one program per SM. NC = 1: one
     consumer of num_warps warps on each BLOCK_C x BLOCK_H tile; NC = 2 (num_warps = 4): two,
     each on half its vocab rows, sharing each stage's xg tile (module docstring)."""
     n_valid, add = _dw_rows(count_ptr, row0, n_rows, n_later, ON_DEVICE)
