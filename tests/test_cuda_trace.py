@@ -112,7 +112,7 @@ with mode:
 assert counts["auto_functionalized_v2"] == 2 * (3 * 3 + 1), counts
 assert counts["_dlogits_kernel"] == 6 and counts["_linear_logprobs_dw_rows.default"] == 6, counts
 assert not any("scatter" in k or "clone" in k or "copy_" in k for k in counts), counts
-assert check_declared() == {"_fwd_kernel", "_dlogits_kernel"}
+assert check_declared() == {"_fwd_kernel", "_combine_kernel", "_dlogits_kernel"}
 print("OK")
 '''
 
@@ -169,7 +169,7 @@ with mode:
 assert counts["auto_functionalized_v2"] == 2 * (1 + 3 * 3), counts
 assert counts["_dw_step_kernel"] == 6 and counts["_gather_rows_kernel"] == 2, counts
 assert not any("clone" in k or "copy_" in k for k in counts), counts
-assert check_declared() == {"_gather_rows_kernel", "_fwd_kernel", "_dlogits_kernel", "_dw_step_kernel",
+assert check_declared() == {"_gather_rows_kernel", "_fwd_kernel", "_combine_kernel", "_dlogits_kernel", "_dw_step_kernel",
                             "_dx_step_kernel"}
 print("OK")
 '''

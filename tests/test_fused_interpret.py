@@ -162,26 +162,6 @@ def test_dx_splits(n, h_blocks, sms, max_rows, want):
     assert out.tolist() == [want, triton.cdiv(n, 128) * 128]
 
 
-@pytest.mark.parametrize("kind", ["right_padded", "scattered"])
-@pytest.mark.parametrize("scaled", [False, True])
-def test_fused_host_splits(monkeypatch, kind, scaled):
-    """fused_cuda.FWD_DEVICE_SPLITS off (the A/B setting): the host's splits for R rows, the
-    same results (the device pick takes 3 splits of these 16-row blocks, the host 2)."""
-    monkeypatch.setattr(fck, "FWD_DEVICE_SPLITS", False)
-    mask = MASKS[kind]
-    x, w, ids, _ = make(40, 24, 75, torch.float32, False, seed=5)
-    res, G_lp, G_ent, _ = _fused_run(monkeypatch, x, w, ids, None, mask, 3, 16, False,
-                                     with_entropy=True, entropy_grad=not scaled)
-    m = mask.double()
-    for got, ref in zip(res[:3], golden(x, w, ids, None, 1.0)):
-        torch.testing.assert_close(got.double(), ref * m, rtol=1e-5, atol=1e-4)
-    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
-    out = golden(xr, wr, ids, None, 1.0)
-    ((out[0] * G_lp + (0 if scaled else out[1] * G_ent)) * m).sum().backward()
-    for got, ref in ((res.d_hidden, xr.grad), (res.d_weight, wr.grad)):
-        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("seed", range(2))
 def test_first_fit_kernel(seed):
     """fused_order.first_fit_blocks' CUDA body (_first_fit_kernel, one program sequential over
@@ -265,7 +245,7 @@ def test_fused_exp_scaled(monkeypatch, kind, blocks, block_rows, whole_blocks, d
 def test_fused_exp_scaled_far_targets(monkeypatch):
     """Logits spread over hundreds (weights x 30) and targets drawn from the least likely
     tokens: logp[y] down to ~-500, so the rows' maxima pass M + E_HEADROOM and are re-referenced
-    (kernels.fused_block._fused_combine_kernel); the rows whose target is the argmax are not. Gradients still match the
+    (kernels.logits._combine_kernel); the rows whose target is the argmax are not. Gradients still match the
     float64 golden (the dlogits of such rows are ~g_lp * (onehot - onehot(argmax)))."""
     monkeypatch.setattr(fck, "_fused_dlogits_kernel", _NoLaunch())
     x, w, _, _ = make(40, 24, 75, torch.float32, False, seed=5)

@@ -190,7 +190,7 @@ def test_scale_and_softcap(monkeypatch, scale, cap, bias, rows):
 def test_minus_inf_bias_bans_tokens():
     """Banned tokens (bias -inf) at 0, 5 and 48..63, the whole first tile of split 1: finite
     values and grads, 0 log 0 = 0 in the entropy (issue 15). A split with every column banned
-    also needs cuda._combine to guard (m - m_all) * s where s = 0 (not tested here)."""
+    also needs cuda.combine's kernel to guard (m - m_all) * s where s = 0 (not tested here)."""
     x, w, ids, b = make(19, 16, 75, torch.float32, True)
     banned = torch.tensor([0, 5] + list(range(48, 64)))
     b[banned] = -torch.inf

@@ -34,7 +34,6 @@ from lowerings.linear_logprobs import fused_cuda as fc
 from lowerings.linear_logprobs.kernels import logits as k
 from lowerings.linear_logprobs.kernels import dw as kdw
 from lowerings.linear_logprobs.kernels import dw_gluon as kdw_ws
-from lowerings.linear_logprobs.kernels import fwd_gluon as kfwd_ws
 from lowerings.linear_logprobs.kernels import fused_block as kf
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -79,8 +78,7 @@ def cases():
     logit = dict(HAS_BIAS=False, HAS_CAP=False, WITH_ENTROPY=True, DOT_PREC="tf32", USE_TMA=True,
                  BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=dense.GROUP_N, STORE_E=False,
                  E_HEADROOM=fc.E_HEADROOM)
-    fused_fwd = dict(DEVICE_SPLITS=fc.FWD_DEVICE_SPLITS)   # fused_cuda's
-    recompute = dict(DEVICE_SPLITS=False)
+    fused_fwd = recompute = {}   # one forward kernel, one split plan (cuda.fwd_split_plan)
     yield ("forward, fused (STORE_Z)", k._fwd_kernel,
            dict(logit, **fused_fwd, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN), warps,
            stages)
@@ -91,15 +89,6 @@ def cases():
         yield (f"forward, fused, STORE_E, WITH_ENTROPY={ent}", k._fwd_kernel,
                dict(logit, **fused_fwd, WITH_ENTROPY=ent, HAS_COUNT=True, STORE_Z=True,
                     STORE_E=True, FLATTEN=dense.FWD_FLATTEN), warps, stages)
-    fbk, fstages, ftma, fnc = fc.FWD_WS_TILES   # the warp-specialized Gluon forward (sm_90)
-    for ent, store_e, nc in ((True, True, fnc), (False, True, fnc), (True, False, fnc),
-                             (False, True, 3 - fnc)):
-        yield (f"forward, warp-specialized (Gluon), STORE_E={store_e}, WITH_ENTROPY={ent}, "
-               f"NC={nc}", kfwd_ws._fwd_ws_kernel,
-               dict(WITH_ENTROPY=ent, STORE_E=store_e, E_HEADROOM=fc.E_HEADROOM, BLOCK_N=bn,
-                    BLOCK_V=bv, BLOCK_K=fbk, GROUP_N=dense.GROUP_N, STAGES=fstages,
-                    TMA_STORE=bool(ftma), NC=nc, num_warps=8 // nc), 8 // nc,
-               fc.FWD_WS_MAXNREG)
     yield ("forward, recompute", k._fwd_kernel,
            dict(logit, **recompute, HAS_COUNT=False, STORE_Z=False, FLATTEN=dense.FWD_FLATTEN),
            warps, stages)
@@ -158,11 +147,11 @@ def cases():
     yield ("gradient scaling", kf._scale_kernel, dict(BLOCK=fused.SCALE_BLOCK), 8, 1)
     yield ("whole sequences first-fit", kf._first_fit_kernel,
            dict(BLOCK_G=64, CHUNK=fused_order.FIRST_FIT_CHUNK), 4, 1)
-    cr, cwarps = fc.COMBINE_TILE
-    for ent in (False, True):   # at most S_CAP = 64 splits (fused_cuda.fwd_plan)
-        yield (f"forward splits' combine, WITH_ENTROPY={ent}", kf._fused_combine_kernel,
-               dict(WITH_ENTROPY=ent, BLOCK_R=cr, BLOCK_S=64, STORE_E=True,
-                    E_HEADROOM=fc.E_HEADROOM, TILE_V=bv, **fused_fwd, FWD_BLOCK_N=bn), cwarps, 1)
+    cr, cwarps = dense.COMBINE_TILE
+    for ent in (False, True):   # S = 64 splits: 2 S0 at a 262144 vocab
+        yield (f"forward splits' combine, WITH_ENTROPY={ent}", k._combine_kernel,
+               dict(WITH_ENTROPY=ent, HAS_COUNT=True, BLOCK_R=cr, BLOCK_S=64, STORE_E=True,
+                    E_HEADROOM=fc.E_HEADROOM, TILE_V=bv), cwarps, 1)
 
 
 def _ptxas_usage(ptx: str) -> str:

@@ -19,6 +19,12 @@ Edge cases (README "Edge cases"): N = 0 gives [0] outputs and zero grads; a -inf
 of -inf banning a token, or a weight row whose logit is or overflows to -inf) has p = 0 and
 contributes 0 * log 0 = 0 to the entropy and nothing to any gradient.
 
+Batch invariance: a row's log-prob, entropy and lse are bitwise independent of the rows around
+it (N, position, groups): the logits come from fixed-shape block products (_rows_mm), every
+reduction is per row over the same vocab chunks in the same order, and the op calls the forward
+as an opaque custom op (op.py), so torch.compile runs these same eager kernels rather than
+regenerating the exp / sum loops.
+
 Precision: operands are upcast before the GEMM (float64 if either operand is float64, for
 gradcheck; everything else computes in float32). bf16/fp16 products are exact in float32, so
 this equals an fp32 GEMM over the upcast inputs, i.e. `fp32_lm_head=True`, whatever the flag
@@ -36,6 +42,10 @@ CHUNK_V = 4096
 WS_BYTES = 16 << 20
 # Bound on the groups, i.e. on the unrolled loop bodies of a compiled graph (G * cdiv(V, C)).
 MAX_ROW_GROUPS = 64
+# The forward's logits GEMM runs as a batch of [ROW_BLOCK, H] @ [H, C] products (rows padded to
+# a whole block): the BLAS kernel, and so a row's bits, then depend on the shape alone, not on
+# how many rows came with it (a plain mm picks other kernels for a few rows).
+ROW_BLOCK = 16
 
 
 def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -64,6 +74,16 @@ def _row_groups(n, v: int, dtype: torch.dtype) -> list:
     return [(bounds[g], bounds[g + 1] - bounds[g]) for g in range(groups)]
 
 
+def _rows_mm(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T [R, C] for x [R, H], w [C, H], each row from the same fixed-shape product (ROW_BLOCK
+    rows, zero-padded): batch invariance of the forward (a row's logits do not depend on R)."""
+    r, h = x.shape
+    blocks = (r + ROW_BLOCK - 1) // ROW_BLOCK
+    xp = torch.nn.functional.pad(x, (0, 0, 0, blocks * ROW_BLOCK - r))    # [R', H]
+    z = torch.bmm(xp.view(blocks, ROW_BLOCK, h), w.T.expand(blocks, h, w.shape[0]))
+    return z.view(blocks * ROW_BLOCK, w.shape[0]).narrow(0, 0, r)         # [R, C]
+
+
 def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int,
                   temperature: float, transposed: bool = False, logit_scale: float = 1.0,
                   softcap: Optional[float] = None) -> tuple[Tensor, Optional[Tensor]]:
@@ -76,7 +96,7 @@ def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1
     merge the backward's recompute with the forward's GEMM and make the forward save every
     [R, C] tile (N*V floats in all)."""
     w = weight[v0:v1].to(x.dtype)                                          # [C, H]
-    z = (w @ x.T).T if transposed else x @ w.T                             # [R, C]
+    z = (w @ x.T).T if transposed else _rows_mm(x, w)                      # [R, C]
     if bias is not None:
         z = z + bias[v0:v1].to(x.dtype)
     if logit_scale != 1.0:

@@ -7,9 +7,10 @@ Forward, 2NHV FLOPs: grid (row blocks, S vocab splits). Each program runs a BN x
 tile GEMM (fp32 accumulator, K loop over H) for each vocab tile of its split and folds it into
 online fp32 statistics per row: max m, sum exp(z - m), sum exp(z - m) * z (only when entropy is
 asked: a constexpr), and the target logit. The S partial statistics ([S, N] fp32, 16 bytes a
-row and split) are combined by a few torch ops that Inductor fuses into one kernel: split
-statistics plus a combine step, no atomics, so the result is deterministic. The splits are there
-to fill the GPU when N/BN row blocks alone would not.
+row and split) are merged by one small kernel (_combine_kernel, shared by every CUDA path), in
+a fixed order, no atomics. The split plan is fixed by (V, tiles, SM count) (fwd_split_plan):
+a row's log-prob, entropy and lse are bitwise the same whatever N, mask, packing, path or
+torch.compile (batch invariance; tests/test_batch_invariance_gpu.py).
 
 Backward, 6NHV FLOPs (2NHV recompute + the dX and dW GEMMs), in G row groups of R rows
 (R * H * 4 bytes <= DX_GROUP_BYTES: G = 8, R = 2048 at N=16384, H=4096) and, inside each, a
@@ -63,14 +64,14 @@ import torch._guards
 import triton
 from torch import Tensor
 
-from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
+from lowerings.linear_logprobs.kernels.logits import _combine_kernel, _dlogits_kernel, _fwd_kernel
 from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
                                               _dx_acc_op, _dx_store_impl, _dx_store_op)
 
 def cdiv(a, b):
     """ceil(a / b) for host code (ints or SymInts): the launchers' and compiled_grpo's block
     planning. triton.cdiv is a ConstexprFunction in Triton 3.6, ~6 us a host call against
-    ~0.15: _fwd_splits alone made ~60 of them a block, ~3 ms of host time a qwen3-8b step."""
+    ~0.15: the old per-N split pick alone made ~60 of them a block, ~3 ms of host time a qwen3-8b step."""
     return (a + b - 1) // b
 
 
@@ -87,7 +88,9 @@ GROUP_N = 16                # row blocks per program group (L2 reuse, see _swizz
 # qwen3-8b fused step, 39% valid (bench.kernels.fused --sweep fwd): forward 13.3 ms against 13.9-14.5,
 # step 40.2 against 41.0-41.2 ms. LINEAR_LOGPROBS_FWD_FLATTEN=0 turns it off (tuning runs).
 FWD_FLATTEN = os.environ.get("LINEAR_LOGPROBS_FWD_FLATTEN", "1") == "1"
-FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see _fwd_splits for the pick
+FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see fwd_split_plan for the pick
+PLAN_ROW_BLOCKS = 16        # the row blocks fwd_split_plan fills the GPU for
+COMBINE_TILE = (32, 4)      # the splits' merge (_combine_kernel): (BLOCK_R, num_warps), fixed
 CHUNK_V = 6144              # backward vocab columns a step: workspace R * CHUNK_V elements
 # Budget of the backward's fp32 dX accumulator, one row group of R = cdiv(N, G) rows (see
 # _row_groups): 32 MiB is 2048 rows at H=4096. LINEAR_LOGPROBS_DX_GROUP_MIB raises it (fewer
@@ -213,7 +216,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     bias = bias.contiguous() if bias is not None else None
     n, h = x.shape
     v = w.shape[0]
-    splits, cols = _fwd_splits(n, v, bn, bv, x.device)
+    splits, cols = fwd_split_plan(v, bn, bv, x.device)
     m, s, t, zt = (x.new_empty((splits, n), dtype=torch.float32) for _ in range(4))  # [S, N]
     n_blocks = cdiv(n, bn)
     wrap(_fwd_kernel)[(n_blocks * splits,)](
@@ -221,26 +224,25 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
         w.stride(0), *_scalars(temperature, logit_scale, softcap), cols, n_blocks, splits, 0, n, m, m, 0, 0,
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy, HAS_COUNT=False, STORE_Z=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_K=bk, GROUP_N=GROUP_N, FLATTEN=FWD_FLATTEN, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
-        plan_ptr=m, DEVICE_SPLITS=False, num_warps=warps, num_stages=stages)
-    return _combine(m, s, t, zt, with_entropy)
+        num_warps=warps, num_stages=stages)
+    return combine(wrap, m, s, t, zt, ids, None, with_entropy)
 
 
-def _combine(m: Tensor, s: Tensor, t: Tensor, zt: Tensor, with_entropy: bool
-             ) -> tuple[Tensor, Tensor, Tensor]:
-    """The S splits' statistics [S, N] -> (logprobs, entropy, lse) [N]: a few torch ops that
-    Inductor fuses into one kernel (deterministic, no atomics)."""
-    m_all = m.amax(0)                                                      # [N]
-    scale = torch.exp(m - m_all)                                           # [S, N]
-    s_all = (s * scale).sum(0)                                             # [N]
-    log_s = torch.log(s_all)
-    lse = m_all + log_s                                                    # [N]
-    if with_entropy:   # H = lse - E_p[z] = log S - E_p[z - m_all], no cancellation against m
-        # a split whose columns are all -inf (banned) has s = 0 and m = -inf: -inf * 0 -> 0
-        shift = torch.where(s > 0, (m - m_all) * s, 0)                    # [S, N]
-        ent = log_s - (scale * (t + shift)).sum(0) / s_all
-    else:
-        ent = torch.zeros_like(lse)
-    return zt.sum(0) - lse, ent, lse          # one split holds the target logit, others 0
+def combine(wrap: Callable, m: Tensor, s: Tensor, t: Tensor, zt: Tensor, ids: Tensor,
+            count: Optional[Tensor], with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The S splits' statistics [S, N] -> (logprobs, entropy, lse) [N] fp32: one launch of
+    _combine_kernel, the merge every CUDA path shares (a Triton kernel, so Inductor cannot
+    re-fuse it differently from eager: the same bits compiled or not). count [1] int32: rows
+    past it are 0 (the row-masked path's padding, ordered last)."""
+    splits, n = m.shape
+    lp, ent, lse = (m.new_empty(n) for _ in range(3))                     # [N] fp32
+    cr, cwarps = COMBINE_TILE
+    wrap(_combine_kernel)[(cdiv(n, cr), 1)](
+        m, s, t, zt, count if count is not None else ids, lp, ent, lse, n, splits,
+        WITH_ENTROPY=with_entropy, HAS_COUNT=count is not None, BLOCK_R=cr,
+        BLOCK_S=next_power_of_2(splits), ref_ptr=m, ws_ptr=m, zoff_ptr=m, ids_ptr=ids, V=0,
+        stride_ws=0, n_ztiles=0, STORE_E=False, E_HEADROOM=0.0, TILE_V=16, num_warps=cwarps)
+    return lp, ent, lse
 
 
 def _tracing(*tensors: Tensor) -> bool:
@@ -264,22 +266,25 @@ def sm_count(index: Optional[int]) -> int:
     return _SMS[index]
 
 
-def _fwd_splits(n, v: int, bn: int, bv: int, device: torch.device) -> tuple[int, int]:
-    """(S, columns per split): balanced splits of whole BV tiles. Between S0 = cdiv(V,
-    FWD_COLS_PER_SPLIT) and 2 * S0, the S whose n_blocks * S programs fill the last wave of the
-    GPU's SMs best, all programs being about as long (H200, N=16384, V=151936: S0 = 19 gives
-    2432 programs, 18.4 waves of 132; S = 33 gives 32 full waves, forward 32.0 -> 31.1 ms).
-    From N's size hint when symbolic (S is a Python int); S0 off CUDA (the interpreter tests)."""
+def fwd_split_plan(v: int, bn: int, bv: int, device: torch.device) -> tuple[int, int]:
+    """(S, columns per split) of every CUDA forward (recompute, row-masked, fused): balanced
+    splits of whole BV tiles, fixed by (V, the tiles, the device's SM count), never by N or the
+    valid rows. That is batch invariance: a row's statistics are the same S partial sums merged
+    in one order (_combine_kernel) whatever batch, mask, packing or path it came with, so
+    old log-probs from a separate call give an on-policy ratio of exactly 1.
+    The S: of S0 = cdiv(V, FWD_COLS_PER_SPLIT) .. 2 S0, the least makespan of PLAN_ROW_BLOCKS
+    row blocks (a 2048-row fused block at BN = 128): H100 / H200 (132 SMs), V = 151936: S = 33,
+    4 full waves of 4608-column programs (as N = 16384 alone would pick: 32 full waves). Off
+    CUDA (the interpreter tests, fake-target traces) S0."""
     s0 = cdiv(v, FWD_COLS_PER_SPLIT)
     sms = sm_count(device.index) if device.type == "cuda" and torch.cuda.is_available() else None
-    n_blocks = cdiv(_hint(n), bn)
     best = None
     for s in range(s0, 2 * s0 + 1) if sms else (s0,):
         cols = cdiv(cdiv(v, s), bv) * bv
-        s = cdiv(v, cols)
-        fill = 1.0 if not sms else n_blocks * s / (cdiv(n_blocks * s, sms) * sms)
-        if best is None or fill > best[0] + 1e-3:
-            best = (fill, s, cols)
+        s_eff = cdiv(v, cols)
+        cost = cdiv(PLAN_ROW_BLOCKS * s_eff, sms) * cols if sms else 0
+        if best is None or cost < best[0]:
+            best = (cost, s_eff, cols)
     return best[1], best[2]
 
 

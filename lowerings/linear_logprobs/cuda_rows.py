@@ -118,7 +118,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     v = w.shape[0]
     ids_p = ids.index_select(0, perm)                                      # [N] permuted
     groups, r = _groups(n, h, bn)
-    splits, cols = _dense._fwd_splits(r, v, bn, bv, x.device)
+    splits, cols = _dense.fwd_split_plan(v, bn, bv, x.device)   # fixed: batch invariance
     m, s, t, zt = (x.new_empty((splits, n), dtype=torch.float32) for _ in range(4))  # [S, N]
     xg = x.new_empty((r, h))                                               # [R, H]
     for g in range(groups):
@@ -133,8 +133,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
             WITH_ENTROPY=with_entropy, HAS_COUNT=True, STORE_Z=False, DOT_PREC=prec,
             USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
             FLATTEN=_dense.FWD_FLATTEN, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
-            plan_ptr=m, DEVICE_SPLITS=False, num_warps=warps, num_stages=stages)
-    lp, ent, lse = _dense._combine(m, s, t, zt, with_entropy)              # [N] permuted
+            num_warps=warps, num_stages=stages)
+    lp, ent, lse = _dense.combine(wrap, m, s, t, zt, ids_p, count, with_entropy)  # [N] permuted
     lp, lse = _unpermute(perm, row_mask, lp), _unpermute(perm, row_mask, lse)
     ent = _unpermute(perm, row_mask, ent) if with_entropy else torch.zeros_like(lse)
     return lp, ent, lse

@@ -7,12 +7,12 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
 
   block_forward    _gather_rows_kernel  xg[:n] = X[perm[r0 : r0 + n]]
                    (scaled) _target_ref_kernel  ref[:n] = M, the rows' target logits + E_LEAD
-                   _fwd_kernel (STORE_Z) statistics of xg's n rows, its splits over V read on
-                                        the device for n (DEVICE_SPLITS, fwd_plan_table),
+                   _fwd_kernel (STORE_Z) statistics of xg's n rows over the fixed vocab
+                                        splits (cuda.fwd_split_plan: batch invariance),
                                         and d = z - running max into
                                         ws (fp16 view) with the max per 256-column tile in zoff;
                                         scaled (STORE_E): e = exp(z - R) in ws's dtype, R per tile
-                   _fused_combine_kernel the splits' statistics -> (logprobs, entropy, lse);
+                   _combine_kernel      the splits' statistics -> (logprobs, entropy, lse);
                                         scaled: R* (the row's reference) -> ref[R' : R' + n],
                                         ws <- e' (rare rows re-referenced, target entries)
   block_backward   _fused_dlogits_kernel ws[:n] <- dlogits (in place, input dtype), or, scaled:
@@ -24,8 +24,7 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
                                         (rows past n exit),
                                         the K = V loop split S ways when the grid is small
                    _dx_split_reduce_kernel  (S > 1) the splits' fp32 partials summed into dX
-                   (sm_90: the dW step is kernels.dw_gluon._dw_step_ws_kernel, same contract;
-                   with FWD_WS, off by default, the forward kernels.fwd_gluon._fwd_ws_kernel)
+                   (sm_90: the dW step is kernels.dw_gluon._dw_step_ws_kernel, same contract)
 
 Every kernel stops at n, so a block's cost is that of its valid rows (2 + 4 = 6 n H V FLOPs).
 """
@@ -39,13 +38,11 @@ from torch import Tensor
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs.cuda import cdiv, next_power_of_2
 from lowerings.linear_logprobs import cuda_rows as _rows
-from lowerings.linear_logprobs.kernels.logits import _fwd_kernel
+from lowerings.linear_logprobs.kernels.logits import _combine_kernel, _fwd_kernel
 from lowerings.linear_logprobs.kernels.dw import _dw_step_kernel, _dw_step_persistent_kernel
 from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel
-from lowerings.linear_logprobs.kernels.fwd_gluon import _fwd_ws_kernel
 from lowerings.linear_logprobs.kernels.fused_block import (_dx_split_kernel, _dx_split_reduce_kernel,
-                                                     _exp_prep_kernel,
-                                                     _fused_combine_kernel, _fused_dlogits_kernel,
+                                                     _exp_prep_kernel, _fused_dlogits_kernel,
                                                      _target_ref_kernel)
 
 # The in-place dlogits pass: an elementwise [BLOCK_N, BLOCK_V] tile a program, (BLOCK_N,
@@ -72,22 +69,6 @@ DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
 DW_WS = os.environ.get("LINEAR_LOGPROBS_DW_WS", "1") == "1"
 DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES",
                                                    "128,256,64,3,4,168,2").split(","))
-# The forward as a warp-specialized Gluon kernel (kernels.fwd_gluon: a TMA loader warp feeding one
-# 8-warp consumer, or two 4-warp consumers on the row block's halves sharing each operand
-# stage), where _fwd_kernel would run with TMA, no bias and no softcap on sm_90 (_fwd_ws_ok).
-# OFF by default: H100, qwen3-8b 39% valid, Nsight Compute cycles a full 2048-row block
-# (bench/results/ncu_h100_7a873e1.txt): _fwd_kernel 5.49 M, one consumer 5.53 M, two 5.66 M;
-# bench.kernels.fused in turns, one call: steps 37.82 / 37.83 ms with _fwd_kernel, 38.03 / 37.95 with
-# one consumer (bench/results/fwd_ws_h100.txt). LINEAR_LOGPROBS_FWD_WS=1 takes it (A/B runs).
-# Its row block and vocab tile are cuda.TILES' (the plan table's row blocks and zoff's tiles
-# are theirs); LINEAR_LOGPROBS_FWD_WS_TILES: (BLOCK_K, STAGES, TMA_STORE: the stored tiles
-# through shared memory and a TMA store, else from registers; NC: 1 consumer of 8 warps on the
-# whole block, or 2 of 4 warps on its halves). FWD_WS_MAXNREG: the launch's register cap (the
-# partitions' own counts are set in the kernel: 240 for the consumers, 24 for the loader).
-FWD_WS = os.environ.get("LINEAR_LOGPROBS_FWD_WS", "0") == "1"
-FWD_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_FWD_WS_TILES",
-                                                    "64,3,1,1").split(","))
-FWD_WS_MAXNREG = 168
 # The dX step's most splits over V (kernels.fused_block._dx_splits picks S <= DX_SPLITS on the
 # device from the block's valid rows, for a grid of few programs: a block's short tail, or few
 # H blocks); 1 turns splitting off. The fp32 partials take at most DX_SPLIT_MIB
@@ -103,60 +84,11 @@ EXP_SCALED = os.environ.get("LINEAR_LOGPROBS_EXP_SCALED", "1") == "1"
 E_LEAD, E_HEADROOM = 16.0, 32.0
 REF_TILE = (16, 256, 4)      # the target logits' dot products: (BLOCK_R, BLOCK_H, num_warps)
 PREP_TILE = (32, 512, 4)     # c and X's scaling: (BLOCK_R, BLOCK_H, num_warps)
-COMBINE_TILE = (32, 4)       # the forward splits' combine: (BLOCK_R, num_warps)
 # (scaled) the combine grid's column shares: the re-referenced rows' tiles are split this many
 # ways (one program a row block walking them all: H200, every row re-referenced, 7.65 ms a
 # qwen3-8b step; 16 shares: 2.60 ms; README), none of fewer than COMBINE_MIN_TILES tiles (V =
 # 151936: 16 shares; the interpreter tests' few-tile rows: one, unless they patch it)
 COMBINE_SHARES, COMBINE_MIN_TILES = 16, 32
-
-
-# The forward takes its splits from a block's valid rows, read on the device from a table of
-# fwd_plan for every row-block count (fwd_plan_table): a partial block (the batch's last, or a
-# block of whole sequences) fills the GPU as a full one does. At most FWD_S_CAP splits (the
-# combine kernel's [S, R] tile). LINEAR_LOGPROBS_FWD_DEVICE_SPLITS=0: the host's pick for R
-# rows (cuda._fwd_splits; A/B runs).
-FWD_DEVICE_SPLITS = os.environ.get("LINEAR_LOGPROBS_FWD_DEVICE_SPLITS", "1") == "1"
-FWD_S_CAP = 64
-
-
-def fwd_plan(n_valid: int, v: int, bn: int, bv: int, sms: int) -> tuple[int, int]:
-    """(S, columns per split) of the fused forward for n_valid rows, cdiv(n_valid, bn) = nb row
-    blocks, on `sms` SMs: of the S in [S0, max(2 S0, cdiv(SMs, nb))] (S0 = cdiv(V,
-    cuda.FWD_COLS_PER_SPLIT), at most FWD_S_CAP), each made whole bv tiles (S = cdiv(V,
-    columns)), the one of least makespan, cdiv(nb S, SMs) waves of programs `columns` long (the smaller S
-    on a tie). H100 (132 SMs), V = 151936: a full 2048-row block takes S = 33, 4 waves of 4608
-    columns (as _fwd_splits); its 271-row tail S = 43, one wave of 3584 columns, not of 4608;
-    a 1100-row block of whole sequences S = 29, 2 waves of 5376, not 3 of 4608."""
-    s_lo = cdiv(v, _dense.FWD_COLS_PER_SPLIT)
-    nb1 = max(cdiv(n_valid, bn), 1)
-    best = None
-    for s in range(s_lo, max(s_lo, min(max(2 * s_lo, cdiv(sms, nb1)), FWD_S_CAP)) + 1):
-        cols = cdiv(cdiv(v, s), bv) * bv
-        s_eff = cdiv(v, cols)
-        cost = cdiv(nb1 * s_eff, sms) * cols
-        if best is None or cost < best[0]:
-            best = (cost, s_eff, cols)
-    return best[1], best[2]
-
-
-_PLAN_TABLES: dict = {}
-
-
-def fwd_plan_table(rows: int, v: int, bn: int, bv: int, device: torch.device,
-                   sms: int) -> tuple[Tensor, int, int]:
-    """(plan, programs, splits): plan [nb_max + 1, 2] int32 on `device`, row nb = fwd_plan of
-    nb row blocks (what the DEVICE_SPLITS forward and combine read at the block's valid count),
-    the grid covering every nb <= cdiv(rows, bn), and the most splits of any row (the [S, R]
-    statistics buffers' S). Made once per shape and device and cached (a step captured as a
-    CUDA graph finds it made by its warm-up steps)."""
-    key = (rows, v, bn, bv, str(device), sms, _dense.FWD_COLS_PER_SPLIT, FWD_S_CAP)
-    if key not in _PLAN_TABLES:
-        plan = [fwd_plan(nb * bn, v, bn, bv, sms) for nb in range(cdiv(rows, bn) + 1)]
-        programs = max(nb * s for nb, (s, _) in enumerate(plan))
-        _PLAN_TABLES[key] = (torch.tensor(plan, dtype=torch.int32, device=device), programs,
-                             max(s for s, _ in plan))
-    return _PLAN_TABLES[key]
 
 
 def combine_shares(n_ztiles: int) -> int:
@@ -191,13 +123,6 @@ def _dw_ws_ok(ws: Tensor, tma_out: bool) -> bool:
     return DW_WS and tma_out and ws.is_cuda and _hopper(ws.device.index)
 
 
-def _fwd_ws_ok(x: Tensor, bias: Optional[Tensor], softcap: Optional[float], tma: bool) -> bool:
-    """Whether the fused forward runs as the Gluon kernel (FWD_WS, off by default): 16-bit TMA
-    operands, no bias, no softcap, the device's splits (FWD_DEVICE_SPLITS), an sm_90 device."""
-    return (FWD_WS and tma and bias is None and softcap is None and FWD_DEVICE_SPLITS
-            and x.element_size() == 2 and x.is_cuda and _hopper(x.device.index))
-
-
 def _z_view(ws: Tensor) -> Tensor:
     """The stored logits' dtype view of ws: fp16 for 16-bit operands (11 significant bits for
     d = z - max; bf16 keeps 8), ws itself for fp32."""
@@ -218,13 +143,8 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     count = counts.narrow(0, b, 1)
     perm_b, ids_b = perm.narrow(0, r0, rows), ids_p.narrow(0, r0, rows)
     _rows._gather(lambda k: k, x, perm_b, count, 0, rows, xg)
-    if FWD_DEVICE_SPLITS:   # the splits of the block's valid rows (fwd_plan_table)
-        plan, n_prog, n_buf = fwd_plan_table(rows, v, bn, bv, x.device, _sms(x.device))
-        splits = cols = 0   # read from plan on the device instead
-    else:
-        splits, cols = _dense._fwd_splits(rows, v, bn, bv, x.device)
-        n_buf, n_prog, plan = splits, cdiv(rows, bn) * splits, zoff
-    m, s, t, zt = (x.new_empty((n_buf, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
+    splits, cols = _dense.fwd_split_plan(v, bn, bv, x.device)   # fixed: batch invariance
+    m, s, t, zt = (x.new_empty((splits, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
     n_blocks = cdiv(rows, bn)
     scal = _dense._scalars(temperature, logit_scale, softcap)
     if scaled:   # ref[:R'] = M, the target logit + E_LEAD (kernels.fused_block's block comment)
@@ -233,35 +153,24 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
             xg, w, bias if bias is not None else x, ids_b, count, ref, rows, v, h, xg.stride(0),
             w.stride(0), scal[0], E_LEAD, HAS_BIAS=bias is not None, BLOCK_R=rr, BLOCK_H=rh,
             num_warps=rwarps)
-    device_splits = dict(plan_ptr=plan, DEVICE_SPLITS=FWD_DEVICE_SPLITS)
-    if _fwd_ws_ok(x, bias, softcap, tma):
-        fk, fstages, ftma, fnc = FWD_WS_TILES
-        _fwd_ws_kernel[(n_prog,)](
-            xg, w, ids_b, m, s, t, zt, count, rows, v, h, xg.stride(0), w.stride(0), scal[0], 0,
-            rows, ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0), ref, plan,
-            WITH_ENTROPY=with_entropy, STORE_E=scaled, E_HEADROOM=E_HEADROOM, BLOCK_N=bn,
-            BLOCK_V=bv, BLOCK_K=fk, GROUP_N=_dense.GROUP_N, STAGES=fstages, TMA_STORE=bool(ftma),
-            NC=fnc, num_warps=8 // fnc, maxnreg=FWD_WS_MAXNREG)
-    else:
-        _fwd_kernel[(n_prog,)](
-            xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
-            xg.stride(0), w.stride(0), *scal, cols, n_blocks, splits, 0, rows,
-            ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0),
-            HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy,
-            HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
-            BLOCK_K=bk, GROUP_N=_dense.GROUP_N, FLATTEN=_dense.FWD_FLATTEN, ref_ptr=ref,
-            STORE_E=scaled, E_HEADROOM=E_HEADROOM, **device_splits, num_warps=warps,
-            num_stages=stages)
-    # the splits' statistics -> the block's outputs, 0 past count: one launch (the torch ops of
-    # cuda._combine and the masking were ~15 small kernels a block: host-bound at small H)
+    _fwd_kernel[(n_blocks * splits,)](
+        xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
+        xg.stride(0), w.stride(0), *scal, cols, n_blocks, splits, 0, rows,
+        ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0),
+        HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy,
+        HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
+        BLOCK_K=bk, GROUP_N=_dense.GROUP_N, FLATTEN=_dense.FWD_FLATTEN, ref_ptr=ref,
+        STORE_E=scaled, E_HEADROOM=E_HEADROOM, num_warps=warps, num_stages=stages)
+    # the splits' statistics -> the block's outputs, 0 past count: the merge every CUDA path
+    # shares (cuda.combine), plus the exp-scaled backward's re-referencing when scaled
     lp, ent, lse = (x.new_empty(rows, dtype=torch.float32) for _ in range(3))  # [R']
-    cr, cwarps = COMBINE_TILE
+    cr, cwarps = _dense.COMBINE_TILE
     shares = combine_shares(zoff.stride(0)) if scaled else 1
-    _fused_combine_kernel[(cdiv(rows, cr), shares)](
-        m, s, t, zt, count, lp, ent, lse, rows, splits, WITH_ENTROPY=with_entropy, BLOCK_R=cr,
-        BLOCK_S=next_power_of_2(n_buf), ref_ptr=ref, ws_ptr=ws, zoff_ptr=zoff,
-        ids_ptr=ids_b, V=v, stride_ws=ws.stride(0), n_ztiles=zoff.stride(0), STORE_E=scaled,
-        E_HEADROOM=E_HEADROOM, TILE_V=bv, **device_splits, FWD_BLOCK_N=bn, num_warps=cwarps)
+    _combine_kernel[(cdiv(rows, cr), shares)](
+        m, s, t, zt, count, lp, ent, lse, rows, splits, WITH_ENTROPY=with_entropy,
+        HAS_COUNT=True, BLOCK_R=cr, BLOCK_S=next_power_of_2(splits), ref_ptr=ref, ws_ptr=ws,
+        zoff_ptr=zoff, ids_ptr=ids_b, V=v, stride_ws=ws.stride(0), n_ztiles=zoff.stride(0),
+        STORE_E=scaled, E_HEADROOM=E_HEADROOM, TILE_V=bv, num_warps=cwarps)
     return lp, ent, lse
 
 

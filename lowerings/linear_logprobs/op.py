@@ -89,8 +89,26 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optio
         out = _triton_impl.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
                                    with_entropy, wrap=declared, **scaling)
     else:
-        out = _torch_impl.forward(hidden, weight, ids, bias, temperature, with_entropy, **scaling)
+        out = _cpu_forward(hidden, weight, ids, bias, temperature, with_entropy, logit_scale,
+                           final_logit_softcapping)
     return _mask_rows(row_mask, *out)
+
+
+@torch.library.custom_op("compiled_grpo::linear_logprobs_cpu_forward", mutates_args=())
+def _cpu_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
+                 temperature: float, with_entropy: bool, logit_scale: float,
+                 softcap: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """cpu.forward as an opaque op: under torch.compile Inductor calls it as it is instead of
+    regenerating its exp / sum loops, so compiled and eager log-probs are the same bits (the
+    batch invariance of cpu.py's docstring). Its backward is the recompute op's (traced)."""
+    return _torch_impl.forward(hidden, weight, ids, bias, temperature, with_entropy,
+                               logit_scale=logit_scale, softcap=softcap)
+
+
+@_cpu_forward.register_fake
+def _(hidden, weight, ids, bias, temperature, with_entropy, logit_scale, softcap):
+    dt = _torch_impl._compute_dtype(hidden, weight)
+    return tuple(hidden.new_empty(hidden.shape[0], dtype=dt) for _ in range(3))
 
 
 @triton_op("compiled_grpo::linear_logprobs_backward", mutates_args=())

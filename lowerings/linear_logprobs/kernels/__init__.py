@@ -1,11 +1,10 @@
 """Triton and Gluon kernels of `compiled_grpo::linear_logprobs`, by what each computes:
 
-- logits.py       the logits tile (GEMM + scale / cap), the forward's online statistics,
-                  the recompute dlogits pass, the row-masked dX step, the row gather
+- logits.py       the logits tile (GEMM + scale / cap), the forward's online statistics and
+                  their merge (every path's), the recompute dlogits pass, the row-masked dX step, the row gather
 - dw.py           the dW steps (dW (+)= dlogits.T @ X): per tile and persistent
 - dw_gluon.py     the dW step as a warp-specialized Gluon kernel (sm_90)
-- fused_block.py  the fused-gradient block steps: combine, in-place dlogits, dX split, ...
-- fwd_gluon.py    the forward as a warp-specialized Gluon kernel (sm_90, off by default)
+- fused_block.py  the fused-gradient block steps: in-place dlogits, dX split, exp-scaling, ...
 
 The launchers (cuda.py, cuda_rows.py, fused_cuda.py) import from here; no kernel imports a
 launcher.

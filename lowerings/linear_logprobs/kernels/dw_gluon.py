@@ -19,7 +19,7 @@ bytes of one 128 x 256 tile a K step) and are not locked together, so one's epil
 the other's wgmmas go on, up to the ring's depth (three 48 KB stages: ~1.5 k cycles of one
 consumer's MMAs, about an epilogue's length). H100, qwen3-8b (bench/results/dw_ws_h100.txt,
 ncu_h100_7a873e1.txt): 5.33 M cycles a full block against one 8-warp consumer's 5.42 M (NC = 1);
-the forward's longer epilogue (the row statistics) outlasts that slack (kernels.fwd_gluon).
+the forward's longer epilogue (the row statistics) outlasts that slack (the Gluon forward, removed: HISTORY.md).
 
 One rounding per block, as the pointer epilogue of kernels.dw._dw_tile (the TMA reduce-add
 rounds twice: bench/results/HISTORY.md, dW error budget). Deterministic: each dW element has one

@@ -61,83 +61,6 @@ def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, gl
 
 
 @triton.jit
-def _fused_combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse_ptr, n_rows,
-                          n_splits, WITH_ENTROPY: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_S: tl.constexpr, ref_ptr, ws_ptr, zoff_ptr, ids_ptr, V, stride_ws,
-                          n_ztiles, STORE_E: tl.constexpr, E_HEADROOM: tl.constexpr,
-                          TILE_V: tl.constexpr, plan_ptr, DEVICE_SPLITS: tl.constexpr,
-                          FWD_BLOCK_N: tl.constexpr):
-    """A block's (logprobs, entropy, lse) [R'] from the forward splits' statistics m, s, t, zt
-    [S, R'] (row stride R'; S from the forward's plan table with DEVICE_SPLITS), cuda._combine's
-    formulas in one launch (by the programs with
-    program_id(1) = 0), 0 at rows past the block's count (whose statistics were never written):
-
-        m* = max_s m,  S = sum_s s e^(m - m*),  lse = m* + log S,  logp = sum_s zt - lse
-        H  = log S - sum_s e^(m - m*) (t + (m - m*) s) / S        (a split with s = 0 adds 0)
-
-    STORE_E (the exp-scaled backward): also R* = max(M, m* - E_HEADROOM) -> ref[R' + row], with
-    M = ref[row] the reference the forward stored e = exp(z - R) against: the largest of the
-    row's tile references R (R* = M unless some tile's max passed M + E_HEADROOM). Then ws
-    (e, TILE_V-column tiles, R in zoff) is brought to e' against R*:
-      - the rare rows with R* > M: every tile times e^(R - R*), the row's tiles shared by the
-        grid's second dimension (a program a row block and column share; programs with no
-        such row skip it after one reduction; H200, every row re-referenced: bench.kernels.fused
-        --targets least, README);
-      - every valid row's target entry: e'[y] = (p[y] - 1) e^(lse - R*), p[y] from the fp32
-        logprob (the loop above leaves that column to this store: no two threads write it).
-    """
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    n_valid = _valid_rows(count_ptr, 0, n_rows, True)
-    valid = rows < n_valid
-    if DEVICE_SPLITS:   # the forward's splits for this many valid row blocks (its plan table)
-        n_splits = tl.load(plan_ptr + 2 * tl.cdiv(n_valid, FWD_BLOCK_N))
-    sp = tl.arange(0, BLOCK_S)
-    mask = (sp < n_splits)[:, None] & valid[None, :]
-    offs = sp[:, None] * n_rows + rows[None, :]                              # [BLOCK_S, BLOCK_R]
-    m = tl.load(m_ptr + offs, mask=mask, other=float("-inf"))
-    m_all = tl.max(m, 0)
-    if STORE_E:   # every program of the row block's column split: its share of the tiles
-        ref = tl.load(ref_ptr + rows, mask=valid, other=0.0)
-        r_star = tl.maximum(ref, m_all - E_HEADROOM)
-        ids = tl.load(ids_ptr + rows, mask=valid, other=-1)
-        ws_rows = ws_ptr + rows.to(tl.int64) * stride_ws                   # [BLOCK_R]
-        fix = valid & (r_star > ref)
-        if tl.max(fix.to(tl.int32), 0) > 0:
-            per = tl.cdiv(n_ztiles, tl.num_programs(1))
-            for tile in range(tl.program_id(1) * per,
-                              tl.minimum(tl.program_id(1) * per + per, n_ztiles)):
-                cols = tile * TILE_V + tl.arange(0, TILE_V)
-                r_t = tl.load(zoff_ptr + rows.to(tl.int64) * n_ztiles + tile, mask=fix, other=0.0)
-                fmask = fix[:, None] & (cols < V)[None, :] & (cols[None, :] != ids[:, None])
-                e = tl.load(ws_rows[:, None] + cols[None, :], mask=fmask, other=0.0).to(tl.float32)
-                e = e * tl.exp(r_t - r_star)[:, None]
-                tl.store(ws_rows[:, None] + cols[None, :], e.to(ws_ptr.dtype.element_ty),
-                         mask=fmask)
-    if tl.program_id(1) == 0:   # the statistics, R* and the target entries: one program a row
-        s = tl.load(s_ptr + offs, mask=mask, other=0.0)
-        d = tl.where(mask, m - m_all[None, :], float("-inf"))   # masked lanes: scale 0, no NaN
-        scale = tl.exp(d)
-        s_all = tl.sum(s * scale, 0)
-        log_s = tl.log(s_all)
-        lse = m_all + log_s
-        lp = tl.sum(tl.load(zt_ptr + offs, mask=mask, other=0.0), 0) - lse
-        if WITH_ENTROPY:
-            t = tl.load(t_ptr + offs, mask=mask, other=0.0)
-            shift = tl.where(s > 0, d * s, 0.0)
-            ent = log_s - tl.sum(scale * (t + shift), 0) / s_all
-        else:
-            ent = tl.zeros((BLOCK_R,), tl.float32)
-        out = rows < n_rows
-        tl.store(lp_ptr + rows, tl.where(valid, lp, 0.0), mask=out)
-        tl.store(ent_ptr + rows, tl.where(valid, ent, 0.0), mask=out)
-        tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=out)
-        if STORE_E:
-            tl.store(ref_ptr + n_rows + rows, r_star, mask=valid)
-            e_y = (tl.exp(lp) - 1.0) * tl.exp(lse - r_star)
-            tl.store(ws_rows + ids, e_y.to(ws_ptr.dtype.element_ty), mask=valid)
-
-
-@triton.jit
 def _scale_kernel(t_ptr, g_ptr, n, BLOCK: tl.constexpr):
     """t[:n] *= g in fp32 (g a device scalar), a grid-stride loop of BLOCK chunks. g == 1, the
     seed of loss.backward(), leaves t as it is: every program reads g and exits, so the common
@@ -302,7 +225,7 @@ def _exp_prep_kernel(x_ptr, lse_ptr, glp_ptr, ref_ptr, count_ptr, n_rows, H, str
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """For the block's valid rows r < n (the block comment above): c = -g_lp e^(R* - lse) s / T
     -> ref[2 R' + r] (by the programs of the first h-block) and x[r, h-block] *= c (in x's
-    dtype: the dW step's operand). ws already holds e' (_fused_combine_kernel, STORE_E)."""
+    dtype: the dW step's operand). ws already holds e' (kernels.logits._combine_kernel, STORE_E)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n_valid = _valid_rows(count_ptr, 0, n_rows, True)
     if tl.program_id(0) * BLOCK_R >= n_valid:

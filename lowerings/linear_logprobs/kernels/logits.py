@@ -107,29 +107,12 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
 
 
 @triton.jit
-def _plan_split(count_ptr, out_row0, N, plan_ptr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                GROUP_N: tl.constexpr):
-    """(n, pid_n, split, cols_per_split, programs) of a DEVICE_SPLITS forward program: the
-    block's valid rows n (count on the device), its nb = cdiv(n, BLOCK_N) row blocks' plan
-    [nb] = (S, columns per split) (fused_cuda.fwd_plan_table), this program's row block and
-    split, and how many programs work (nb S; the grid's others exit)."""
-    n_valid = _valid_rows(count_ptr, out_row0, N, True)
-    nb = tl.cdiv(n_valid, BLOCK_N)
-    n_spl = tl.load(plan_ptr + 2 * nb)
-    # whole BLOCK_V tiles, as the launcher's divisibility specialization of the argument
-    # told the compiler (without the hint the fused forward spills ~1.3-4.4 KB a thread)
-    cols_per_split = tl.multiple_of(tl.load(plan_ptr + 2 * nb + 1), BLOCK_V)
-    pid_n, split = _swizzle_id(tl.program_id(0), nb, n_spl, GROUP_N)
-    return n_valid, pid_n, split, cols_per_split, nb * n_spl
-
-
-@triton.jit
 def _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY: tl.constexpr):
     """One logits tile z [BN, BV] fp32 (-inf on masked columns) folded into its rows' running
     statistics: (m, s, t, zt, m_sh, d, e) with m the max, s = sum e^(z - m),
     t = sum e^(z - m) (z - m) (WITH_ENTROPY), zt += the target logit (ids' column), and the
     tile as d = z - m_sh <= 0 and e = e^d (m_sh: the new max, finite). The one definition of
-    the forward's epilogue (kernels.logits._fwd_kernel; kernels.fwd_gluon compiles it as Gluon)."""
+    the forward's epilogue (_fwd_kernel)."""
     # the target logit first: after the max, z is only needed as d = z - m_new (same
     # registers), so the tile is held once rather than as z and exp(z) side by side
     zt += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
@@ -171,7 +154,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
                 DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
                 STORE_Z: tl.constexpr, FLATTEN: tl.constexpr, ref_ptr, STORE_E: tl.constexpr,
-                E_HEADROOM: tl.constexpr, plan_ptr, DEVICE_SPLITS: tl.constexpr):
+                E_HEADROOM: tl.constexpr):
     """Statistics of rows [0, N) of x (ids alike) into column out_row0 + row of the [S, out_n]
     buffers. HAS_COUNT: only the first clamp(count - out_row0, 0, N) rows are valid (rows
     compacted valid-first, count on the device); programs past them exit at once.
@@ -188,20 +171,13 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     reference (the target logit plus a lead), and R to zoff[row, tile]: e <= e^E_HEADROOM, and
     R = M in every tile of a row whose max stays under M + E_HEADROOM, so such a row's dlogits
     are one per-row scale of its stored e (no separate pass; kernels.fused_block's block comment).
-    DEVICE_SPLITS (with HAS_COUNT; the fused path): the splits follow the valid rows' row blocks
-    nb = cdiv(n, BLOCK_N), read on the device from plan [nb] = (S, columns per split)
-    (fused_cuda.fwd_plan_table), so a block with few valid rows still fills the GPU; cols_per_split,
-    n_blocks and n_splits are then unused and the grid is the table's largest nb * S."""
-    if DEVICE_SPLITS:   # the splits of this many valid row blocks (fused_cuda.fwd_plan_table)
-        n_valid, pid_n, split, cols_per_split, programs = _plan_split(
-            count_ptr, out_row0, N, plan_ptr, BLOCK_N, BLOCK_V, GROUP_N)
-        if tl.program_id(0) >= programs:
-            return
-    else:
-        n_valid = _valid_rows(count_ptr, out_row0, N, HAS_COUNT)
-        pid_n, split = _swizzle(n_blocks, n_splits, GROUP_N)
-        if pid_n * BLOCK_N >= n_valid:
-            return
+    The split plan (S splits of cols_per_split columns, cuda.fwd_split_plan) is fixed by the
+    shape and the device, never by N or the valid rows, and a row's statistics come from its
+    own tiles in one fixed order: a row's values do not depend on the batch around it."""
+    n_valid = _valid_rows(count_ptr, out_row0, N, HAS_COUNT)
+    pid_n, split = _swizzle(n_blocks, n_splits, GROUP_N)
+    if pid_n * BLOCK_N >= n_valid:
+        return
     x_src, w_src = _operands(x_ptr, w_ptr, N, V, H, stride_x, stride_w, USE_TMA, BLOCK_N,
                              BLOCK_V, BLOCK_K)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -238,6 +214,82 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     tl.store(s_ptr + out, s, mask=row_mask)
     tl.store(t_ptr + out, t, mask=row_mask)
     tl.store(zt_ptr + out, zt, mask=row_mask)
+
+
+@writes("lp_ptr", "ent_ptr", "lse_ptr", ref_ptr="STORE_E", ws_ptr="STORE_E")
+@triton.jit
+def _combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse_ptr, n_rows,
+                    n_splits, WITH_ENTROPY: tl.constexpr, HAS_COUNT: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ref_ptr, ws_ptr, zoff_ptr,
+                    ids_ptr, V, stride_ws, n_ztiles, STORE_E: tl.constexpr,
+                    E_HEADROOM: tl.constexpr, TILE_V: tl.constexpr):
+    """(logprobs, entropy, lse) [R'] from the forward splits' statistics m, s, t, zt [S, R']
+    (row stride R'), in one launch (by the programs with program_id(1) = 0), 0 at rows past the
+    count (HAS_COUNT; their statistics were never written). The one merge of every CUDA path
+    (recompute, row-masked, fused): the S splits reduce in one fixed order (BLOCK_S and the
+    tile fixed per shape), so a row's values are the same whichever path or batch computed it:
+
+        m* = max_s m,  S = sum_s s e^(m - m*),  lse = m* + log S,  logp = sum_s zt - lse
+        H  = log S - sum_s e^(m - m*) (t + (m - m*) s) / S        (a split with s = 0 adds 0)
+
+    STORE_E (the exp-scaled backward): also R* = max(M, m* - E_HEADROOM) -> ref[R' + row], with
+    M = ref[row] the reference the forward stored e = exp(z - R) against: the largest of the
+    row's tile references R (R* = M unless some tile's max passed M + E_HEADROOM). Then ws
+    (e, TILE_V-column tiles, R in zoff) is brought to e' against R*:
+      - the rare rows with R* > M: every tile times e^(R - R*), the row's tiles shared by the
+        grid's second dimension (a program a row block and column share; programs with no
+        such row skip it after one reduction; H200, every row re-referenced: bench.kernels.fused
+        --targets least, README);
+      - every valid row's target entry: e'[y] = (p[y] - 1) e^(lse - R*), p[y] from the fp32
+        logprob (the loop above leaves that column to this store: no two threads write it).
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    n_valid = _valid_rows(count_ptr, 0, n_rows, HAS_COUNT)
+    valid = rows < n_valid
+    sp = tl.arange(0, BLOCK_S)
+    mask = (sp < n_splits)[:, None] & valid[None, :]
+    offs = sp[:, None] * n_rows + rows[None, :]                              # [BLOCK_S, BLOCK_R]
+    m = tl.load(m_ptr + offs, mask=mask, other=float("-inf"))
+    m_all = tl.max(m, 0)
+    if STORE_E:   # every program of the row block's column split: its share of the tiles
+        ref = tl.load(ref_ptr + rows, mask=valid, other=0.0)
+        r_star = tl.maximum(ref, m_all - E_HEADROOM)
+        ids = tl.load(ids_ptr + rows, mask=valid, other=-1)
+        ws_rows = ws_ptr + rows.to(tl.int64) * stride_ws                   # [BLOCK_R]
+        fix = valid & (r_star > ref)
+        if tl.max(fix.to(tl.int32), 0) > 0:
+            per = tl.cdiv(n_ztiles, tl.num_programs(1))
+            for tile in range(tl.program_id(1) * per,
+                              tl.minimum(tl.program_id(1) * per + per, n_ztiles)):
+                cols = tile * TILE_V + tl.arange(0, TILE_V)
+                r_t = tl.load(zoff_ptr + rows.to(tl.int64) * n_ztiles + tile, mask=fix, other=0.0)
+                fmask = fix[:, None] & (cols < V)[None, :] & (cols[None, :] != ids[:, None])
+                e = tl.load(ws_rows[:, None] + cols[None, :], mask=fmask, other=0.0).to(tl.float32)
+                e = e * tl.exp(r_t - r_star)[:, None]
+                tl.store(ws_rows[:, None] + cols[None, :], e.to(ws_ptr.dtype.element_ty),
+                         mask=fmask)
+    if tl.program_id(1) == 0:   # the statistics, R* and the target entries: one program a row
+        s = tl.load(s_ptr + offs, mask=mask, other=0.0)
+        d = tl.where(mask, m - m_all[None, :], float("-inf"))   # masked lanes: scale 0, no NaN
+        scale = tl.exp(d)
+        s_all = tl.sum(s * scale, 0)
+        log_s = tl.log(s_all)
+        lse = m_all + log_s
+        lp = tl.sum(tl.load(zt_ptr + offs, mask=mask, other=0.0), 0) - lse
+        if WITH_ENTROPY:
+            t = tl.load(t_ptr + offs, mask=mask, other=0.0)
+            shift = tl.where(s > 0, d * s, 0.0)
+            ent = log_s - tl.sum(scale * (t + shift), 0) / s_all
+        else:
+            ent = tl.zeros((BLOCK_R,), tl.float32)
+        out = rows < n_rows
+        tl.store(lp_ptr + rows, tl.where(valid, lp, 0.0), mask=out)
+        tl.store(ent_ptr + rows, tl.where(valid, ent, 0.0), mask=out)
+        tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=out)
+        if STORE_E:
+            tl.store(ref_ptr + n_rows + rows, r_star, mask=valid)
+            e_y = (tl.exp(lp) - 1.0) * tl.exp(lse - r_star)
+            tl.store(ws_rows + ids, e_y.to(ws_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
