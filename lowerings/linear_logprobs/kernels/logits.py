@@ -144,8 +144,16 @@ def _tile_out(d, e, m_sh, ref, STORE_E: tl.constexpr, E_HEADROOM: tl.constexpr):
         return d, m_sh
 
 
+# The batch's sizes and offsets (N, the row blocks, the output row offset and length) are not
+# specialized: Triton would compile another variant for N % 16 == 0 or N == 1, and a variant's
+# code may round a row's statistics differently (H200: N = 16383 against 16384 changed 473
+# rows' log-probs, bench/probes/invariance_probe.py). One variant for every batch keeps rows
+# bitwise independent of it (batch invariance).
+BATCH_ARGS = ("N", "n_blocks", "out_row0", "out_n")
+
+
 @writes("m_ptr", "s_ptr", "t_ptr", "zt_ptr", z_ptr="STORE_Z", zoff_ptr="STORE_Z")
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_ARGS)
 def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, N, V, H,
                 stride_x, stride_w, inv_temp, cap_pre, cap_post, cols_per_split, n_blocks,
                 n_splits, out_row0, out_n, z_ptr, zoff_ptr, stride_z, n_ztiles,
@@ -217,7 +225,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
 
 
 @writes("lp_ptr", "ent_ptr", "lse_ptr", ref_ptr="STORE_E", ws_ptr="STORE_E")
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows",))
 def _combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse_ptr, n_rows,
                     n_splits, WITH_ENTROPY: tl.constexpr, HAS_COUNT: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ref_ptr, ws_ptr, zoff_ptr,
