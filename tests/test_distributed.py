@@ -369,3 +369,30 @@ def test_gloo_tp_bench_cpu_tiny():
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "TP CHECK: PASS" in run.stdout, run.stdout[-4000:] + run.stderr[-4000:]
     assert "dW shard rel, each rank" in run.stdout and "tp=1 recompute compiled" in run.stdout
+
+
+def _run_fsdp_bench(extra, timeout):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "bench.fsdp", *extra], cwd=root,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"},
+                         capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0 and "FSDP CHECK: PASS" in run.stdout, run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.stdout.count(" ok") == 8, run.stdout   # ddp / fsdp2 x untied / tied x 2 steps
+
+
+def test_gloo_ddp_fsdp2_hf_steps():
+    """bench/fsdp.py on 2 CPU processes (gloo): DDP and FSDP2 training steps of a small HF Qwen2
+    (untied and tied lm_head) with grpo_loss and gradient accumulation equal one process on the
+    whole batch: loss, every gradient, every parameter after the step (~15 s)."""
+    pytest.importorskip("transformers")
+    _run_fsdp_bench(["--device", "cpu"], 600)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 CUDA GPUs and NCCL (the device tool's nvidia-h100-x2)")
+def test_nccl_ddp_fsdp2_hf_steps():
+    """The same on 2 GPUs over NCCL, a 32k vocabulary (the fused-gradient path, auto on CUDA)."""
+    pytest.importorskip("transformers")
+    _run_fsdp_bench(["--device", "cuda", "--vocab", "32000", "--hidden", "256"], 900)
