@@ -322,7 +322,8 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
     else:
         tok = logprob_fn(hidden, weight, token_ids, bias, mask=valid, temperature=cfg.temperature,
                          fp32_lm_head=cfg.fp32_lm_head, with_entropy=want_entropy, logit_scale=cfg.logit_scale,
-                         final_logit_softcapping=cfg.final_logit_softcapping)
+                         final_logit_softcapping=cfg.final_logit_softcapping, round_logits=cfg.round_logits,
+                         lm_head_dtype=cfg.lm_head_dtype)
     logp = tok.logprobs  # [B, T] fp32 (fp64 for fp64 inputs)
     entropy = tok.entropy  # [B, T] or None, 0 at masked positions
     # a threshold over the whole batch's current entropies: never in fused mode (fused.why_not_fused)

@@ -13,6 +13,8 @@ and a step function closes over it without recompiling. Defaults follow Liger-Ke
 from __future__ import annotations
 
 import math
+
+import torch
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -41,6 +43,20 @@ class GRPOConfig:
     HF config names (Cohere / Granite-style scaled heads; Gemma 2/3's cap): logits
     z = (hidden @ weight.T + bias) * logit_scale, then cap * tanh(z / cap), then / temperature,
     the order HF applies them and TRL divides by its temperature after.
+
+    The lm_head's precision (README "lm_head precision"), one of three:
+    default: 16-bit operands multiplied with fp32 accumulation, the logits kept in fp32 (the
+    closest to the float64 reference); ``fp32_lm_head`` (TRL's ``cast_lm_head_to_fp32``,
+    Fast-LLM's name): hidden, weight and bias cast to fp32 first (IEEE fp32 products; grads come
+    back in the inputs' dtypes), as vLLM's ``bf16_last_layer_fp32`` samples; ``round_logits``:
+    the logits rounded to the operands' 16-bit dtype before the softmax statistics and the
+    logits gradient rounded before the dX / dW GEMMs, as TRL 1.16's head computes under its
+    default bf16 autocast and as vLLM / SGLang sample in bf16 (the TRL drop-in sets it under
+    autocast). ``round_logits`` does nothing with fp32 operands (so ``fp32_lm_head`` wins).
+    ``lm_head_dtype`` (None: the inputs' own): the dtype hidden, weight and bias are multiplied in,
+    the grads accumulated in fp32 and returned in the inputs' dtypes: fp32 hidden states and
+    lm_head under bf16 autocast, as TRL's head runs them (``torch.bfloat16``; ignored with
+    ``fp32_lm_head``).
 
     ``gradient_mode`` picks how grpo_loss gets its gradient (compiled_grpo/fused.py):
     ``"fused"`` forms the loss's gradient while each row block's logits exist (logits computed
@@ -99,6 +115,8 @@ class GRPOConfig:
     vllm_importance_sampling_clip_max: Optional[float] = 3.0
     entropy_coef: float = 0.0
     fp32_lm_head: bool = False
+    round_logits: bool = False
+    lm_head_dtype: Optional[torch.dtype] = None
     grad_divisor: Optional[float] = None
     metrics: Union[str, tuple] = "none"
     gradient_mode: str = "auto"
@@ -150,10 +168,12 @@ class GRPOConfig:
                 and lo is None and hi is None):
             bad("vllm_importance_sampling_clip_max", "a *_truncate vllm_importance_sampling_mode needs "
                 "vllm_importance_sampling_clip_min or _clip_max set (as TRL)")
-        for field in ("use_bias_correction_kl", "fp32_lm_head", "vllm_importance_sampling_correction",
+        for field in ("use_bias_correction_kl", "fp32_lm_head", "round_logits", "vllm_importance_sampling_correction",
                       "fused_scaled_backward"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be a bool")
+        if self.lm_head_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+            bad("lm_head_dtype", "must be None, torch.bfloat16, torch.float16 or torch.float32")
         m = self.max_completion_length
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m <= 0):
             bad("max_completion_length", "must be None or a positive int")

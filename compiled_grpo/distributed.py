@@ -176,7 +176,9 @@ def _check_owned(owners: Tensor, valid: Optional[Tensor]) -> None:
 def tp_linear_logprobs(hidden: Tensor, shard: VocabShard, ids: Tensor, *, temperature: float = 1.0,
                        fp32_lm_head: bool = False, with_entropy: bool = False,
                        row_mask: Optional[Tensor] = None, logit_scale: float = 1.0,
-                       final_logit_softcapping: Optional[float] = None) -> LinearLogprobs:
+                       final_logit_softcapping: Optional[float] = None,
+                       round_logits: bool = False,
+                       compute_dtype: Optional[torch.dtype] = None) -> LinearLogprobs:
     """hidden [..., H], ids [...] global in [0, V) -> LinearLogprobs [...] of the full vocab, equal on
     every rank (module docstring: the math). row_mask [...] bool: rows where False report 0.
     logit_scale / final_logit_softcapping act on each logit alone, so each shard applies them."""
@@ -192,7 +194,8 @@ def tp_linear_logprobs(hidden: Tensor, shard: VocabShard, ids: Tensor, *, temper
         h = _CopyToTPRegion.apply(h, shard.group)
     out = linear_logprobs(h, shard.weight, torch.where(own, local, 0), shard.bias, temperature=temperature,
                           fp32_lm_head=fp32_lm_head, with_entropy=with_entropy, row_mask=rm,
-                          logit_scale=logit_scale, final_logit_softcapping=final_logit_softcapping)
+                          logit_scale=logit_scale, final_logit_softcapping=final_logit_softcapping,
+                          round_logits=round_logits, compute_dtype=compute_dtype)
     st = shard_stats(out.logprobs, out.lse, own, out.entropy if with_entropy else None)   # [k, N]
     st = st[None] if shard.group is None else _gather_own_slot(st, shard)    # [R, k, N]
     logprobs, entropy, lse = combine_shards(st, shard, rm)                   # [N] each

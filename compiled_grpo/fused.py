@@ -348,7 +348,8 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         block_rows=block_rows, temperature=cfg.temperature, with_entropy=want_entropy,
         logit_scale=cfg.logit_scale, softcap=cfg.final_logit_softcapping, need_x=need[0],
         need_w=need[1], need_b=need[2], entropy_grad=ent_w is not None,
-        allow_scaled=cfg.fused_scaled_backward, plan=plan, **tp)
+        allow_scaled=cfg.fused_scaled_backward, plan=plan, round_logits=cfg.round_logits,
+        compute_dtype=None if cfg.fp32_lm_head else cfg.lm_head_dtype, **tp)
     lp, ent, lse = (t.view(lead) for t in (res.logprobs, res.entropy, res.lse))
     tok = LinearLogprobs(lp, ent if want_entropy else None, lse)
     dx = None if res.d_hidden is None else res.d_hidden.view(hidden.shape)

@@ -99,7 +99,9 @@ def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Opti
                    mask: Optional[Tensor] = None, temperature: float = 1.0, fp32_lm_head: bool = False,
                    with_entropy: bool = False, cu_seqlens: Optional[Tensor] = None, tp_group=None,
                    vocab_start: Optional[int] = None, logit_scale: float = 1.0,
-                   final_logit_softcapping: Optional[float] = None) -> TokenLogprobs:
+                   final_logit_softcapping: Optional[float] = None,
+                   round_logits: bool = False, lm_head_dtype: Optional[torch.dtype] = None
+                   ) -> TokenLogprobs:
     """log_softmax((hidden @ weight.T + bias) / temperature)[token_ids], without the logits.
 
     Model scalings under HF / TRL's names (Cohere / Granite-style ``logit_scale``, Gemma 2/3's
@@ -129,7 +131,13 @@ def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Opti
     ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens,
                           vocab_size=None if shard is None else shard.vocab_size or float("inf"))
     check_model_scaling(logit_scale, final_logit_softcapping, temperature)
-    scaling = dict(logit_scale=float(logit_scale), final_logit_softcapping=final_logit_softcapping)
+    if not isinstance(round_logits, bool):
+        raise TypeError(f"round_logits must be a bool, got {type(round_logits).__name__}")
+    if lm_head_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"lm_head_dtype must be None, torch.bfloat16, torch.float16 or torch.float32, "
+                         f"got {lm_head_dtype!r}")
+    scaling = dict(logit_scale=float(logit_scale), final_logit_softcapping=final_logit_softcapping,
+                   round_logits=round_logits, compute_dtype=lm_head_dtype)
     # row_mask: masked rows cost no FLOPs on CUDA (padding or prompt tokens) and get no gradient.
     row_mask = None if mask is None else valid.reshape(-1)
     if shard is None:

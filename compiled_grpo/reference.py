@@ -18,10 +18,19 @@ from compiled_grpo.logprobs import TokenLogprobs, _prepare, check_model_scaling
 def reference_token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Optional[Tensor] = None, *,
                              mask: Optional[Tensor] = None, temperature: float = 1.0, fp32_lm_head: bool = False,
                              with_entropy: bool = False, cu_seqlens: Optional[Tensor] = None,
-                             logit_scale: float = 1.0, final_logit_softcapping: Optional[float] = None
+                             logit_scale: float = 1.0, final_logit_softcapping: Optional[float] = None,
+                             round_logits: bool = False, lm_head_dtype: Optional[torch.dtype] = None
                              ) -> TokenLogprobs:
-    """Same contract as :func:`compiled_grpo.token_logprobs`; ``fp32_lm_head`` is implied (upcast)."""
+    """Same contract as :func:`compiled_grpo.token_logprobs`; ``fp32_lm_head`` is implied (upcast)
+    unless ``round_logits``: then the GEMM's output (and the bias sum) is rounded to the operands'
+    16-bit dtype, whose autograd cast also rounds the logits gradient to it."""
     ids, valid = _prepare(hidden, weight, token_ids, bias, mask, temperature, cu_seqlens)
+    if lm_head_dtype is not None and not fp32_lm_head:
+        # the operands' values rounded to it, their grads not (the op returns fp32-accumulated
+        # grads in the inputs' dtypes): a straight-through rounding
+        def st(t):
+            return None if t is None else t + (t.to(lm_head_dtype).to(t.dtype) - t).detach()
+        hidden, weight, bias = st(hidden), st(weight), st(bias)
     check_model_scaling(logit_scale, final_logit_softcapping)
     dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
     w = weight.to(dtype)  # [V, H]
@@ -33,8 +42,18 @@ def reference_token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, 
         logits = hidden.to(dtype) @ w_fin.T + hidden.detach().to(dtype) @ (w - w_fin).T  # [..., V]
     else:
         logits = hidden.to(dtype) @ w.T  # [..., V]
+    rd = lm_head_dtype if lm_head_dtype is not None and not fp32_lm_head else \
+        torch.promote_types(hidden.dtype, weight.dtype)
+    rd = rd if round_logits and rd in (torch.bfloat16, torch.float16) else None
+    if rd is not None:
+        logits = logits.to(rd).to(dtype)
     if bias is not None:
-        logits = logits + bias.to(dtype)
+        b = bias.to(dtype)
+        if rd is not None:   # its value rounded (TRL adds a bf16 bias); db summed unrounded
+            b = b + (b.to(rd).to(dtype) - b).detach()
+        logits = logits + b
+        if rd is not None:
+            logits = logits.to(rd).to(dtype)
     logits = logits * logit_scale  # HF's order: scale, softcap, then TRL's temperature
     if final_logit_softcapping is not None:
         logits = final_logit_softcapping * torch.tanh(logits / final_logit_softcapping)

@@ -230,3 +230,43 @@ def test_zero_rows(masked):
     dx, dw, db = bwd(lse, ent, torch.zeros(0))
     assert dx.shape == (0, 24)
     assert torch.equal(dw, torch.zeros_like(w)) and torch.equal(db, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("rows,bias", [(False, True), (True, True), (False, False)])
+def test_round_logits_kernels_match_cpu_body(monkeypatch, rows, bias):
+    """The kernels' ROUND (round_logits) against the CPU body's rounding on 16-bit operands whose
+    products and sums are exact in fp32 (integers times 2^-10: 17 significant bits), so both
+    round the same fp32 values: values agree to fp32 transcendental rounding and grads to the
+    16-bit rounding of the dlogits, while the rounding moves the log-probs by far more."""
+    from lowerings.linear_logprobs import cpu
+    monkeypatch.setattr(rk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    g = torch.Generator().manual_seed(11)
+    n, h, v = 40, 24, 75
+    x = torch.randint(-64, 65, (n, h), generator=g).to(DTYPE_16)
+    w = (torch.randint(-64, 65, (v, h), generator=g) / 1024).to(DTYPE_16)
+    b = (torch.randint(-512, 513, (v,), generator=g) / 256).to(DTYPE_16) if bias else None
+    ids = torch.randint(0, v, (n,), generator=g)
+    mask = MASKS["scattered"] if rows else torch.ones(n, dtype=torch.bool)
+    grads = [torch.randn(n, generator=g) for _ in range(3)]
+    out = {}
+    for rl in (False, True):
+        kw = dict(round_logits=rl)
+        if rows:
+            fwd = rk.forward(x, w, ids, b, mask, 0.7, False, True, **kw)
+            bwd = rk.backward(x, w, ids, b, mask, fwd[2], fwd[1], *grads, 0.7, False, True, True,
+                              True, bias, **kw)
+        else:
+            fwd = tk.forward(x, w, ids, b, 0.7, False, True, **kw)
+            bwd = tk.backward(x, w, ids, b, fwd[2], fwd[1], *grads, 0.7, False, True, True, True,
+                              bias, **kw)
+        ref_f = cpu.forward(x, w, ids, b, 0.7, True, **kw)
+        ref_b = cpu.backward(x, w, ids, b, ref_f[2], ref_f[1], *grads, 0.7, True, True, True,
+                             bias, row_mask=mask, **kw)
+        m = mask.float()
+        for got, ref in zip(fwd, ref_f):
+            torch.testing.assert_close(got.float(), ref.float() * m, rtol=1e-6, atol=2e-5)
+        for got, ref in zip(bwd, ref_b):   # a dlogits element's 16-bit rounding may flip
+            if got.numel():
+                assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
+        out[rl] = fwd[0]
+    assert (out[True] - out[False]).abs().max() > 1e-3

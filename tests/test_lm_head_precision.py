@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import compiled_grpo as cg
+from compiled_grpo.reference import reference_token_logprobs
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -38,3 +39,83 @@ def test_fp32_lm_head_is_the_fp32_upcast(mode, device):
     assert torch.equal(v16, v32)
     for a, b in zip(g16, g32):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b.bfloat16())
+
+
+def _inputs(device, dtype, seed=0, B=2, T=6, H=16, V=37):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(B, T, H, generator=g) * 2).to(dtype).to(device)
+    w = (torch.randn(V, H, generator=g) / H ** 0.5 * 3).to(dtype).to(device)
+    b = torch.randn(V, generator=g).to(dtype).to(device)
+    ids = torch.randint(0, V, (B, T), generator=g).to(device)
+    mask = (torch.rand(B, T, generator=g) > 0.3).to(device)
+    return h, w, b, ids, mask, torch.randn(B, generator=g).to(device)
+
+
+def _run(mode, h, w, b, ids, mask, adv, **kw):
+    """(log-probs, entropy, loss or sum) and the grads of hidden, weight, bias."""
+    leaves = [t.clone().requires_grad_() for t in (h, w, b)]
+    if mode == "reference":
+        out = reference_token_logprobs(*leaves[:2], ids, leaves[2], mask=mask, with_entropy=True,
+                                       temperature=0.8, **kw)
+        lp, ent, val = out.logprobs, out.entropy, (out.logprobs + 0.3 * out.entropy).sum()
+    elif mode == "token_logprobs":
+        out = cg.token_logprobs(*leaves[:2], ids, leaves[2], mask=mask, with_entropy=True,
+                                temperature=0.8, **kw)
+        lp, ent, val = out.logprobs, out.entropy, (out.logprobs + 0.3 * out.entropy).sum()
+    else:
+        cfg = cg.GRPOConfig(beta=0.0, entropy_coef=0.01, gradient_mode=mode, temperature=0.8,
+                            metrics="with_entropy", **kw)
+        out = cg.grpo_loss(leaves[0], leaves[1], ids, adv, mask, bias=leaves[2], config=cfg)
+        lp, ent, val = out.logprobs, out.entropy, out.loss
+    return lp.detach(), ent.detach(), torch.autograd.grad(val, leaves)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["token_logprobs", "recompute", "fused"])
+def test_round_logits_is_the_rounded_reference(mode, device):
+    """round_logits on bf16 inputs: the logits rounded to bf16 (after the GEMM and after the bias)
+    before the fp32 softmax, the logits gradient rounded before dX / dW: as the materializing
+    reference with the same roundings, and not as the fp32-logits default (the option acts)."""
+    h, w, b, ids, mask, adv = _inputs(device, torch.bfloat16)
+    lp_ref, ent_ref, _ = _run("reference", h, w, b, ids, mask, adv, round_logits=True)
+    lp_fp32, _, _ = _run("reference", h, w, b, ids, mask, adv)
+    lp, ent, grads = _run(mode, h, w, b, ids, mask, adv, round_logits=True)
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent, ent_ref, rtol=0, atol=2e-5)
+    assert (lp_ref - lp_fp32).abs().max() > 1e-3
+    if mode == "token_logprobs":   # the same scalar as the reference: its grads
+        _, _, ref_grads = _run("reference", h, w, b, ids, mask, adv, round_logits=True)
+        for got, ref in zip(grads, ref_grads):
+            assert got.dtype == torch.bfloat16 and _rel(got, ref) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["token_logprobs", "recompute", "fused"])
+@pytest.mark.parametrize("round_logits", [False, True])
+def test_lm_head_dtype_keeps_fp32_grads(mode, device, round_logits):
+    """lm_head_dtype=bf16 on fp32 inputs (TRL's head under autocast): the values of the bf16-cast
+    inputs' call, bitwise; the grads in fp32, accumulated in fp32: the straight-through reference
+    to fp32 rounding, where the bf16 call's grads carry bf16's (about 100x more)."""
+    h, w, b, ids, mask, adv = _inputs(device, torch.float32, seed=1)
+    kw = dict(round_logits=round_logits)
+    lp, ent, grads = _run(mode, h, w, b, ids, mask, adv, lm_head_dtype=torch.bfloat16, **kw)
+    lp16, ent16, grads16 = _run(mode, *(t.bfloat16() for t in (h, w, b)), ids, mask, adv, **kw)
+    assert torch.equal(lp, lp16) and torch.equal(ent, ent16)
+    _, _, ref = _run("reference", h, w, b, ids, mask, adv, lm_head_dtype=torch.bfloat16, **kw)
+    for got, got16, r in zip(grads, grads16, ref):
+        assert got.dtype == torch.float32
+        assert _rel(got, r) < 1e-5 if mode == "token_logprobs" else True
+        if mode == "token_logprobs":
+            assert _rel(got16, r) > 10 * _rel(got, r)
+
+
+def test_lm_head_dtype_rejects_other_dtypes():
+    h, w, b, ids, mask, adv = _inputs("cpu", torch.float32)
+    with pytest.raises(ValueError, match="lm_head_dtype"):
+        cg.token_logprobs(h, w, ids, lm_head_dtype=torch.int8)
+    with pytest.raises(ValueError, match="lm_head_dtype"):
+        cg.GRPOConfig(lm_head_dtype=torch.float64)

@@ -315,3 +315,23 @@ def test_vllm_inputs_match_trl_compute_loss(name, model_dir, tmp_path, monkeypat
     assert set(metrics) == set(ref_metrics)
     for key, value in ref_metrics.items():
         assert math.isclose(metrics[key], value, rel_tol=1e-5, abs_tol=1e-7), f"{key}: TRL {value} vs ours {metrics[key]}"
+
+
+BF16 = {  # TRL's default precision: bf16 autocast (its head rounds logits and their grads to bf16)
+    "dapo_kl_offpolicy_temperature": dict(bf16=True, temperature=0.8),
+    "grpo_gspo_delta_entropy_accum": dict(bf16=True, **PARITY["grpo_gspo_delta_entropy_accum"]),
+    "cast_lm_head_to_fp32": dict(bf16=True, cast_lm_head_to_fp32=True, temperature=0.8),
+}
+
+
+@pytest.mark.parametrize("name", BF16)
+def test_parity_with_trl_bf16(name, model_dir, tmp_path, monkeypatch):
+    """Under TRL's default bf16 autocast the drop-in sets GRPOConfig.round_logits and
+    lm_head_dtype=bf16 (fp32 hidden states and lm_head multiplied in bf16, the logits and their
+    gradient rounded to bf16, fp32 grads), TRL's head's numbers: every logged metric of 3 steps
+    (num_iterations 2, beta 0.04, clip ratios non-zero) as stock TRL's."""
+    ref = train(trl.GRPOTrainer, model_dir, tmp_path / "trl", **BF16[name])
+    ours = train(GRPOTrainer, model_dir, tmp_path / "ours", monkeypatch, **BF16[name])
+    assert any(step.get("kl", 0) > 0 for step in ref)
+    assert any(step.get("clip_ratio/region_mean", 1.0) > 0 for step in ref)
+    assert_same_logs(ref, ours)

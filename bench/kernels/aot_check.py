@@ -75,7 +75,7 @@ def cases():
     """(label, kernel, constexprs, num_warps, num_stages) of each launch configuration."""
     bn, bv, bk, warps, stages = dense.TILES
     gemm, dw = rows.step_tiles(2)
-    logit = dict(HAS_BIAS=False, HAS_CAP=False, WITH_ENTROPY=True, DOT_PREC="tf32", USE_TMA=True,
+    logit = dict(HAS_BIAS=False, HAS_CAP=False, ROUND=False, WITH_ENTROPY=True, DOT_PREC="tf32", USE_TMA=True,
                  BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=dense.GROUP_N, STORE_E=False,
                  E_HEADROOM=fc.E_HEADROOM)
     fused_fwd = recompute = {}   # one forward kernel, one split plan (cuda.fwd_split_plan)

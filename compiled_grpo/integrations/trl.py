@@ -30,9 +30,10 @@ dapo, cispo, sapo (``sapo_temperature_pos/neg``), luspo, vespo (``vespo_k_pos``,
 ``epsilon``, ``epsilon_high``, ``delta``,
 ``beta`` with ``use_bias_correction_kl``, ``importance_sampling_level`` token or sequence (GSPO),
 ``temperature``, ``num_iterations``, ``steps_per_generation``, gradient accumulation, a static
-``entropy_coef``, ``cast_lm_head_to_fp32`` (``fp32_lm_head``), tool masks, mixed precision (the
-lm_head GEMM runs in the autocast dtype, as TRL's; TRL also rounds its logits tiles to that dtype,
-so under bf16 the two agree to bf16 rounding, about 1e-3 on the first step, not to 1e-5). The
+``entropy_coef``, ``cast_lm_head_to_fp32`` (``fp32_lm_head``), tool masks, mixed precision (TRL's
+default ``bf16=True``: the lm_head GEMM runs in the autocast dtype and its logits and their
+gradient are rounded to it, as TRL's head does: ``round_logits``; tests/test_trl_integration.py
+compares every logged number step by step under bf16 and in float32). The
 model's logit scale and final-logit softcapping are read from its config as TRL does
 (``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``, ``logits_scaling``,
 ``final_logit_softcapping``) and passed to compiled_grpo's ``logit_scale`` /
@@ -176,6 +177,12 @@ def grpo_config_from_trl(args: trl.GRPOConfig, *, logit_scale: float = 1.0,
         off_policy_mask_threshold=args.off_policy_mask_threshold, top_entropy_quantile=args.top_entropy_quantile,
         vllm_importance_sampling_correction=False, entropy_coef=args.entropy_coef,
         fp32_lm_head=args.cast_lm_head_to_fp32, metrics="with_entropy",
+        # TRL's head under autocast (bf16 / fp16 mixed precision) multiplies the fp32 hidden states
+        # and lm_head in the autocast dtype, rounds its logits tiles and their gradient to it and
+        # returns fp32-accumulated grads; cast_lm_head_to_fp32 multiplies in fp32 instead
+        round_logits=bool(args.bf16 or args.fp16) and not args.cast_lm_head_to_fp32,
+        lm_head_dtype=(None if args.cast_lm_head_to_fp32 else torch.bfloat16 if args.bf16
+                       else torch.float16 if args.fp16 else None),
         **_scaling_kwargs(fields, logit_scale, final_logit_softcapping, "GRPOConfig", "logit_scale"))
 
 
@@ -255,7 +262,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _hidden_and_head(self, model, input_ids, attention_mask, logits_to_keep: int):
         """Hidden states [B, T, H] whose next token is a completion token, and the lm_head (weight, bias)
-        in the dtype TRL's head would multiply them in (the autocast dtype unless cast_lm_head_to_fp32)."""
+        in their own dtypes: the op multiplies them in GRPOConfig.lm_head_dtype (the autocast dtype,
+        as TRL's head) and returns their grads in their dtypes, accumulated in fp32 (as TRL's)."""
         with self.accelerator.autocast():
             hidden = model(input_ids=input_ids, attention_mask=attention_mask, **{_HIDDEN_FLAG: True})  # [B, P+T, H]
             device_type = hidden.device.type
@@ -270,9 +278,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             weight = weight.full_tensor()
             bias = None if bias is None else bias.full_tensor()
         hidden = hidden.to(weight.device)  # device_map may end the backbone elsewhere
-        if autocast_dtype is not None and not self.compiled_grpo_config.fp32_lm_head:
-            hidden, weight = hidden.to(autocast_dtype), weight.to(autocast_dtype)
-            bias = None if bias is None else bias.to(autocast_dtype)
+        cfg = self.compiled_grpo_config
+        if cfg.lm_head_dtype is not None and autocast_dtype != cfg.lm_head_dtype:
+            raise RuntimeError(f"compiled_grpo: the trainer's autocast dtype is {autocast_dtype}, but the loss was "
+                               f"configured for lm_head_dtype={cfg.lm_head_dtype} (from bf16 / fp16 at construction)")
         return hidden, weight, bias
 
     @staticmethod
@@ -297,6 +306,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                 tok = cg.token_logprobs(hidden, weight, ids[:, -logits_to_keep:], bias, mask=am[:, -logits_to_keep:],
                                         temperature=self.temperature,
                                         fp32_lm_head=self.compiled_grpo_config.fp32_lm_head,
+                                        round_logits=self.compiled_grpo_config.round_logits,
+                                        lm_head_dtype=self.compiled_grpo_config.lm_head_dtype,
                                         with_entropy=compute_entropy, **self._logprob_kwargs)
             logps.append(tok.logprobs)  # [b, T] fp32
             entropies.append(tok.entropy)

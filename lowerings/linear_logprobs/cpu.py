@@ -84,12 +84,33 @@ def _rows_mm(x: Tensor, w: Tensor) -> Tensor:
     return z.view(blocks * ROW_BLOCK, w.shape[0]).narrow(0, 0, r)         # [R, C]
 
 
+def operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+             compute_dtype: Optional[torch.dtype]) -> tuple:
+    """hidden, weight, bias in compute_dtype (the dtype the head multiplies in; None: as they
+    are). The body then upcasts them (exact), so a 16-bit compute_dtype makes the products
+    those of the rounded operands, as a 16-bit GEMM's; the grads keep the inputs' dtypes."""
+    if compute_dtype is None:
+        return hidden, weight, bias
+    return (hidden.to(compute_dtype), weight.to(compute_dtype),
+            None if bias is None else bias.to(compute_dtype))
+
+
+def round_dtype(hidden: Tensor, weight: Tensor, round_logits: bool) -> Optional[torch.dtype]:
+    """The dtype round_logits rounds the GEMM's output (and the logits gradient) to: the
+    operands' common dtype when it is 16-bit (bf16 / fp16), else None (nothing to round)."""
+    dt = torch.promote_types(hidden.dtype, weight.dtype)
+    return dt if round_logits and dt in (torch.bfloat16, torch.float16) else None
+
+
 def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int,
                   temperature: float, transposed: bool = False, logit_scale: float = 1.0,
-                  softcap: Optional[float] = None) -> tuple[Tensor, Optional[Tensor]]:
+                  softcap: Optional[float] = None, rd: Optional[torch.dtype] = None
+                  ) -> tuple[Tensor, Optional[Tensor]]:
     """(z, y) in x's (upcast) dtype, [R, C] each: a = (x @ W[v0:v1].T + b[v0:v1]) * logit_scale,
     y = tanh(a / softcap) and z = softcap * y / T (HF's order), or y = None and z = a / T
     without a softcap. The backward's chain rule takes (1 - y^2) * logit_scale from y.
+    rd (round_logits): x @ W.T rounded to rd, then rd(that + rd(b)), as the Triton kernels'
+    ROUND and TRL's head under autocast (a bf16 GEMM output and a bf16 bias add).
 
     The backward asks for `transposed` (W_c @ x.T, then .T): the same values from a different
     mm, so that under torch.compile, where both op bodies land in one joint graph, CSE cannot
@@ -97,8 +118,13 @@ def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1
     [R, C] tile (N*V floats in all)."""
     w = weight[v0:v1].to(x.dtype)                                          # [C, H]
     z = (w @ x.T).T if transposed else _rows_mm(x, w)                      # [R, C]
+    if rd is not None:
+        z = z.to(rd).to(x.dtype)
     if bias is not None:
-        z = z + bias[v0:v1].to(x.dtype)
+        b = bias[v0:v1]
+        z = z + (b.to(rd) if rd is not None else b).to(x.dtype)
+        if rd is not None:
+            z = z.to(rd).to(x.dtype)
     if logit_scale != 1.0:
         z = z * logit_scale
     y = None if softcap is None else torch.tanh(z / softcap)
@@ -141,15 +167,18 @@ def _forward_rows(x: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
 
 def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
             temperature: float, with_entropy: bool, logit_scale: float = 1.0,
-            softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+            softcap: Optional[float] = None, round_logits: bool = False,
+            compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(logprobs, entropy, lse), each [N] float32 (float64 for float64 inputs).
     Logits as in _chunk_logits (logit_scale, then softcap, then temperature).
 
     entropy is zeros when with_entropy is False (the work is skipped)."""
+    hidden, weight, bias = operands(hidden, weight, bias, compute_dtype)
     cd = _compute_dtype(hidden, weight)
     n = hidden.shape[0]
     groups = _row_groups(n, weight.shape[0], cd)
-    scaling = dict(logit_scale=logit_scale, softcap=softcap)
+    scaling = dict(logit_scale=logit_scale, softcap=softcap,
+                   rd=round_dtype(hidden, weight, round_logits))
     if len(groups) == 1:
         zt, ent, lse = _forward_rows(hidden.to(cd), weight, ids, bias, temperature, with_entropy,
                                      **scaling)
@@ -190,7 +219,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
              entropy: Tensor, g_lp: Tensor, g_ent: Tensor, g_lse: Tensor, temperature: float,
              with_entropy: bool, need_x: bool, need_w: bool, need_b: bool,
              logit_scale: float = 1.0, softcap: Optional[float] = None,
-             row_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+             row_mask: Optional[Tensor] = None, round_logits: bool = False,
+             compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes; [0]-shaped when not needed.
 
     row_mask [N] bool: padded rows (False) have dlogits 0, whatever their hidden state. Their
@@ -204,13 +234,16 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     Vocab chunks outside, row groups inside: a chunk's dW / db rows are summed over the groups
     in place (in dW itself when it has the compute dtype, else in a [C, H] buffer rounded once)
     and the dX accumulator [N, H] takes each group's rows in place."""
+    out_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    hidden, weight, bias = operands(hidden, weight, bias, compute_dtype)
     cd = _compute_dtype(hidden, weight)
+    rd = round_dtype(hidden, weight, round_logits)   # the logits and their gradient rounded to it
     n, v = hidden.shape[0], weight.shape[0]
     groups = _row_groups(n, v, cd)
     g_lse_, g_lp_, g_ent_ = g_lse.to(cd), g_lp.to(cd), g_ent.to(cd)        # [N]
     lse_, ent_ = lse.to(cd), entropy.to(cd)                                # [N]
     dx = hidden.new_zeros(hidden.shape, dtype=cd) if need_x else None      # [N, H] acc
-    dw = weight.new_empty(weight.shape) if need_w else None                # [V, H]
+    dw = weight.new_empty(weight.shape, dtype=out_dtypes[1]) if need_w else None  # [V, H]
     db = weight.new_zeros(v, dtype=cd) if need_b else None                 # [V]
     for v0 in range(0, v, CHUNK_V):
         v1 = min(v0 + CHUNK_V, v)
@@ -227,9 +260,11 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
             lse_g = rs(lse_)                                               # [R]
             x = rs(hidden).to(cd)                                          # [R, H]
             z, y = _chunk_logits(x, weight, bias, v0, v1, temperature, True, logit_scale,
-                                 softcap)                                  # [R, C]
+                                 softcap, rd)                              # [R, C]
             dz = dlogits(z, y, lse_g, rs(ent_), rs(g_lp_), rs(g_ent_), rs(g_lse_), rs(ids),
                          cols, temperature, with_entropy, logit_scale)     # [R, C]
+            if rd is not None:   # as the Triton workspace (and TRL's tile): in the 16-bit dtype
+                dz = dz.to(rd).to(cd)
             if row_mask is not None:
                 dz = torch.where(rs(row_mask)[:, None], dz, 0)
             if need_x:
@@ -241,6 +276,6 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
         if need_w and dw.dtype != cd:
             dw[v0:v1].copy_(dw_c)
     # a fresh [0] tensor for each grad not needed: a custom op's outputs must not alias
-    return (dx.to(hidden.dtype) if need_x else hidden.new_empty(0),
-            dw if need_w else weight.new_empty(0),
-            db.to(bias.dtype) if need_b else hidden.new_empty(0))
+    return (dx.to(out_dtypes[0]) if need_x else hidden.new_empty(0, dtype=out_dtypes[0]),
+            dw if need_w else weight.new_empty(0, dtype=out_dtypes[1]),
+            db.to(out_dtypes[2]) if need_b else hidden.new_empty(0, dtype=out_dtypes[0]))

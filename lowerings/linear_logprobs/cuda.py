@@ -115,9 +115,10 @@ TMA = os.environ.get("LINEAR_LOGPROBS_TMA", "1")
 DW_TMA_OUT = os.environ.get("LINEAR_LOGPROBS_DW_TMA_OUT", "1") == "1"
 
 
-def _prepare(hidden: Tensor, weight: Tensor, fp32_lm_head: bool):
-    """Common operand dtype (a mixed-dtype head is cast once) and the dot precision."""
-    dt = torch.promote_types(hidden.dtype, weight.dtype)
+def _prepare(hidden: Tensor, weight: Tensor, compute_dtype: Optional[torch.dtype] = None):
+    """The operands in the dtype they are multiplied in (compute_dtype, else their common dtype:
+    a mixed-dtype head is cast once) and the dot precision. The grads keep the inputs' dtypes."""
+    dt = compute_dtype or torch.promote_types(hidden.dtype, weight.dtype)
     x, w = hidden.to(dt).contiguous(), weight.to(dt).contiguous()
     return x, w, ("ieee" if dt == torch.float32 else "tf32")
 
@@ -194,6 +195,13 @@ def _dw_tma_out(tma: bool, dw: Tensor) -> bool:
     return tma and DW_TMA_OUT and dw.element_size() == 2 and _tma_aligned(dw)
 
 
+def rounds(x: Tensor, round_logits: bool) -> bool:
+    """The kernels' ROUND: round_logits with 16-bit operands (rounding fp32 logits to the fp32
+    operands' dtype changes nothing). The dlogits workspace already has the operands' dtype, so
+    the logits gradient is rounded before the dX / dW GEMMs either way."""
+    return bool(round_logits) and x.element_size() == 2
+
+
 def _scalars(temperature: float, logit_scale: float, softcap: Optional[float]) -> tuple:
     """(inv_temp, cap_pre, cap_post) of kernels.logits._logits_tile: s / T, s / c and c / T for
     z = c * tanh(a * s / c) / T; without a cap z = a * (s / T) (cap_pre, cap_post unused)."""
@@ -205,12 +213,15 @@ def _scalars(temperature: float, logit_scale: float, softcap: Optional[float]) -
 def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
             temperature: float, fp32_lm_head: bool, with_entropy: bool,
             wrap: Callable = lambda k: k, logit_scale: float = 1.0,
-            softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+            softcap: Optional[float] = None, round_logits: bool = False,
+            compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(logprobs, entropy, lse), each [N] fp32; entropy is zeros unless with_entropy.
+    round_logits: the GEMM's output rounded to the 16-bit operands' dtype (kernels' ROUND);
+    compute_dtype: the dtype the operands are multiplied in (op.linear_logprobs).
     Logits z = softcap * tanh(a * logit_scale / softcap) / T, a = hidden @ weight.T + bias
     (z = a * logit_scale / T when softcap is None)."""
     bn, bv, bk, warps, stages = TILES
-    x, w, prec = _prepare(hidden, weight, fp32_lm_head)
+    x, w, prec = _prepare(hidden, weight, compute_dtype)
     tma = _use_tma(x, w)
     ids = ids.contiguous()                                 # read at unit stride, like bias
     bias = bias.contiguous() if bias is not None else None
@@ -222,7 +233,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     wrap(_fwd_kernel)[(n_blocks * splits,)](
         x, w, bias if bias is not None else x, ids, m, s, t, zt, ids, n, v, h, x.stride(0),
         w.stride(0), *_scalars(temperature, logit_scale, softcap), cols, n_blocks, splits, 0, n, m, m, 0, 0,
-        HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy, HAS_COUNT=False, STORE_Z=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
+        HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, ROUND=rounds(x, round_logits),
+        WITH_ENTROPY=with_entropy, HAS_COUNT=False, STORE_Z=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_K=bk, GROUP_N=GROUP_N, FLATTEN=FWD_FLATTEN, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
         num_warps=warps, num_stages=stages)
     return combine(wrap, m, s, t, zt, ids, None, with_entropy)
@@ -309,11 +321,12 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
              entropy: Tensor, g_lp: Tensor, g_ent: Tensor, g_lse: Tensor, temperature: float,
              fp32_lm_head: bool, with_entropy: bool, need_x: bool, need_w: bool, need_b: bool,
              wrap: Callable = lambda k: k, logit_scale: float = 1.0,
-             softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+             softcap: Optional[float] = None, round_logits: bool = False,
+             compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes; [0]-shaped where not needed.
     The dlogits kernel applies the chain rule of the scale and cap (see _dlogits_kernel)."""
     bn, bv, bk, warps, stages = TILES
-    x, w, prec = _prepare(hidden, weight, fp32_lm_head)
+    x, w, prec = _prepare(hidden, weight, compute_dtype)
     tma = _use_tma(x, w)
     # The kernel reads the [N] vectors at unit stride: autograd hands in expanded grads (the
     # grad of a .sum() is a stride-0 view of one element), so make them dense first.
@@ -349,7 +362,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 x, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse,
                 ws, dbp, ids, n, v, h, r0, r0, rows, v0, x.stride(0), w.stride(0), c,
                 *_scalars(temperature, logit_scale, softcap), n_blocks, n_vtiles,
-                HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
+                HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, ROUND=rounds(x, round_logits),
+                WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
                 GROUP_N=GROUP_N, num_warps=warps, num_stages=stages)
             if need_w:
                 dw_rows(dw, v0, ws, cols, x, r0, rows, g > 0)

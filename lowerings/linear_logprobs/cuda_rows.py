@@ -98,10 +98,10 @@ def _unpermute(perm: Tensor, row_mask: Tensor, v: Tensor) -> Tensor:
 
 
 def _operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_mask: Tensor,
-              fp32_lm_head: bool):
+              compute_dtype: Optional[torch.dtype]):
     """What forward and backward share: the operands in their common dtype and dot precision,
     TMA or not, a dense bias, and the valid-first order (perm, count)."""
-    x, w, prec = _dense._prepare(hidden, weight, fp32_lm_head)
+    x, w, prec = _dense._prepare(hidden, weight, compute_dtype)
     bias = bias.contiguous() if bias is not None else None
     return (x, w, prec, _dense._use_tma(x, w), bias) + order_rows(row_mask)
 
@@ -109,11 +109,12 @@ def _operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_mask: 
 def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], row_mask: Tensor,
             temperature: float, fp32_lm_head: bool, with_entropy: bool,
             wrap: Callable = lambda k: k, logit_scale: float = 1.0,
-            softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+            softcap: Optional[float] = None, round_logits: bool = False,
+            compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(logprobs, entropy, lse), each [N] fp32, 0 at padded rows; entropy 0 unless with_entropy.
-    logit_scale / softcap as in cuda.forward."""
+    logit_scale / softcap / round_logits / compute_dtype as in cuda.forward."""
     bn, bv, bk, warps, stages = _dense.TILES
-    x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, fp32_lm_head)
+    x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, compute_dtype)
     n, h = x.shape
     v = w.shape[0]
     ids_p = ids.index_select(0, perm)                                      # [N] permuted
@@ -130,6 +131,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
             xg, w, bias if bias is not None else x, ids_p, m, s, t, zt, count, rows, v, h,
             xg.stride(0), w.stride(0), *_dense._scalars(temperature, logit_scale, softcap), cols,
             n_blocks, splits, r0, n, m, m, 0, 0, HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
+            ROUND=_dense.rounds(x, round_logits),
             WITH_ENTROPY=with_entropy, HAS_COUNT=True, STORE_Z=False, DOT_PREC=prec,
             USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
             FLATTEN=_dense.FWD_FLATTEN, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
@@ -144,11 +146,12 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
              lse: Tensor, entropy: Tensor, g_lp: Tensor, g_ent: Tensor, g_lse: Tensor,
              temperature: float, fp32_lm_head: bool, with_entropy: bool, need_x: bool,
              need_w: bool, need_b: bool, wrap: Callable = lambda k: k, logit_scale: float = 1.0,
-             softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+             softcap: Optional[float] = None, round_logits: bool = False,
+             compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes, from the valid rows only."""
     bn, bv, bk, warps, stages = _dense.TILES
     (gm, gh, gk, gwarps, gstages), (wc, wh, wk, wwarps, wstages) = step_tiles(hidden.element_size())
-    x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, fp32_lm_head)
+    x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, compute_dtype)
     n, h = x.shape
     v = w.shape[0]
     # the [N] vectors in permuted order, dense (autograd may hand in stride-0 grads)
@@ -175,7 +178,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 xg, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse,
                 ws, dbp, count, rows, v, h, 0, r0, rows, v0, xg.stride(0), w.stride(0), c,
                 *_dense._scalars(temperature, logit_scale, softcap), n_blocks, n_vtiles,
-                HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=True, DOT_PREC=prec,
+                HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, ROUND=_dense.rounds(x, round_logits),
+                WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=True, DOT_PREC=prec,
                 USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
                 num_warps=warps, num_stages=stages)
             if need_w:

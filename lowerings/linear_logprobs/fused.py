@@ -112,7 +112,9 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                           combine: Optional[Callable] = None,
                           reduce_dx: Optional[Callable] = None,
                           entropy_grad: bool = True, allow_scaled: bool = True,
-                          plan: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> FusedResult:
+                          plan: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+                          round_logits: bool = False,
+                          compute_dtype: Optional[torch.dtype] = None) -> FusedResult:
     """hidden [N, H], weight [V, H], ids [N] in [0, V) (any value at padded rows), bias [V],
     row_mask [N] bool (None: every row valid), ``blocks`` G (a Python int) of ``block_rows`` R
     rows (G * R >= N; R may be symbolic). ``grad_fn(r0, idx, logprobs, entropy) -> (g_lp,
@@ -139,23 +141,32 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     ``plan`` (perm [G R], counts [G], slot [N]; order_rows_grouped) replaces the row order for
     groups of rows that are not R-aligned (whole sequences): block b is slots [b R, (b + 1) R),
     its counts[b] valid rows first, and grad_fn's idx holds row 0 in the slots past them (the
-    caller masks slots >= counts[b]); masked rows' outputs are 0."""
+    caller masks slots >= counts[b]); masked rows' outputs are 0.
+
+    ``round_logits``: the logits (and their gradient) in the 16-bit operands' dtype, as
+    lowerings.linear_logprobs.linear_logprobs states it; ``compute_dtype``: the dtype the
+    operands are multiplied in (the grads keep the inputs' dtypes), as it states too."""
     hidden, weight = hidden.detach(), weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
     n, h = hidden.shape
     v = weight.shape[0]
     if row_mask is None:
         row_mask = torch.ones(n, dtype=torch.bool, device=hidden.device)
-    w_dtype = weight.dtype
+    h_dtype, w_dtype = hidden.dtype, weight.dtype   # the grads' dtypes
+    b_dtype = None if bias is None else bias.dtype
+    hidden, weight, bias = _cpu.operands(hidden, weight, bias, compute_dtype)
+    # rounding needs 16-bit operands of one dtype (a mixed head multiplies in the wider one)
+    round_logits = round_logits and _cpu.round_dtype(hidden, weight, True) is not None
     if _triton_body(hidden):   # one common dtype for the kernels, cast once (mixed heads)
         hidden, weight = _dense._prepare(hidden, weight, False)[:2]
     if _hint(n) == 0:   # no row (Dynamo specializes a size of 0: no guard on N): the slots past N
         # would read a row 0 that does not exist; the result is empty, dW and d_bias zeros
         dt = torch.float64 if ws_dtype(hidden, weight) == torch.float64 else torch.float32
         empty = hidden.new_zeros(0, dtype=dt)
-        return FusedResult(empty, empty.clone(), empty.clone(), hidden.new_zeros((0, h)) if need_x else None,
+        return FusedResult(empty, empty.clone(), empty.clone(),
+                           hidden.new_zeros((0, h), dtype=h_dtype) if need_x else None,
                            weight.new_zeros(weight.shape, dtype=w_dtype) if need_w else None,
-                           bias.new_zeros(v) if need_b else None)
+                           bias.new_zeros(v, dtype=b_dtype) if need_b else None)
     slot = None
     if plan is not None:   # grouped blocks: R slots each, like the global order's
         perm, counts, slot = plan
@@ -173,7 +184,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     n_tiles = cdiv(v, _dense.TILES[1]) if cuda else 1
     zoff = hidden.new_empty((r, n_tiles), dtype=torch.float32)               # [R, V / BV]
     xg = hidden.new_empty((r, h), dtype=cd)                                   # [R, H]
-    dx = hidden.new_zeros((n, h)) if need_x else hidden.new_empty(0)         # [N, H]
+    dx = hidden.new_zeros((n, h), dtype=h_dtype) if need_x else hidden.new_empty(0, dtype=h_dtype)
     # the dX step's split partials (fused_cuda.dx_split_rows): [P, H] fp32, CUDA only
     p_rows = _fcuda.dx_split_rows(r, h, cd.itemsize) if cuda and need_x else 0
     dxp = hidden.new_empty((p_rows, h), dtype=torch.float32)                 # [P, H]
@@ -181,7 +192,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     db = hidden.new_zeros(v, dtype=torch.float32 if cd != torch.float64 else cd) if need_b \
         else hidden.new_empty(0)                                              # [V] acc
     scal = dict(temperature=float(temperature), with_entropy=bool(with_entropy),
-                logit_scale=float(logit_scale), softcap=None if softcap is None else float(softcap))
+                logit_scale=float(logit_scale), softcap=None if softcap is None else float(softcap),
+                round_logits=bool(round_logits))
     scaled = cuda and allow_scaled and exp_scaled(cd, with_entropy and entropy_grad, softcap, need_b,
                                                   combine)
     ref = hidden.new_empty(3 * r, dtype=torch.float32)                        # [3 R] (scaled)
@@ -217,7 +229,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     if reduce_dx is not None and need_x:
         dx = reduce_dx(dx)
     return FusedResult(lp, ent, lse, dx if need_x else None,
-                       dw if need_w else None, db.to(bias.dtype) if need_b else None)
+                       dw if need_w else None, db.to(b_dtype) if need_b else None)
 
 
 def block_steps(hidden: Tensor) -> tuple[Callable, Callable]:
@@ -286,21 +298,22 @@ def _(tensors, g):
 def _block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[Tensor],
                    perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor,
                    b: int, r0: int, rows: int, temperature: float, with_entropy: bool,
-                   logit_scale: float, softcap: Optional[float], ref: Tensor, scaled: bool
-                   ) -> tuple[Tensor, Tensor, Tensor]:
+                   logit_scale: float, softcap: Optional[float], ref: Tensor, scaled: bool,
+                   round_logits: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Block b = rows [r0, r0 + rows) of the permuted order: xg <- its hidden rows, ws <- its
     logits (scaled: as e' = exp(z - R*) but at the targets, the references in ref),
     -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]."""
     if _triton_body(hidden):
         return _fcuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0,
                                     rows, temperature, with_entropy, logit_scale, softcap, ref,
-                                    scaled)
+                                    scaled, round_logits)
     idx = perm.narrow(0, r0, rows)
     x = xg.narrow(0, 0, rows)
     x.copy_(hidden.index_select(0, idx))                                     # [R', H]
     zt, ent, lse = _cpu._forward_rows(x, weight, ids_p.narrow(0, r0, rows), bias, temperature,
                                       with_entropy, z_out=ws.narrow(0, 0, rows),
-                                      logit_scale=logit_scale, softcap=softcap)   # [R'] each
+                                      logit_scale=logit_scale, softcap=softcap,
+                                      rd=_cpu.round_dtype(weight, weight, round_logits))  # [R']
     valid = torch.arange(rows, device=x.device) < counts[b]                  # [R']
     return tuple(torch.where(valid, t, 0) for t in (zt - lse, ent, lse))
 
@@ -311,7 +324,7 @@ fused_block_forward = torch.library.custom_op(
 
 @fused_block_forward.register_fake
 def _(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0, rows, temperature,
-      with_entropy, logit_scale, softcap, ref, scaled):
+      with_entropy, logit_scale, softcap, ref, scaled, round_logits=False):
     dt = torch.float64 if ws.dtype == torch.float64 else torch.float32
     return tuple(hidden.new_empty(rows, dtype=dt) for _ in range(3))
 
@@ -321,7 +334,7 @@ def _block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor,
                     g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int,
                     r0: int, rows: int, temperature: float, with_entropy: bool,
                     logit_scale: float, softcap: Optional[float], need_x: bool, need_w: bool,
-                    need_b: bool, ref: Tensor, scaled: bool) -> None:
+                    need_b: bool, ref: Tensor, scaled: bool, round_logits: bool = False) -> None:
     """ws <- dlogits of block b's valid rows; dx[perm rows] = ws @ W (dxp: scratch of the
     Triton body's split dX step); dw (+)= ws.T @ xg; db += column sums. Incoming vectors [rows]
     in the block's order. The blocks run from G - 1 down to 0: the first to run stores dW, the
@@ -332,7 +345,7 @@ def _block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor,
         return _fcuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp,
                                      g_ent, dx, dxp, dw, db, b, r0, rows, temperature,
                                      with_entropy, logit_scale, softcap, need_x, need_w, need_b,
-                                     ref, scaled)
+                                     ref, scaled, round_logits)
     cd = ws.dtype
     z = ws.narrow(0, 0, rows)[:, : weight.shape[0]]                          # [R', V]
     y = None if softcap is None else z * (temperature / softcap)             # tanh(a s / c)
@@ -343,6 +356,9 @@ def _block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor,
                       ids_p.narrow(0, r0, rows), cols, temperature, with_entropy, logit_scale)
     dz = torch.where(valid, dz, 0)                                           # [R', V]
     x = xg.narrow(0, 0, rows)
+    rd = _cpu.round_dtype(weight, weight, round_logits)   # weight in the operands' dtype here
+    if rd is not None:   # the logits gradient in the operands' 16-bit dtype (round_logits)
+        dz = dz.to(rd).to(cd)
     if need_x:
         w = weight.to(cd)
         w = torch.where(torch.isinf(w), 0, w)
@@ -365,5 +381,5 @@ fused_block_backward = torch.library.custom_op(
 @fused_block_backward.register_fake
 def _(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp, g_ent, dx, dxp, dw, db, b, r0,
       rows, temperature, with_entropy, logit_scale, softcap, need_x, need_w, need_b, ref,
-      scaled):
+      scaled, round_logits=False):
     return None

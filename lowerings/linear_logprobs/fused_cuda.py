@@ -133,7 +133,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
                   perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor, b: int,
                   r0: int, rows: int, temperature: float, with_entropy: bool,
                   logit_scale: float, softcap: Optional[float], ref: Tensor,
-                  scaled: bool) -> tuple[Tensor, Tensor, Tensor]:
+                  scaled: bool, round_logits: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     bn, bv, bk, warps, stages = _dense.TILES
     x, w, prec = _dense._prepare(hidden, weight, False)   # no copies: fused.py cast them once
     if rows == 0:
@@ -157,7 +157,8 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
         xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
         xg.stride(0), w.stride(0), *scal, cols, n_blocks, splits, 0, rows,
         ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0),
-        HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, WITH_ENTROPY=with_entropy,
+        HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
+        ROUND=_dense.rounds(x, round_logits), WITH_ENTROPY=with_entropy,
         HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_K=bk, GROUP_N=_dense.GROUP_N, FLATTEN=_dense.FWD_FLATTEN, ref_ptr=ref,
         STORE_E=scaled, E_HEADROOM=E_HEADROOM, num_warps=warps, num_stages=stages)
@@ -179,7 +180,9 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                    g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int, r0: int,
                    rows: int, temperature: float, with_entropy: bool, logit_scale: float,
                    softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool,
-                   ref: Tensor, scaled: bool) -> None:
+                   ref: Tensor, scaled: bool, round_logits: bool = False) -> None:
+    # round_logits needs nothing here: the stored logits are the rounded ones, and the dlogits
+    # go into ws in the operands' 16-bit dtype before the dX / dW GEMMs
     if rows == 0:
         if need_w and b == counts.shape[0] - 1:   # the first block run (fused.py: last to first)
             dw.zero_()

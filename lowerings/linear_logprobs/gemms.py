@@ -9,11 +9,16 @@ def _dw_rows_impl(dw: Tensor, v0: int, ws: Tensor, cols: int, x: Tensor, r0: int
                   accumulate: bool) -> None:
     """dw[v0 : v0 + cols] (+)= ws[:rows, :cols].T @ x[r0 : r0 + rows]: one cuBLAS GEMM with an
     fp32 accumulator, written into the dW rows (accumulate: beta = 1, one rounding to dW's
-    dtype per row group; through fp32 temporaries when dW's dtype differs from the operands',
-    a mixed-dtype head)."""
+    dtype per row group; an fp32 dW of 16-bit operands (compute_dtype) through cuBLAS's fp32
+    output, other mixed dtypes through fp32 temporaries)."""
     out = dw.narrow(0, v0, cols)                                           # [C', H]
     a, b = ws[:rows, :cols].T, x.narrow(0, r0, rows)                       # [C', R], [R, H]
-    if dw.dtype != x.dtype:
+    if dw.dtype == torch.float32 and x.dtype != torch.float32 and x.is_cuda:
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif dw.dtype != x.dtype:
         prod = a.float() @ b.float()
         out.add_(prod) if accumulate else out.copy_(prod)
     elif accumulate:

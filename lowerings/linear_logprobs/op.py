@@ -75,11 +75,13 @@ def _mask_rows(row_mask: Optional[Tensor], *vectors: Tensor) -> tuple[Tensor, ..
 def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
                         temperature: float, fp32_lm_head: bool, with_entropy: bool,
                         row_mask: Optional[Tensor] = None, logit_scale: float = 1.0,
-                        final_logit_softcapping: Optional[float] = None
+                        final_logit_softcapping: Optional[float] = None,
+                        round_logits: bool = False, compute_dtype: Optional[torch.dtype] = None
                         ) -> tuple[Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [V, H], ids [N] int64, bias [V], row_mask [N] bool ->
     (logprobs, entropy, lse) [N], 0 at rows where row_mask is False."""
-    scaling = dict(logit_scale=logit_scale, softcap=final_logit_softcapping)
+    scaling = dict(logit_scale=logit_scale, softcap=final_logit_softcapping,
+                   round_logits=round_logits, compute_dtype=compute_dtype)
     if _rows_path(hidden, row_mask):
         from lowerings.linear_logprobs import cuda_rows
         return cuda_rows.forward(hidden, weight, ids, bias, row_mask, temperature, fp32_lm_head,
@@ -90,24 +92,27 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optio
                                    with_entropy, wrap=declared, **scaling)
     else:
         out = _cpu_forward(hidden, weight, ids, bias, temperature, with_entropy, logit_scale,
-                           final_logit_softcapping)
+                           final_logit_softcapping, round_logits, compute_dtype)
     return _mask_rows(row_mask, *out)
 
 
 @torch.library.custom_op("compiled_grpo::linear_logprobs_cpu_forward", mutates_args=())
 def _cpu_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
                  temperature: float, with_entropy: bool, logit_scale: float,
-                 softcap: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+                 softcap: Optional[float], round_logits: bool,
+                 compute_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
     """cpu.forward as an opaque op: under torch.compile Inductor calls it as it is instead of
     regenerating its exp / sum loops, so compiled and eager log-probs are the same bits (the
     batch invariance of cpu.py's docstring). Its backward is the recompute op's (traced)."""
     return _torch_impl.forward(hidden, weight, ids, bias, temperature, with_entropy,
-                               logit_scale=logit_scale, softcap=softcap)
+                               logit_scale=logit_scale, softcap=softcap, round_logits=round_logits,
+                               compute_dtype=compute_dtype)
 
 
 @_cpu_forward.register_fake
-def _(hidden, weight, ids, bias, temperature, with_entropy, logit_scale, softcap):
-    dt = _torch_impl._compute_dtype(hidden, weight)
+def _(hidden, weight, ids, bias, temperature, with_entropy, logit_scale, softcap, round_logits,
+      compute_dtype):
+    dt = _torch_impl._compute_dtype(*_torch_impl.operands(hidden, weight, None, compute_dtype)[:2])
     return tuple(hidden.new_empty(hidden.shape[0], dtype=dt) for _ in range(3))
 
 
@@ -117,11 +122,13 @@ def _linear_logprobs_backward_op(
         entropy: Tensor, grad_logprobs: Tensor, grad_entropy: Tensor, grad_lse: Tensor,
         temperature: float, fp32_lm_head: bool, with_entropy: bool, need_hidden: bool,
         need_weight: bool, need_bias: bool, row_mask: Optional[Tensor] = None,
-        logit_scale: float = 1.0, final_logit_softcapping: Optional[float] = None
+        logit_scale: float = 1.0, final_logit_softcapping: Optional[float] = None,
+        round_logits: bool = False, compute_dtype: Optional[torch.dtype] = None
         ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (d_hidden [N, H], d_weight [V, H], d_bias [V]); a [0]-shaped tensor where not needed.
     Rows where row_mask is False contribute nothing (their incoming grads are ignored)."""
-    scaling = dict(logit_scale=logit_scale, softcap=final_logit_softcapping)
+    scaling = dict(logit_scale=logit_scale, softcap=final_logit_softcapping,
+                   round_logits=round_logits, compute_dtype=compute_dtype)
     if _rows_path(hidden, row_mask):
         from lowerings.linear_logprobs import cuda_rows
         return cuda_rows.backward(hidden, weight, ids, bias, row_mask, lse, entropy,
@@ -141,20 +148,27 @@ def _linear_logprobs_backward_op(
                                 need_weight, need_bias, row_mask=row_mask, **scaling)
 
 
-def _model_scaling(logit_scale: float, softcap: Optional[float]) -> tuple:
-    """The trailing (logit_scale, final_logit_softcapping) op arguments; none at their defaults
-    (1.0, None), so unscaled heads trace to the same op calls as before these arguments."""
+def _model_scaling(logit_scale: float, softcap: Optional[float], round_logits: bool = False,
+                   compute_dtype: Optional[torch.dtype] = None) -> tuple:
+    """The trailing (logit_scale, final_logit_softcapping, round_logits, compute_dtype) op
+    arguments; none at their defaults (1.0, None, False, None), so plain heads trace to the same
+    op calls as before these arguments."""
+    if round_logits or compute_dtype is not None:
+        return (float(logit_scale), None if softcap is None else float(softcap),
+                bool(round_logits), compute_dtype)
     if float(logit_scale) == 1.0 and softcap is None:
         return ()
     return float(logit_scale), None if softcap is None else float(softcap)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy, row_mask, scale, cap = inputs
+    (hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy, row_mask, scale, cap,
+     round_logits, compute_dtype) = inputs
     _, entropy, lse = output
     ctx.save_for_backward(hidden, weight, ids, bias, lse, entropy, row_mask)
     ctx.temperature, ctx.fp32_lm_head, ctx.with_entropy = temperature, fp32_lm_head, with_entropy
-    ctx.logit_scale, ctx.softcap = scale, cap
+    ctx.logit_scale, ctx.softcap, ctx.round_logits = scale, cap, round_logits
+    ctx.compute_dtype = compute_dtype
 
 
 def _backward(ctx, g_lp, g_ent, g_lse):
@@ -168,9 +182,9 @@ def _backward(ctx, g_lp, g_ent, g_lse):
     dx, dw, db = _linear_logprobs_backward_op(
         hidden, weight, ids, bias, lse, entropy, g_lp, g_ent, g_lse, ctx.temperature,
         ctx.fp32_lm_head, ctx.with_entropy, need_x, need_w, need_b, row_mask,
-        *_model_scaling(ctx.logit_scale, ctx.softcap))
+        *_model_scaling(ctx.logit_scale, ctx.softcap, ctx.round_logits, ctx.compute_dtype))
     return (dx if need_x else None, dw if need_w else None, None, db if need_b else None,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
@@ -186,8 +200,9 @@ def upcast_lm_head(*tensors: Optional[Tensor]) -> tuple:
 def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor] = None,
                     *, temperature: float = 1.0, fp32_lm_head: bool = False,
                     with_entropy: bool = False, row_mask: Optional[Tensor] = None,
-                    logit_scale: float = 1.0, final_logit_softcapping: Optional[float] = None
-                    ) -> LinearLogprobs:
+                    logit_scale: float = 1.0, final_logit_softcapping: Optional[float] = None,
+                    round_logits: bool = False,
+                    compute_dtype: Optional[torch.dtype] = None) -> LinearLogprobs:
     """hidden [..., H], weight [V, H], ids [...] int64 in [0, V), bias [V] -> LinearLogprobs [...].
 
     Callers guarantee ids in [0, V) (the loss maps masked positions to 0); no device check here.
@@ -206,14 +221,25 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[
     logit_scale, final_logit_softcapping (HF / TRL names; Cohere-style scaled heads, Gemma 2/3's
     cap): z = c * tanh((hidden @ weight.T + bias) * logit_scale / c) / temperature, c the cap;
     without a cap z = (hidden @ weight.T + bias) * logit_scale / temperature. Callers validate
-    them (finite, > 0)."""
+    them (finite, > 0).
+    round_logits: the logits in the operands' 16-bit dtype, as TRL 1.16's head computes them
+    under autocast and as vLLM / SGLang sample from them: hidden @ weight.T rounded to bf16 /
+    fp16 (and again after adding the bias, itself rounded), then the scale, cap, temperature and
+    every statistic in fp32; the logits gradient is rounded to that dtype before the dX / dW
+    GEMMs (as it always is on CUDA). No effect with fp32 operands (fp32_lm_head included).
+    compute_dtype: the dtype hidden, weight and bias are multiplied in (None: their common
+    dtype), with the grads accumulated in fp32 and returned in the inputs' own dtypes: fp32
+    inputs with compute_dtype=torch.bfloat16 are TRL's head under bf16 autocast (fp32 hidden
+    states and lm_head, a bf16 GEMM, fp32 grads). Ignored with fp32_lm_head."""
     if fp32_lm_head:
+        compute_dtype = None
         hidden, weight, bias = upcast_lm_head(hidden, weight, bias)
     lead = ids.shape
     h = hidden.reshape(-1, hidden.shape[-1])                               # [N, H]
     rm = None if row_mask is None else row_mask.reshape(-1).to(torch.bool)
     lp, ent, lse = _linear_logprobs_op(h, weight, ids.reshape(-1), bias, float(temperature),
                                        bool(fp32_lm_head), bool(with_entropy), rm,
-                                       *_model_scaling(logit_scale, final_logit_softcapping))
+                                       *_model_scaling(logit_scale, final_logit_softcapping,
+                                                       round_logits, compute_dtype))
     return LinearLogprobs(lp.view(lead), ent.view(lead) if with_entropy else None,
                           lse.view(lead))

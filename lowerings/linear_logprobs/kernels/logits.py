@@ -68,7 +68,8 @@ def _tanh(x):
 @triton.jit
 def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask, H, stride_x,
                  stride_w, inv_temp, cap_pre, cap_post, HAS_BIAS: tl.constexpr,
-                 HAS_CAP: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
+                 HAS_CAP: tl.constexpr, ROUND: tl.constexpr, RDTYPE: tl.constexpr,
+                 DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """(z, y), fp32 [BLOCK_N, BLOCK_V]: with a = x[rows] @ w[cols].T + b[cols] and the model's
     logit_scale s, softcap c and temperature T,
@@ -76,6 +77,9 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
         else:     z = y = a * inv_temp                      (inv_temp = s / T)
     i.e. z = c * tanh(a * s / c) / T (HF / TRL order: scale, cap, temperature), z = a * s / T
     without a cap (s folds into inv_temp only then; s = 1 is the unscaled kernel exactly).
+    ROUND (round_logits): a = x @ w.T is rounded to RDTYPE (the operands' 16-bit dtype), and
+    again after adding the bias (rounded too), before the scale, cap and temperature in fp32:
+    the logits TRL 1.16's head computes under autocast (a bf16 GEMM output, then a bf16 add).
     rows = row0 + arange(BLOCK_N), cols = col0 + arange(BLOCK_V). USE_TMA: x_src / w_src are
     descriptors whose loads zero-fill rows >= N, cols >= V and k >= H (what the pointer path's
     masks do)."""
@@ -96,8 +100,14 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+    if ROUND:
+        acc = acc.to(RDTYPE).to(tl.float32)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        b = tl.load(b_ptr + cols, mask=col_mask, other=0.0)
+        if ROUND:
+            acc = (acc + b.to(RDTYPE).to(tl.float32)[None, :]).to(RDTYPE).to(tl.float32)
+        else:
+            acc += b.to(tl.float32)[None, :]
     if HAS_CAP:
         y = _tanh(acc * tl.cast(cap_pre, tl.float32))
         return y * tl.cast(cap_post, tl.float32), y
@@ -157,7 +167,7 @@ BATCH_ARGS = ("N", "n_blocks", "out_row0", "out_n")
 def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, N, V, H,
                 stride_x, stride_w, inv_temp, cap_pre, cap_post, cols_per_split, n_blocks,
                 n_splits, out_row0, out_n, z_ptr, zoff_ptr, stride_z, n_ztiles,
-                HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr,
+                HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, ROUND: tl.constexpr,
                 WITH_ENTROPY: tl.constexpr, HAS_COUNT: tl.constexpr,
                 DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
@@ -206,7 +216,8 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
         col_mask = cols < V
         z, _ = _logits_tile(x_src, w_src, b_ptr, pid_n * BLOCK_N, col0, rows, cols, row_mask,
                             col_mask, H, stride_x, stride_w, inv_temp, cap_pre, cap_post,
-                            HAS_BIAS, HAS_CAP, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
+                            HAS_BIAS, HAS_CAP, ROUND, x_ptr.dtype.element_ty, DOT_PREC, USE_TMA,
+                            BLOCK_N, BLOCK_V, BLOCK_K)
         z = tl.where(col_mask[None, :], z, float("-inf"))
         m, s, t, zt, m_sh, d, e = _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY)
         if STORE_Z:
@@ -327,7 +338,8 @@ def _dz_tile(z, y, cols, ids, lse, coef, g_lp, gent_ptr, ent_ptr, rows, row_mask
 def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, glse_ptr,
                     ws_ptr, dbp_ptr, count_ptr, N, V, H, x_row_first, row_first, n_rows, v_first,
                     stride_x, stride_w, stride_ws, inv_temp, cap_pre, cap_post, n_blocks, n_vtiles,
-                    HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, ROUND: tl.constexpr,
+                    WITH_ENTROPY: tl.constexpr,
                     NEED_DB: tl.constexpr,
                     HAS_COUNT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -354,7 +366,8 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
                              BLOCK_V, BLOCK_K)
     z, y = _logits_tile(x_src, w_src, b_ptr, x_row_first + pid_n * BLOCK_N, v_first + pid_v * BLOCK_V,
                         x_row_first + local_rows, cols, row_mask, col_mask, H, stride_x, stride_w, inv_temp,
-                        cap_pre, cap_post, HAS_BIAS, HAS_CAP, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
+                        cap_pre, cap_post, HAS_BIAS, HAS_CAP, ROUND, x_ptr.dtype.element_ty, DOT_PREC,
+                        USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
     ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
