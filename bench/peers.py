@@ -14,7 +14,7 @@ TRL_CHUNK_SIZE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1
 
 
 @contextlib.contextmanager
-def _trl_chunked(x, p):
+def _trl_chunked(x, p, fp32_head: bool = False):
     """TRL 1.16 `trl.kernels.ChunkedLogProbFunction` (cuBLAS projection tiles of 4096 tokens x
     32768 vocab, a Triton online-logsumexp fold, backward recomputes: 8*N*H*V, fp32 grad
     accumulators) on the valid tokens, as TRL's fused LM head calls it; then the bench's DAPO math.
@@ -41,13 +41,21 @@ def _trl_chunked(x, p):
     v = compact(x)
 
     def step():
-        logp = ChunkedLogProbFunction.apply(v.hidden(x), x.weight, None, v.token_ids, p.temperature, chunk,
+        h, w = v.hidden(x), x.weight
+        if fp32_head:   # TRL's cast_lm_head_to_fp32: fp32 hidden states and head, no autocast
+            h, w = h.float(), w.float()
+        logp = ChunkedLogProbFunction.apply(h, w, None, v.token_ids, p.temperature, chunk,
                                             x.softcap, 1.0, ())[0]  # [N_valid] fp32
         loss = _valid_dapo(logp, v, p)
         loss.backward()
         return loss.detach()
     step.note = note
     yield step
+
+
+def _trl_chunked_fp32(x, p):
+    """_trl_chunked with TRL's cast_lm_head_to_fp32 (fp32 GEMMs; the casts inside the step)."""
+    return _trl_chunked(x, p, fp32_head=True)
 
 
 def _liger_cute_check(device):

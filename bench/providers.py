@@ -21,7 +21,7 @@ from typing import Callable, ContextManager, Iterator, Optional
 import torch
 
 from bench.dapo import Params, _args, _import, _resetting, compact, naive_loss
-from bench.peers import _cce, _liger, _liger_cute, _liger_cute_check, _trl_chunked
+from bench.peers import _cce, _liger, _liger_cute, _liger_cute_check, _trl_chunked, _trl_chunked_fp32
 from bench.shapes import StepInputs
 
 
@@ -172,9 +172,10 @@ def _compiled_naive(enable_pass: bool):
     return build
 
 
-def _cg_config(cg, p: Params, mode: str = "auto", softcap: Optional[float] = None):
+def _cg_config(cg, p: Params, mode: str = "auto", softcap: Optional[float] = None, **extra):
     fields = {f.name for f in dataclasses.fields(cg.GRPOConfig)}
     kw = {} if "gradient_mode" not in fields else dict(gradient_mode=mode)
+    kw.update({k: v for k, v in extra.items() if k in fields})
     if softcap is not None:
         kw["final_logit_softcapping"] = softcap
     return cg.GRPOConfig(loss_type="dapo", beta=p.beta, epsilon_low=p.epsilon_low,
@@ -191,14 +192,14 @@ def _cg_packed(x: StepInputs) -> Optional[str]:
     return None if "cu_seqlens" in inspect.signature(cg.grpo_loss).parameters else "grpo_loss has no cu_seqlens"
 
 
-def _compiled_grpo(compile_it: bool, mode: str = "auto"):
+def _compiled_grpo(compile_it: bool, mode: str = "auto", **extra):
     """cg.grpo_loss on the inputs as they are: padded [B, T] with the mask, or packed [N] with
     cu_seqlens= (per-sequence advantages [S]). mode: GRPOConfig.gradient_mode ("auto" is the
-    fused-gradient path for this loss)."""
+    fused-gradient path for this loss); extra: other GRPOConfig fields (the lm_head precision)."""
     @contextlib.contextmanager
     def build(x, p):
         import compiled_grpo as cg
-        cfg = _cg_config(cg, p, mode, x.softcap)
+        cfg = _cg_config(cg, p, mode, x.softcap, **extra)
         kw = dict(cu_seqlens=x.cu_seqlens) if x.packed else {}
         if x.packed and p.importance_sampling_level == "sequence":
             # the bound whole-sequence blocks need, from the batch on the host as a trainer
@@ -261,6 +262,14 @@ PROVIDERS: dict[str, Provider] = {
                  accepts=_cg_packed, sequence_level=_any_inputs),
         Provider("naive_compile+pass", _need_cg("enable_naive_logprob_fusion"), _compiled_naive(True),
                  pass_provider=True),
+        # the lm_head precision settings (README "lm_head precision"): logits rounded to bf16 as
+        # trl_chunked computes them, and fp32 operands against TRL's cast_lm_head_to_fp32
+        Provider("compiled_grpo_round", _need_cg("grpo_loss"), _compiled_grpo(False, round_logits=True),
+                 accepts=_cg_packed, sequence_level=_any_inputs),
+        Provider("compiled_grpo_fp32_head", _need_cg("grpo_loss"), _compiled_grpo(False, fp32_lm_head=True),
+                 accepts=_cg_packed, sequence_level=_any_inputs),
+        Provider("trl_chunked_fp32_head", _need("trl.kernels.chunked_logprob"), _trl_chunked_fp32,
+                 sequence_level=_any_inputs),
     ]
 }
 
