@@ -98,8 +98,10 @@ def test_round_logits_is_the_rounded_reference(mode, device):
 @pytest.mark.parametrize("round_logits", [False, True])
 def test_lm_head_dtype_keeps_fp32_grads(mode, device, round_logits):
     """lm_head_dtype=bf16 on fp32 inputs (TRL's head under autocast): the values of the bf16-cast
-    inputs' call, bitwise; the grads in fp32, accumulated in fp32: the straight-through reference
-    to fp32 rounding, where the bf16 call's grads carry bf16's (about 100x more)."""
+    inputs' call, bitwise; the grads in fp32, accumulated in fp32: on CPU the straight-through
+    reference to fp32 rounding, where the bf16 call's grads carry bf16's (about 100x more); on
+    CUDA the logits gradient is 16-bit (the workspace has the operands' dtype), so to its
+    rounding."""
     h, w, b, ids, mask, adv = _inputs(device, torch.float32, seed=1)
     kw = dict(round_logits=round_logits)
     lp, ent, grads = _run(mode, h, w, b, ids, mask, adv, lm_head_dtype=torch.bfloat16, **kw)
@@ -108,8 +110,11 @@ def test_lm_head_dtype_keeps_fp32_grads(mode, device, round_logits):
     _, _, ref = _run("reference", h, w, b, ids, mask, adv, lm_head_dtype=torch.bfloat16, **kw)
     for got, got16, r in zip(grads, grads16, ref):
         assert got.dtype == torch.float32
-        assert _rel(got, r) < 1e-5 if mode == "token_logprobs" else True
-        if mode == "token_logprobs":
+        if mode != "token_logprobs":   # a different scalar from the reference's
+            continue
+        cpu = device == "cpu" or round_logits   # round_logits: the reference rounds them too
+        assert _rel(got, r) < (1e-5 if cpu else 1e-2)
+        if device == "cpu":
             assert _rel(got16, r) > 10 * _rel(got, r)
 
 

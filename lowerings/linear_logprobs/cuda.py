@@ -115,6 +115,14 @@ TMA = os.environ.get("LINEAR_LOGPROBS_TMA", "1")
 DW_TMA_OUT = os.environ.get("LINEAR_LOGPROBS_DW_TMA_OUT", "1") == "1"
 
 
+def _bias(bias: Optional[Tensor], compute_dtype: Optional[torch.dtype]) -> Optional[Tensor]:
+    """The bias as the kernels read it: dense, in compute_dtype when one is given (its value
+    rounded as the operands' are; d_bias keeps the input's dtype)."""
+    if bias is None:
+        return None
+    return (bias if compute_dtype is None else bias.to(compute_dtype)).contiguous()
+
+
 def _prepare(hidden: Tensor, weight: Tensor, compute_dtype: Optional[torch.dtype] = None):
     """The operands in the dtype they are multiplied in (compute_dtype, else their common dtype:
     a mixed-dtype head is cast once) and the dot precision. The grads keep the inputs' dtypes."""
@@ -224,7 +232,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     x, w, prec = _prepare(hidden, weight, compute_dtype)
     tma = _use_tma(x, w)
     ids = ids.contiguous()                                 # read at unit stride, like bias
-    bias = bias.contiguous() if bias is not None else None
+    b_dtype = None if bias is None else bias.dtype                         # d_bias's dtype
+    bias = _bias(bias, compute_dtype)
     n, h = x.shape
     v = w.shape[0]
     splits, cols = fwd_split_plan(v, bn, bv, x.device)
@@ -332,7 +341,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     # grad of a .sum() is a stride-0 view of one element), so make them dense first.
     ids, lse, entropy, g_lp, g_ent, g_lse = (
         t.contiguous() for t in (ids, lse, entropy, g_lp, g_ent, g_lse))
-    bias = bias.contiguous() if bias is not None else None
+    b_dtype = None if bias is None else bias.dtype                         # d_bias's dtype
+    bias = _bias(bias, compute_dtype)
     n, h = x.shape
     v = w.shape[0]
     groups = _row_groups(n, h)
@@ -376,4 +386,4 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
             dx_store(dx, r0, rows, acc)
     # a fresh [0] tensor for each grad not needed: a custom op's outputs must not alias
     return (dx if need_x else hidden.new_empty(0), dw if need_w else weight.new_empty(0),
-            torch.cat(db).to(bias.dtype) if need_b else hidden.new_empty(0))
+            torch.cat(db).to(b_dtype) if need_b else hidden.new_empty(0))

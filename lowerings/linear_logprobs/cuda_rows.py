@@ -102,7 +102,7 @@ def _operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_mask: 
     """What forward and backward share: the operands in their common dtype and dot precision,
     TMA or not, a dense bias, and the valid-first order (perm, count)."""
     x, w, prec = _dense._prepare(hidden, weight, compute_dtype)
-    bias = bias.contiguous() if bias is not None else None
+    bias = _dense._bias(bias, compute_dtype)
     return (x, w, prec, _dense._use_tma(x, w), bias) + order_rows(row_mask)
 
 
@@ -151,6 +151,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes, from the valid rows only."""
     bn, bv, bk, warps, stages = _dense.TILES
     (gm, gh, gk, gwarps, gstages), (wc, wh, wk, wwarps, wstages) = step_tiles(hidden.element_size())
+    b_dtype = None if bias is None else bias.dtype                         # d_bias's dtype
     x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, compute_dtype)
     n, h = x.shape
     v = w.shape[0]
@@ -202,4 +203,4 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 db[ci] = part if db[ci] is None else db[ci] + part
     # a fresh [0] tensor for each grad not needed: a custom op's outputs must not alias
     return (dx if need_x else hidden.new_empty(0), dw if need_w else weight.new_empty(0),
-            torch.cat(db).to(bias.dtype) if need_b else hidden.new_empty(0))
+            torch.cat(db).to(b_dtype) if need_b else hidden.new_empty(0))

@@ -378,7 +378,9 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
     dz = tl.where(mask, dz, 0.0)                      # padded rows/cols may hold inf/nan
     ws_ptrs = ws_ptr + local_rows.to(tl.int64)[:, None] * stride_ws + local[None, :]
     tl.store(ws_ptrs, dz.to(ws_ptr.dtype.element_ty), mask=mask)
-    if NEED_DB:
+    if NEED_DB:   # round_logits: d_bias sums the rounded dlogits, as dX / dW use them (TRL's)
+        if ROUND:
+            dz = dz.to(ws_ptr.dtype.element_ty).to(tl.float32)
         tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_ws + local, tl.sum(dz, 0),
                  mask=col_mask)
 
