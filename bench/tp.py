@@ -60,6 +60,10 @@ def _run(fn, hidden, weight, x, cfg, **kw):
     base = torch.cuda.memory_allocated() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    if x.packed:   # flat [N] inputs: cu_seqlens, and GSPO's bound on the sequences' lengths
+        kw["cu_seqlens"] = x.cu_seqlens
+        if cfg.importance_sampling_level == "sequence":
+            kw["max_seqlen"] = int((x.cu_seqlens[1:] - x.cu_seqlens[:-1]).max())
     out = fn(h, w, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs, config=cfg, **kw)
     out.loss.backward()
     _sync()
@@ -70,7 +74,8 @@ def _run(fn, hidden, weight, x, cfg, **kw):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--shape", default="qwen3-8b", help="a bench shape; *-packed ones pass cu_seqlens")
+    ap.add_argument("--gspo", action="store_true", help="sequence-level importance sampling (GSPO)")
     args = ap.parse_args()
     for k in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS"):   # NVLink multicast stays off
         os.environ.setdefault(k, "0" if k == "NCCL_NVLS_ENABLE" else "1")
@@ -87,13 +92,14 @@ def main():
     lo, hi = rank * V // world, (rank + 1) * V // world
     w_full = x.weight.detach()
     w_shard = w_full[lo:hi].contiguous()
-    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="recompute")
+    level = "sequence" if args.gspo else "token"
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="recompute", importance_sampling_level=level)
     group = dist.group.WORLD
     tp = lambda *a, **k: cg.grpo_loss(*a, tp_group=group, **k)  # noqa: E731
     rows = []
     fails = []
     compiled_tp = torch.compile(tp, fullgraph=True)
-    fused = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused")
+    fused = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused", importance_sampling_level=level)
     for name, fn, c in ((f"tp={world} eager", tp, cfg), (f"tp={world} compiled", compiled_tp, cfg),
                         (f"tp={world} fused eager", tp, fused),
                         (f"tp={world} fused compiled", compiled_tp, fused)):
@@ -113,7 +119,7 @@ def main():
                                 ("tp=1 fused", cg.grpo_loss, "fused")):
             if mode == "fused" and not cuda:
                 continue
-            c1 = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=mode)
+            c1 = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=mode, importance_sampling_level=level)
             loss, dx, dw, peak = _run(fn, x.hidden, w_full, x, c1)
             ms = _bench(lambda: _run(fn, x.hidden, w_full, x, c1))
             rows.append((label, ms, peak, loss, dx, dw[lo:hi]))
@@ -128,7 +134,8 @@ def main():
         every = torch.stack(every).cpu()                                    # [ranks, runs, 3]
         where = (f"{torch.cuda.get_device_name()} x{world}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
                  if cuda else f"CPU x{world}, gloo")
-        print(f"\n**{shape.name}** (N={shape.N}, H={shape.H}, V={shape.V}), {where}, torch {torch.__version__}; "
+        print(f"\n**{shape.name}**{' GSPO' if args.gspo else ''} (N={shape.N}, H={shape.H}, V={shape.V}), {where}, "
+              f"torch {torch.__version__}; "
               f"TP rows: the worst rank's error, each rank's own dW shard against tp=1 recompute eager\n")
         print("| run | ms | peak MiB beyond grads (rank 0) | loss vs tp=1 | dX rel vs tp=1 | dW shard rel vs tp=1 "
               "| dW shard rel, each rank |")

@@ -66,7 +66,8 @@ class GRPOConfig:
     token_logprobs (8NHV, logits recomputed in the backward, ~64 MiB); ``"auto"`` (default) is
     "fused" on CUDA whenever a gradient is wanted and fused is exact (tensor-parallel heads too,
     but not ``vocab_start``'s uneven shards; GSPO only on padded inputs with a whole sequence per
-    block), else
+    block; not with an ``lm_head_dtype`` narrower than the weight, whose fp32 dW the fused step
+    has not run on a GPU yet), else
     "recompute" (always on CPU, whose chunked recompute body needs far less memory). In fused mode
     only ``loss`` carries a gradient: per_token_loss, logprobs and entropy come back detached.
     ``fused_scaled_backward`` (True): where it is exact (CUDA, bf16 / fp32 operands, no

@@ -359,13 +359,14 @@ def test_nccl_tp(shape):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU (gloo) run of bench/tp.py; test_nccl_tp is its GPU twin")
-def test_gloo_tp_bench_cpu_tiny():
-    """bench/tp.py on 2 CPU processes over gloo at cpu-tiny: every rank's dW shard, TP recompute and
+@pytest.mark.parametrize("shape", ["cpu-tiny", "cpu-tiny-packed"])
+def test_gloo_tp_bench_cpu_tiny(shape):
+    """bench/tp.py on 2 CPU processes over gloo at cpu-tiny, padded and packed (cu_seqlens): every rank's dW shard, TP recompute and
     fused, eager and compiled, and the compiled TP=1 row agree with TP=1 recompute eager (~20 s on
     2 cores; the fused compiled step took 7 s a call before fused.CPU_BLOCK_ROWS)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "bench.tp", "--shape", "cpu-tiny"], cwd=root, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                          "-m", "bench.tp", "--shape", shape], cwd=root, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "TP CHECK: PASS" in run.stdout, run.stdout[-4000:] + run.stderr[-4000:]
     assert "dW shard rel, each rank" in run.stdout and "tp=1 recompute compiled" in run.stdout
