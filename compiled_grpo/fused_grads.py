@@ -7,7 +7,6 @@ Legend: N tokens, R' rows of a block (in the block's order), S sequences, G bloc
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
@@ -49,9 +48,9 @@ def block_grads(lp, ent, idx, r0, per_tok, cfg, per_token_loss, grouped=None):
 # per config, every block and N): otherwise its ~60 small kernels a block cost ~0.5 ms of launches
 # each (H200: qwen3-8b eager 46.7 vs compiled 43.6 ms; long, 32 blocks, 232 vs 200 ms; H100 GSPO
 # on whole-sequence blocks: host-bound, 58 ms of launches for a 48 ms step). Inside a user's
-# torch.compile the function is traced inline instead. COMPILED_GRPO_COMPILE_BLOCK_GRADS=0 turns
+# torch.compile the function is traced inline instead. BLOCK_GRADS_COMPILED = False turns
 # it off (eager launches; no compile on the first call).
-BLOCK_GRADS_COMPILED = os.environ.get("COMPILED_GRPO_COMPILE_BLOCK_GRADS", "1") != "0"
+BLOCK_GRADS_COMPILED = True
 
 
 @functools.lru_cache(maxsize=None)

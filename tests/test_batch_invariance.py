@@ -9,7 +9,7 @@ from lowerings.linear_logprobs import cpu
 from tests.batch_invariance import make_batch, mismatches
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16])   # (float32 passes too: ~60 s more of compiles)
 def test_rows_bitwise_independent_of_the_batch(monkeypatch, dtype):
     monkeypatch.setattr(cpu, "CHUNK_V", 64)                  # 4 vocab chunks, the last partial
     monkeypatch.setattr(cpu, "WS_BYTES", 64 * 4 * 24)        # row groups of ~24 rows

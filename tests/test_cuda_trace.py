@@ -126,7 +126,6 @@ def _run_trace(script: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env["LINEAR_LOGPROBS_TMA"] = "1"
     r = subprocess.run([sys.executable, "-c", script], env=env, cwd=root,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]

@@ -19,8 +19,8 @@ the loss under torch.compile(fullgraph=True, mode=MODE) (what the loss's own ker
 there; "reduce-overhead": Inductor's CUDA graphs). --sweep:
 the same for variants of one step or all (fwd: FWD_FLATTEN off, a 4-stage tile; dlogits
 tiles; dw: one program per tile, tiles; dx: DX_SPLITS=1, tiles), then the default
-again (the drift of the GPU's clock over the sweep). The LINEAR_LOGPROBS_* variables are read
-when the modules load, so the sweep patches the module values.
+again (the drift of the GPU's clock over the sweep). The tiles and switches are module
+attributes of the plan (cuda.py, cuda_rows.py, fused_cuda.py), which the sweep patches.
 --recompute: the same profile of gradient_mode="recompute" (its _fwd_kernel stores no logits:
 the forward's cost of keeping them). --cublas: what cuBLAS takes for one full block's three
 GEMMs (logits, dX, dW with beta = 1 as the fused dW step accumulates), scaled to the valid rows:

@@ -30,7 +30,7 @@ previous design). At most MAX_STEPS (group, chunk) steps, G <= MAX_ROW_GROUPS: p
 grows (the unrolled loops bound the compiled graph; N=131072: 286 MiB). Grouping
 also keeps acc's read-modify-write in L2-sized pieces; the price is dW's G roundings (a relative
 error of order sqrt(G) * 2^-9 for bf16, well under the 2^-8-scale error of bf16 dlogits that
-every bf16 backward has). LINEAR_LOGPROBS_DX_GROUP_MIB trades memory for fewer groups.
+every bf16 backward has). DX_GROUP_BYTES trades memory for fewer groups.
 A frozen weight skips step 2, a hidden without grad skips step 3.
 Under torch.compile steps 2, 3 and the dX store are small mutable custom ops (`_dw_rows_op`,
 `_dx_acc_op`, `_dx_store_op`, mutates_args on dW / acc / dX): functionalization turns them into
@@ -56,7 +56,6 @@ All pointer offsets are int64 (N*V and V*H exceed 2^31 at real sizes).
 `launch.declared` inside the triton_op (each kernel's declared writes become a mutable custom op's
 under tracing), identity in the TRITON_INTERPRET tests.
 """
-import os
 from typing import Callable, Optional
 
 import torch
@@ -81,21 +80,21 @@ def next_power_of_2(n: int) -> int:
 
 
 # Tiles of the logits GEMM: (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages). Overridable for
-# the interpreter tests (tiles of 16) and for tuning runs (LINEAR_LOGPROBS_TILES="128,128,64,8,3").
-TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_TILES", "128,256,64,8,3").split(","))
+# the interpreter tests (tiles of 16) and for tuning runs (set the attribute, as the sweeps do).
+TILES = (128, 256, 64, 8, 3)
 GROUP_N = 16                # row blocks per program group (L2 reuse, see _swizzle)
 # The forward's vocab-tile loop flattened with its K loop (kernels.logits._fwd_kernel FLATTEN): H100,
 # qwen3-8b fused step, 39% valid (bench.kernels.fused --sweep fwd): forward 13.3 ms against 13.9-14.5,
-# step 40.2 against 41.0-41.2 ms. LINEAR_LOGPROBS_FWD_FLATTEN=0 turns it off (tuning runs).
-FWD_FLATTEN = os.environ.get("LINEAR_LOGPROBS_FWD_FLATTEN", "1") == "1"
+# step 40.2 against 41.0-41.2 ms. FWD_FLATTEN = False turns it off (tuning runs).
+FWD_FLATTEN = True
 FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see fwd_split_plan for the pick
 PLAN_ROW_BLOCKS = 16        # the row blocks fwd_split_plan fills the GPU for
 COMBINE_TILE = (32, 4)      # the splits' merge (_combine_kernel): (BLOCK_R, num_warps), fixed
 CHUNK_V = 6144              # backward vocab columns a step: workspace R * CHUNK_V elements
 # Budget of the backward's fp32 dX accumulator, one row group of R = cdiv(N, G) rows (see
-# _row_groups): 32 MiB is 2048 rows at H=4096. LINEAR_LOGPROBS_DX_GROUP_MIB raises it (fewer
-# groups, fewer roundings of dW, more memory).
-DX_GROUP_BYTES = int(os.environ.get("LINEAR_LOGPROBS_DX_GROUP_MIB", "32")) << 20
+# _row_groups): 32 MiB is 2048 rows at H=4096. Raising it gives fewer groups (fewer roundings
+# of dW) for more memory.
+DX_GROUP_BYTES = 32 << 20
 WS_BYTES = 24 << 20         # the backward's dlogits workspace R * C: C shrinks to fit it ...
 # ... unless that would make more than MAX_STEPS (row group, chunk) steps: the loops unroll into
 # the compiled graph, so steps bound its size and compile time. Past N ~ 20k rows (H=4096,
@@ -109,10 +108,10 @@ MAX_ROW_GROUPS = 16
 # not on this setting: after changing it, compile with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1
 # (a cache hit otherwise replays the kernels of the earlier setting; that is what once made TMA
 # look no faster under compile).
-TMA = os.environ.get("LINEAR_LOGPROBS_TMA", "1")
+TMA = "1"
 # The dW steps' epilogue through TMA (kernels.dw._dw_tile, TMA_OUT): the old dW is added by the L2
-# (a bulk reduce-add) instead of loaded by the program. "0" keeps the load-add-store epilogue.
-DW_TMA_OUT = os.environ.get("LINEAR_LOGPROBS_DW_TMA_OUT", "1") == "1"
+# (a bulk reduce-add) instead of loaded by the program. False keeps the load-add-store epilogue.
+DW_TMA_OUT = True
 
 
 def _bias(bias: Optional[Tensor], compute_dtype: Optional[torch.dtype]) -> Optional[Tensor]:

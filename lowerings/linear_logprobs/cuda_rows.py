@@ -25,7 +25,6 @@ and lse 0, dX rows 0, and add nothing to dW and d_bias; their incoming grads are
 Memory beyond the dense path's (acc [R, H] fp32 + ws [R, C]): xg [R, H] in the input dtype
 (12 MiB at R=1536, H=4096 bf16: see ROWS_DX_GROUP_BYTES), perm and the permuted [N] vectors.
 """
-import os
 from typing import Callable, Optional
 
 import torch
@@ -38,19 +37,13 @@ from lowerings.linear_logprobs.kernels.logits import (_dlogits_kernel, _dx_step_
 from lowerings.linear_logprobs.kernels.dw import _dw_step_kernel
 
 # Tiles of the two GEMM steps, (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages) by operand
-# size in bytes; LINEAR_LOGPROBS_GEMM_TILES="128,256,64,8,3" overrides them (tuning runs, and
+# size in bytes: the plan's values (tuning runs set the attributes, as bench.kernels.rows --sweep, and
 # the interpreter tests patch GEMM_TILES).
-def _tiles(env: str, default: dict) -> dict:
-    v = os.environ.get(env)
-    return {k: tuple(int(t) for t in v.split(",")) for k in default} if v else default
-
-
-GEMM_TILES = _tiles("LINEAR_LOGPROBS_GEMM_TILES",    # the dX step
-                    {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3), 8: (64, 64, 32, 4, 2)})
-DW_TILES = _tiles("LINEAR_LOGPROBS_DW_TILES", dict(GEMM_TILES))   # the dW step
+GEMM_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3), 8: (64, 64, 32, 4, 2)}  # dX step
+DW_TILES = dict(GEMM_TILES)                                                             # dW step
 # The dlogits workspace [R, C] of this path. H100, qwen3-8b shape, 67% valid (bench.kernels.rows
 # --sweep): 16 MiB (C = 4096) 102.1 ms, 24 MiB 97.6 ms, 32 MiB 97.7 ms, peaks within 5 MiB.
-WS_BYTES = int(os.environ.get("LINEAR_LOGPROBS_ROWS_WS_MIB", "24")) << 20
+WS_BYTES = 24 << 20
 
 
 def step_tiles(itemsize: int) -> tuple[tuple, tuple]:
@@ -81,8 +74,8 @@ def _gather(wrap, x: Tensor, perm: Tensor, count: Tensor, r0, rows, xg: Tensor) 
 # rather than the dense path's 32, because this path also holds the group's compacted hidden
 # rows xg [R, H]: acc + xg + ws = 24 + 12 + 24 MiB keeps the recompute mode within 64 MiB beyond
 # the gradients (H200, qwen3-8b bench, 39% valid: 58 MiB, 63.0 ms; at R = 2048: 74 MiB, 57.0 ms).
-# LINEAR_LOGPROBS_ROWS_DX_GROUP_MIB trades it back (fewer groups: fewer dW read-modify-writes).
-ROWS_DX_GROUP_BYTES = int(os.environ.get("LINEAR_LOGPROBS_ROWS_DX_GROUP_MIB", "24")) << 20
+# ROWS_DX_GROUP_BYTES trades it back (fewer groups: fewer dW read-modify-writes).
+ROWS_DX_GROUP_BYTES = 24 << 20
 
 
 def _groups(n, h: int, bn: int):

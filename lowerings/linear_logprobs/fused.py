@@ -253,7 +253,7 @@ def exp_scaled(ws_dtype: torch.dtype, entropy_grad: bool, softcap: Optional[floa
     (no entropy gradient, no softcap's (1 - y^2)); d_bias (a column sum of the dlogits) and vocab
     shards (no target logit on the ranks that do not own it) keep the dlogits pass, and so do
     fp16 operands: e spans e^-87..e^32, fp32's exponent range, which bf16 has and fp16 has not."""
-    return (_fcuda.EXP_SCALED and ws_dtype in (torch.bfloat16, torch.float32)
+    return (ws_dtype in (torch.bfloat16, torch.float32)
             and not entropy_grad and softcap is None and not need_b and combine is None)
 
 

@@ -29,7 +29,6 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
 Every kernel stops at n, so a block's cost is that of its valid rows (2 + 4 = 6 n H V FLOPs).
 """
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -46,15 +45,14 @@ from lowerings.linear_logprobs.kernels.fused_block import (_dx_split_kernel, _dx
                                                      _target_ref_kernel)
 
 # The in-place dlogits pass: an elementwise [BLOCK_N, BLOCK_V] tile a program, (BLOCK_N,
-# BLOCK_V, num_warps); LINEAR_LOGPROBS_DLOGITS_TILE="64,256,8" overrides it (tuning runs). d_bias
+# BLOCK_V, num_warps), set by tuning runs (bench.kernels.fused --sweep). d_bias
 # partial sums are [cdiv(R, BLOCK_N), V] fp32 (only with a bias). H100, qwen3-8b, 39% valid
 # (bench.kernels.fused --sweep dlogits): 1.73 ms a step at (32, 256, 8), 2.00 at (32, 256, 4).
-DLOGITS_TILE = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DLOGITS_TILE",
-                                                    "32,256,8").split(","))
+DLOGITS_TILE = (32, 256, 8)
 # The dW step as a persistent grid (kernels.dw._dw_step_persistent_kernel): H100, qwen3-8b bench,
 # 39% valid (bench.kernels.fused --sweep dw): step 39.8 ms against 41.8 with one program per tile.
-# LINEAR_LOGPROBS_DW_PERSISTENT=0 takes the one-program-per-tile kernel (tuning runs).
-DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
+# DW_PERSISTENT = False takes the one-program-per-tile kernel (tuning runs).
+DW_PERSISTENT = True
 # The dW step as a warp-specialized Gluon kernel (kernels.dw_gluon: a TMA loader warp running ahead
 # of two 4-warp wgmma consumers, each on half of a tile's vocab rows, sharing each stage's xg
 # tile, across tiles; the old dW tile prefetched into the epilogue buffer, one rounding a
@@ -63,24 +61,22 @@ DW_PERSISTENT = os.environ.get("LINEAR_LOGPROBS_DW_PERSISTENT", "1") == "1"
 # 8-warp consumer's 3.96, cuBLAS's (beta = 1) 3.96 and the Triton step's 4.13; Nsight Compute
 # 5.33 against 5.42 M cycles a full block; a 271-row tail block 1.01 against 1.03 / 1.31 / 1.35
 # ms; half the accumulated block's rounding error of the Triton step's TMA reduce-add (which
-# rounds twice). LINEAR_LOGPROBS_DW_WS=0 keeps the Triton step (A/B runs);
-# LINEAR_LOGPROBS_DW_WS_TILES: (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, warps a consumer, maxnreg, NC:
+# rounds twice). DW_WS = False keeps the Triton step (A/B runs);
+# DW_WS_TILES: (BLOCK_C, BLOCK_H, BLOCK_K, STAGES, warps a consumer, maxnreg, NC:
 # 2 consumers on each tile's vocab halves, or 1 on the whole tile: "128,256,64,3,8,168,1").
-DW_WS = os.environ.get("LINEAR_LOGPROBS_DW_WS", "1") == "1"
-DW_WS_TILES = tuple(int(t) for t in os.environ.get("LINEAR_LOGPROBS_DW_WS_TILES",
-                                                   "128,256,64,3,4,168,2").split(","))
+DW_WS = True
+DW_WS_TILES = (128, 256, 64, 3, 4, 168, 2)
 # The dX step's most splits over V (kernels.fused_block._dx_splits picks S <= DX_SPLITS on the
 # device from the block's valid rows, for a grid of few programs: a block's short tail, or few
 # H blocks); 1 turns splitting off. The fp32 partials take at most DX_SPLIT_MIB
-# (LINEAR_LOGPROBS_DX_SPLIT_MIB): 48 MiB holds gemma2-2b's 1280-row blocks in 4 splits.
-DX_SPLITS = int(os.environ.get("LINEAR_LOGPROBS_DX_SPLITS", "8"))
-DX_SPLIT_BYTES = int(os.environ.get("LINEAR_LOGPROBS_DX_SPLIT_MIB", "48")) << 20
+# (DX_SPLIT_BYTES): 48 MiB holds gemma2-2b's 1280-row blocks in 4 splits.
+DX_SPLITS = 8
+DX_SPLIT_BYTES = 48 << 20
 REDUCE_TILE = (32, 256, 4)   # the partials' sum: (BLOCK_R, BLOCK_H, num_warps)
 # The exp-scaled backward (kernels.fused_block's block comment): taken where it is exact (no softcap,
-# no entropy gradient, no d_bias, no vocab shards; fused.exp_scaled); LINEAR_LOGPROBS_EXP_SCALED=0
-# keeps the in-place dlogits pass everywhere (A/B runs). E_LEAD: M = target logit + E_LEAD;
+# no entropy gradient, no d_bias, no vocab shards; fused.exp_scaled) unless
+# GRPOConfig.fused_scaled_backward is False. E_LEAD: M = target logit + E_LEAD;
 # E_HEADROOM: the largest stored e is e^E_HEADROOM (bf16 / fp32 range: |log| < 88 both ways).
-EXP_SCALED = os.environ.get("LINEAR_LOGPROBS_EXP_SCALED", "1") == "1"
 E_LEAD, E_HEADROOM = 16.0, 32.0
 REF_TILE = (16, 256, 4)      # the target logits' dot products: (BLOCK_R, BLOCK_H, num_warps)
 PREP_TILE = (32, 512, 4)     # c and X's scaling: (BLOCK_R, BLOCK_H, num_warps)

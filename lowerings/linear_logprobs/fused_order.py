@@ -5,7 +5,6 @@ goes to (pack_sequences: first-fit decreasing; next_fit_sequences: next-fit in o
 
 Legend: N rows, G blocks of R rows (slots), S packed sequences.
 """
-import os
 
 import torch
 import triton
@@ -15,8 +14,8 @@ from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs.kernels.fused_block import _first_fit_kernel
 
 # Whole sequences into blocks: "ffd" first-fit decreasing (pack_sequences), "next_fit" in order
-# (next_fit_sequences). LINEAR_LOGPROBS_SEQ_PACKING=next_fit for A/B runs.
-SEQ_PACKING = os.environ.get("LINEAR_LOGPROBS_SEQ_PACKING", "ffd")
+# (next_fit_sequences). SEQ_PACKING = "next_fit" for A/B runs (bench code sets it).
+SEQ_PACKING = "ffd"
 
 
 def order_rows(row_mask: Tensor, block_rows, blocks: int) -> tuple[Tensor, Tensor]:
@@ -78,7 +77,7 @@ def pack_sequences(cu_seqlens: Tensor, block_rows: int, blocks: int) -> Tensor:
     each block's rows in row order, so their sequence ids stay sorted. Sequential over S in
     one program (first_fit_blocks: a Triton kernel on CUDA; a loop on CPU), after the sort, no
     host sync. The caller bounds every length by R and launches G blocks at least
-    next_fit_blocks' bound; LINEAR_LOGPROBS_SEQ_PACKING=next_fit takes next_fit_sequences.
+    next_fit_blocks' bound; SEQ_PACKING = "next_fit" takes next_fit_sequences.
 
     cu_seqlens [S + 1] int32/int64 (0, ..., N) -> [S] int64 in [0, G)."""
     if SEQ_PACKING == "next_fit":

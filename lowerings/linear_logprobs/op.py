@@ -27,7 +27,7 @@ alike (the outputs are viewed as ids.shape, so a static hidden would specialize 
 `mark_dynamic(ids, 0)` then raises ConstraintViolationError); note that `x.clone()` drops a mark.
 
 The recompute op's measurements and what moved them: bench/results/HISTORY.md ("The recompute
-op's design measurements"). Compile caches do not key on LINEAR_LOGPROBS_TMA: see cuda.TMA.
+op's design measurements"). Compile caches do not key on cuda.TMA: see there.
 Padded rows (`row_mask`, what token_logprobs / grpo_loss pass for their mask): on CUDA the op
 runs cuda_rows.py, valid rows compacted first on the device and every kernel stopping at a device
 count: no FLOP and no host sync for padding.
@@ -99,8 +99,8 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optio
 @torch.library.custom_op("compiled_grpo::linear_logprobs_cpu_forward", mutates_args=())
 def _cpu_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
                  temperature: float, with_entropy: bool, logit_scale: float,
-                 softcap: Optional[float], round_logits: bool,
-                 compute_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
+                 softcap: Optional[float], round_logits: bool = False,
+                 compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """cpu.forward as an opaque op: under torch.compile Inductor calls it as it is instead of
     regenerating its exp / sum loops, so compiled and eager log-probs are the same bits (the
     batch invariance of cpu.py's docstring). Its backward is the recompute op's (traced)."""
@@ -110,8 +110,8 @@ def _cpu_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Ten
 
 
 @_cpu_forward.register_fake
-def _(hidden, weight, ids, bias, temperature, with_entropy, logit_scale, softcap, round_logits,
-      compute_dtype):
+def _(hidden, weight, ids, bias, temperature, with_entropy, logit_scale, softcap, round_logits=False,
+      compute_dtype=None):
     dt = _torch_impl._compute_dtype(*_torch_impl.operands(hidden, weight, None, compute_dtype)[:2])
     return tuple(hidden.new_empty(hidden.shape[0], dtype=dt) for _ in range(3))
 

@@ -171,7 +171,7 @@ def _dx_split_reduce_kernel(part_ptr, dx_ptr, perm_ptr, count_ptr, n_rows, H, st
              acc.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-# --- the exp-scaled backward (fused_cuda.py, EXP_SCALED) ---------------------------------------
+# --- the exp-scaled backward (fused_cuda.py; GRPOConfig.fused_scaled_backward) ------------------
 #
 # Without an entropy gradient or a softcap, a row's dlogits are
 #     dz[v] = (g_lp (1[v = y] - p[v])) s / T,   p[v] = e^(z[v] - lse)
