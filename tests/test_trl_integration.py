@@ -44,16 +44,21 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A saved random model: TRL builds the reference model from the policy's path when beta > 0."""
-    path = tmp_path_factory.mktemp("tiny_qwen3")
+def save_model(path) -> None:
+    """The random test model and its tokenizer, saved (TRL builds the reference model from the
+    policy's path when beta > 0)."""
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                          pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
     Qwen3ForCausalLM(config).save_pretrained(path)
     char_tokenizer().save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    save_model(path)
     return str(path)
 
 
@@ -335,3 +340,19 @@ def test_parity_with_trl_bf16(name, model_dir, tmp_path, monkeypatch):
     assert any(step.get("kl", 0) > 0 for step in ref)
     assert any(step.get("clip_ratio/region_mean", 1.0) > 0 for step in ref)
     assert_same_logs(ref, ours)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_two_processes_parity_with_trl(bf16, tmp_path):
+    """The drop-in under accelerate's multi-process data parallel (2 processes under torchrun, gloo
+    on CPU): each process scores its half of every batch and DDP averages the gradients; every
+    logged metric of 3 steps equals stock TRL's on 2 processes (tests/trl_multiprocess.py)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(root, "tests", "trl_multiprocess.py")] + (["--bf16"] if bf16 else [])
+    run = subprocess.run(cmd, cwd=root, env={**os.environ, "OUTDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"},
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and "TRL MULTIPROCESS: PASS" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]

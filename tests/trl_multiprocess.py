@@ -1,0 +1,47 @@
+"""Run under torchrun (2+ processes, gloo on CPU or NCCL on GPUs): stock trl.GRPOTrainer and
+compiled_grpo's drop-in each train the test model for 3 steps on the same seed, every process
+taking its share of each batch (accelerate's multi-process data parallel); rank 0 compares every
+logged metric step by step (tests/test_trl_integration.py's assert_same_logs) and prints
+"TRL MULTIPROCESS: PASS". Used by test_trl_integration.py::test_two_processes_parity_with_trl.
+
+    OUTDIR=<dir> torchrun --standalone --nproc_per_node 2 tests/trl_multiprocess.py [--bf16]
+"""
+import os
+import pathlib
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import trl  # noqa: E402
+
+import test_trl_integration as t  # noqa: E402
+from compiled_grpo.integrations.trl import GRPOTrainer  # noqa: E402
+
+
+def main():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = pathlib.Path(os.environ["OUTDIR"])
+    model = out / "model"
+    if rank == 0:   # one saved random model, read by every process
+        t.save_model(model)
+        (out / "ready").touch()
+    while not (out / "ready").exists():
+        time.sleep(0.1)
+    overrides = dict(per_device_train_batch_size=8 // world, bf16="--bf16" in sys.argv)
+    ref = t.train(trl.GRPOTrainer, str(model), out / "trl", **overrides)
+    ours = t.train(GRPOTrainer, str(model), out / "ours", pytest.MonkeyPatch(), **overrides)
+    assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == world
+    if rank == 0:
+        worst = t.assert_same_logs(ref, ours)
+        print(f"{world} processes, bf16={overrides['bf16']}: worst relative difference {worst:.1e}")
+        print("TRL MULTIPROCESS: PASS", flush=True)
+
+
+if __name__ == "__main__":
+    main()
