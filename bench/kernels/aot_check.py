@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from typing import Optional
 
 import triton
 from triton import knobs
@@ -51,17 +52,18 @@ ALIGNED = {"H", "V", "N", "cols", "cols_per_split", "out_n", "n_rows", "stride_x
            "stride_ws", "stride_dx", "stride_dw", "stride_z", "stride_out"}
 
 
-def _signature(fn, consts: dict) -> tuple[dict, dict]:
-    """(signature, attrs) of a kernel: pointer dtypes by argument name (bf16 operands), fp32 for
-    the logit-transform scalars, i32 for the other scalars; tt.divisibility 16 on pointers and
-    on the ALIGNED scalars."""
+def _signature(fn, consts: dict, ptrs: Optional[dict] = None) -> tuple[dict, dict]:
+    """(signature, attrs) of a kernel: pointer dtypes by argument name (bf16 operands; `ptrs`
+    overrides some), fp32 for the logit-transform scalars, i32 for the other scalars;
+    tt.divisibility 16 on pointers and on the ALIGNED scalars."""
     sig, attrs = {}, {}
     for i, p in enumerate(fn.params):
         if p.is_constexpr:
             sig[p.name] = "constexpr"
             continue
         if p.name.endswith("_ptr"):
-            sig[p.name] = PTR_TYPES.get(p.name, "*fp32" if p.name in FP32_PTRS else "*bf16")
+            sig[p.name] = (ptrs or {}).get(p.name) or PTR_TYPES.get(
+                p.name, "*fp32" if p.name in FP32_PTRS else "*bf16")
         else:
             sig[p.name] = "fp32" if p.name in FLOATS else "i32"
         if p.name.endswith("_ptr") or p.name in ALIGNED:
@@ -121,6 +123,15 @@ def cases():
             yield (f"dW step, persistent, fused, ACCUMULATE={acc}, TMA_OUT={out}",
                    kdw._dw_step_persistent_kernel, dict(dw_c, ACCUMULATE=acc, ON_DEVICE=True),
                    wwarps, wstages)
+    # an fp32 dW of bf16 operands (lm_head_dtype: an fp32 lm_head multiplied in bf16): the fused
+    # path takes the 4-byte dW tiles for it (fused_cuda.block_backward; the 2-byte ones need
+    # 272 KiB of shared memory with an fp32 dW tile)
+    fc_, fh_, fk_, fwarps_, fstages_ = rows.step_tiles(4)[1]
+    for acc in (False, True):
+        yield (f"dW step, persistent, fused, fp32 dW, ACCUMULATE={acc}", kdw._dw_step_persistent_kernel,
+               dict(ACCUMULATE=acc, ON_DEVICE=True, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=False,
+                    BLOCK_C=fc_, BLOCK_H=fh_, BLOCK_K=fk_, GROUP_C=rows.GROUP_M,
+                    _ptrs={"dw_ptr": "*fp32"}), fwarps_, fstages_)
     # the Gluon warp-specialized step (sm_90's default, fused_cuda.DW_WS_TILES); its num_stages
     # slot carries maxnreg (check: a Gluon kernel pipelines by hand, and its register split
     # between the partitions follows maxnreg)
@@ -172,7 +183,8 @@ def _ptxas_usage(ptx: str) -> str:
 def check(label: str, fn, consts: dict, num_warps: int, num_stages: int) -> tuple[int, str]:
     """(shared-memory bytes, ptxas usage) of the compiled kernel; raises if it does not
     compile or fit."""
-    sig, attrs = _signature(fn, consts)
+    consts = dict(consts)
+    sig, attrs = _signature(fn, consts, consts.pop("_ptrs", None))
     if fn.is_gluon():   # num_stages is the case's maxnreg (cases)
         c = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=TARGET,
                            options=dict(num_warps=num_warps, maxnreg=num_stages))
