@@ -8,7 +8,7 @@ The gradient of the loss w.r.t. a token's log-prob p_t and entropy H_t is
 
     dL/dp_t = sum_u w_u * d l_u / d p_t,     dL/dH_t = e_t
 
-where l = per_token_loss(p) (api.py: the one composition of loss.py's functions), w =
+where l = per_token_loss(p) (objective.py: the one composition of loss.py's functions), w =
 d aggregate(l) / d l (the loss type's normalizer: it depends on the mask and
 num_items_in_batch, never on p, so it is formed once from aggregate itself) and e = d(-coef *
 masked_mean(H)) / d H. Token-level importance sampling makes d l_u / d p_t zero for u != t, so
@@ -237,11 +237,11 @@ def _linear_weights(fn, like: Tensor) -> Tensor:
 
 def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logprobs, ref_logprobs,
                    sampling_ratio, num_items_in_batch, segments, cfg, want_entropy,
-                   per_token_loss, dtype, sampling_logprobs=None, shard=None,
+                   dtype, sampling_logprobs=None, shard=None,
                    max_seqlen: Optional[int] = None) -> Fused:
     """Run the fused schedule for grpo_loss (api.py). Inputs as grpo_loss after flattening
-    packed ones; ``advantages`` broadcast (advantage_stats), ``per_token_loss`` api.py's and
-    ``dtype`` its log-prob dtype;
+    packed ones; ``advantages`` broadcast (advantage_stats), ``dtype`` the log-prob dtype (the
+    per-token loss: objective.py, differentiated per block in fused_grads.py);
     ``sampling_ratio`` includes the weight grpo_loss formed from the sampler's log-probs when
     old log-probs are given (inputs only, so before the blocks, like the normalizer weights);
     ``sampling_logprobs`` go to each block for what needs the current log-probs (the off-policy
@@ -321,7 +321,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         fn = _grads.eager_call_block_grads if compiled else _grads.block_grads
         if compiled:   # idx is perm's view at r0: storage offset 0 only for the block run last,
             idx = idx.clone()   # which would recompile the graph (0/1 specialization)
-        return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg, per_token_loss,
+        return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg,
                   (segments.ids, segments.num_sequences, plan[1], block_rows) if seq else None)
 
     need = [t is not None and t.requires_grad for t in (hidden, weight, bias)]

@@ -1,5 +1,5 @@
 """The per-block gradient of grpo_loss's fused-gradient mode (fused.py): (dL/dlogp, dL/dentropy)
-of one row block's tokens, ``torch.func.grad`` of the loss functions themselves (api.py's
+of one row block's tokens, ``torch.func.grad`` of the loss functions themselves (objective.py's
 per_token_loss and the normalizer weights), so no second, hand-written derivative exists.
 
 Legend: N tokens, R' rows of a block (in the block's order), S sequences, G blocks.
@@ -11,10 +11,11 @@ import warnings
 
 import torch
 
+from compiled_grpo.objective import per_token_loss
 from compiled_grpo.segments import segments_from_ids
 
 
-def block_loss(lp, ent, idx, r0, per_tok, cfg, per_token_loss, grouped=None):
+def block_loss(lp, ent, idx, r0, per_tok, cfg, grouped=None):
     """The loss terms of one block's rows, sum(w * l) + sum(e * H), a scalar: lp / ent [R'] in the
     block's order, idx [R'] their original rows, per_tok the [N] inputs and weights (flat:
     padded [B, T] inputs as B sequences of T tokens). ``grouped`` (whole sequences: seg_ids [N],
@@ -38,10 +39,9 @@ def block_loss(lp, ent, idx, r0, per_tok, cfg, per_token_loss, grouped=None):
     return (take(per_tok["agg_w"]) * terms.per_token).sum() + ent_term
 
 
-def block_grads(lp, ent, idx, r0, per_tok, cfg, per_token_loss, grouped=None):
+def block_grads(lp, ent, idx, r0, per_tok, cfg, grouped=None):
     """(dL/dlp, dL/dent) [R'] of one block: autograd of the loss functions (torch.func.grad)."""
-    return torch.func.grad(block_loss, argnums=(0, 1))(lp, ent, idx, r0, per_tok, cfg,
-                                                      per_token_loss, grouped)
+    return torch.func.grad(block_loss, argnums=(0, 1))(lp, ent, idx, r0, per_tok, cfg, grouped)
 
 
 # Eager CUDA calls run the per-block gradient as one compiled graph (dynamic shapes: one compile
