@@ -153,8 +153,11 @@ def main():
     fails = [fails]
     dist.broadcast_object_list(fails, src=0)
     fails = fails[0]
+    dist.barrier()
     dist.destroy_process_group()
-    sys.exit(1 if fails else 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if fails else 0)   # no interpreter teardown (see bench/fsdp.py: a joinable gloo thread)
 
 
 if __name__ == "__main__":

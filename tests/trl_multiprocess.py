@@ -41,6 +41,10 @@ def main():
         worst = t.assert_same_logs(ref, ours)
         print(f"{world} processes, bf16={overrides['bf16']}: worst relative difference {worst:.1e}")
         print("TRL MULTIPROCESS: PASS", flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)   # no interpreter teardown (see bench/fsdp.py: a joinable gloo thread)
 
 
 if __name__ == "__main__":
