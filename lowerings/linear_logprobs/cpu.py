@@ -74,14 +74,20 @@ def _row_groups(n, v: int, dtype: torch.dtype) -> list:
     return [(bounds[g], bounds[g + 1] - bounds[g]) for g in range(groups)]
 
 
-def _rows_mm(x: Tensor, w: Tensor) -> Tensor:
-    """x @ w.T [R, C] for x [R, H], w [C, H], each row from the same fixed-shape product (ROW_BLOCK
-    rows, zero-padded): batch invariance of the forward (a row's logits do not depend on R)."""
+def _row_blocks(x: Tensor) -> Tensor:
+    """x [R, H] zero-padded to whole ROW_BLOCK-row blocks, [R' / ROW_BLOCK, ROW_BLOCK, H]: made
+    once a row group, then multiplied by every vocab chunk (_rows_mm)."""
     r, h = x.shape
     blocks = (r + ROW_BLOCK - 1) // ROW_BLOCK
-    xp = torch.nn.functional.pad(x, (0, 0, 0, blocks * ROW_BLOCK - r))    # [R', H]
-    z = torch.bmm(xp.view(blocks, ROW_BLOCK, h), w.T.expand(blocks, h, w.shape[0]))
-    return z.view(blocks * ROW_BLOCK, w.shape[0]).narrow(0, 0, r)         # [R, C]
+    return torch.nn.functional.pad(x, (0, 0, 0, blocks * ROW_BLOCK - r)).view(blocks, ROW_BLOCK, h)
+
+
+def _rows_mm(xb: Tensor, r: int, w: Tensor) -> Tensor:
+    """x @ w.T [R, C] for xb = _row_blocks(x), w [C, H], each row from the same fixed-shape
+    product: batch invariance of the forward (a row's logits do not depend on R)."""
+    blocks, rb, h = xb.shape
+    z = torch.bmm(xb, w.T.expand(blocks, h, w.shape[0]))                   # [R'/RB, RB, C]
+    return z.view(blocks * rb, w.shape[0]).narrow(0, 0, r)                 # [R, C]
 
 
 def operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -104,8 +110,8 @@ def round_dtype(hidden: Tensor, weight: Tensor, round_logits: bool) -> Optional[
 
 def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int,
                   temperature: float, transposed: bool = False, logit_scale: float = 1.0,
-                  softcap: Optional[float] = None, rd: Optional[torch.dtype] = None
-                  ) -> tuple[Tensor, Optional[Tensor]]:
+                  softcap: Optional[float] = None, rd: Optional[torch.dtype] = None,
+                  xb: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
     """(z, y) in x's (upcast) dtype, [R, C] each: a = (x @ W[v0:v1].T + b[v0:v1]) * logit_scale,
     y = tanh(a / softcap) and z = softcap * y / T (HF's order), or y = None and z = a / T
     without a softcap. The backward's chain rule takes (1 - y^2) * logit_scale from y.
@@ -115,9 +121,12 @@ def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1
     The backward asks for `transposed` (W_c @ x.T, then .T): the same values from a different
     mm, so that under torch.compile, where both op bodies land in one joint graph, CSE cannot
     merge the backward's recompute with the forward's GEMM and make the forward save every
-    [R, C] tile (N*V floats in all)."""
+    [R, C] tile (N*V floats in all). The forward passes xb, x in row blocks (_row_blocks)."""
     w = weight[v0:v1].to(x.dtype)                                          # [C, H]
-    z = (w @ x.T).T if transposed else _rows_mm(x, w)                      # [R, C]
+    if transposed:
+        z = (w @ x.T).T                                                    # [R, C]
+    else:
+        z = _rows_mm(_row_blocks(x) if xb is None else xb, x.shape[0], w)  # [R, C]
     if rd is not None:
         z = z.to(rd).to(x.dtype)
     if bias is not None:
@@ -142,9 +151,10 @@ def _forward_rows(x: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     s = x.new_zeros(r)                         # sum exp(z - m)              [R]
     t = x.new_zeros(r)                         # sum exp(z - m) * z          [R]
     zt = x.new_zeros(r)                        # target logit                [R]
+    xb = _row_blocks(x)                        # padded once, used by every chunk's GEMM
     for v0 in range(0, v, CHUNK_V):
         v1 = min(v0 + CHUNK_V, v)
-        z, _ = _chunk_logits(x, weight, bias, v0, v1, temperature, **scaling)  # [R, C]
+        z, _ = _chunk_logits(x, weight, bias, v0, v1, temperature, xb=xb, **scaling)  # [R, C]
         if z_out is not None:
             z_out[:, v0:v1].copy_(z)
         m_new = torch.maximum(m, z.amax(-1))                               # [R]

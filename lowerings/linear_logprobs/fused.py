@@ -158,7 +158,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     # rounding needs 16-bit operands of one dtype (a mixed head multiplies in the wider one)
     round_logits = round_logits and _cpu.round_dtype(hidden, weight, True) is not None
     if _triton_body(hidden):   # one common dtype for the kernels, cast once (mixed heads)
-        hidden, weight = _dense._prepare(hidden, weight, False)[:2]
+        hidden, weight = _dense._prepare(hidden, weight)[:2]
     if _hint(n) == 0:   # no row (Dynamo specializes a size of 0: no guard on N): the slots past N
         # would read a row 0 that does not exist; the result is empty, dW and d_bias zeros
         dt = torch.float64 if ws_dtype(hidden, weight) == torch.float64 else torch.float32

@@ -131,7 +131,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
                   logit_scale: float, softcap: Optional[float], ref: Tensor,
                   scaled: bool, round_logits: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     bn, bv, bk, warps, stages = _dense.TILES
-    x, w, prec = _dense._prepare(hidden, weight, False)   # no copies: fused.py cast them once
+    x, w, prec = _dense._prepare(hidden, weight)   # no copies: fused.py cast them once
     if rows == 0:
         return tuple(x.new_zeros(0, dtype=torch.float32) for _ in range(3))
     tma = _dense._use_tma(x, w)
