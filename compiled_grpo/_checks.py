@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+LM_HEAD_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32)  # lm_head_dtype's values
 INT_DTYPES = (torch.int64, torch.int32)
 
 

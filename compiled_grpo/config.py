@@ -18,6 +18,7 @@ import torch
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from compiled_grpo._checks import LM_HEAD_DTYPES
 from compiled_grpo._registry import METRIC_LEVELS, registered_metrics
 
 GRADIENT_MODES = ("auto", "fused", "recompute")
@@ -173,7 +174,7 @@ class GRPOConfig:
                       "fused_scaled_backward"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be a bool")
-        if self.lm_head_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        if self.lm_head_dtype not in LM_HEAD_DTYPES:
             bad("lm_head_dtype", "must be None, torch.bfloat16, torch.float16 or torch.float32")
         m = self.max_completion_length
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m <= 0):

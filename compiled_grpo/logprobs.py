@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from compiled_grpo import distributed as _tp
-from compiled_grpo._checks import (INT_DTYPES, check_cu_seqlens, check_lm_head, check_tensor, check_token_ids,
+from compiled_grpo._checks import (INT_DTYPES, LM_HEAD_DTYPES, check_cu_seqlens, check_lm_head, check_tensor, check_token_ids,
                                    mask_to_bool)
 from lowerings.linear_logprobs import LinearLogprobs as TokenLogprobs
 from lowerings.linear_logprobs import linear_logprobs
@@ -133,7 +133,7 @@ def token_logprobs(hidden: Tensor, weight: Tensor, token_ids: Tensor, bias: Opti
     check_model_scaling(logit_scale, final_logit_softcapping, temperature)
     if not isinstance(round_logits, bool):
         raise TypeError(f"round_logits must be a bool, got {type(round_logits).__name__}")
-    if lm_head_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+    if lm_head_dtype not in LM_HEAD_DTYPES:
         raise ValueError(f"lm_head_dtype must be None, torch.bfloat16, torch.float16 or torch.float32, "
                          f"got {lm_head_dtype!r}")
     scaling = dict(logit_scale=float(logit_scale), final_logit_softcapping=final_logit_softcapping,
