@@ -245,7 +245,7 @@ def test_fused_exp_scaled(monkeypatch, kind, blocks, block_rows, whole_blocks, d
 def test_fused_exp_scaled_far_targets(monkeypatch):
     """Logits spread over hundreds (weights x 30) and targets drawn from the least likely
     tokens: logp[y] down to ~-500, so the rows' maxima pass M + E_HEADROOM and are re-referenced
-    (kernels.logits._combine_kernel); the rows whose target is the argmax are not. Gradients still match the
+    (kernels.combine._combine_kernel); the rows whose target is the argmax are not. Gradients still match the
     float64 golden (the dlogits of such rows are ~g_lp * (onehot - onehot(argmax)))."""
     monkeypatch.setattr(fck, "_fused_dlogits_kernel", _NoLaunch())
     x, w, _, _ = make(40, 24, 75, torch.float32, False, seed=5)

@@ -33,6 +33,7 @@ from lowerings.linear_logprobs import fused as fused
 from lowerings.linear_logprobs import fused_order
 from lowerings.linear_logprobs import fused_cuda as fc
 from lowerings.linear_logprobs.kernels import logits as k
+from lowerings.linear_logprobs.kernels import combine as kc
 from lowerings.linear_logprobs.kernels import dw as kdw
 from lowerings.linear_logprobs.kernels import dw_gluon as kdw_ws
 from lowerings.linear_logprobs.kernels import fused_block as kf
@@ -160,7 +161,7 @@ def cases():
            dict(BLOCK_G=64, CHUNK=fused_order.FIRST_FIT_CHUNK), 4, 1)
     cr, cwarps = dense.COMBINE_TILE
     for ent in (False, True):   # S = 64 splits: 2 S0 at a 262144 vocab
-        yield (f"forward splits' combine, WITH_ENTROPY={ent}", k._combine_kernel,
+        yield (f"forward splits' combine, WITH_ENTROPY={ent}", kc._combine_kernel,
                dict(WITH_ENTROPY=ent, HAS_COUNT=True, BLOCK_R=cr, BLOCK_S=64, STORE_E=True,
                     E_HEADROOM=fc.E_HEADROOM, TILE_V=bv), cwarps, 1)
 

@@ -15,8 +15,8 @@ def diff(a, b):
 
 def no_fp_fusion():
     """Every forward / combine launch with enable_fp_fusion=False (no mul-add contraction)."""
-    from lowerings.linear_logprobs.kernels import logits
-    for k in (logits._fwd_kernel, logits._combine_kernel):
+    from lowerings.linear_logprobs.kernels import combine, logits
+    for k in (logits._fwd_kernel, combine._combine_kernel):
         run = k.run
         k.run = lambda *a, _run=run, **kw: _run(*a, **{**kw, "enable_fp_fusion": False})
 

@@ -63,7 +63,8 @@ import torch._guards
 import triton
 from torch import Tensor
 
-from lowerings.linear_logprobs.kernels.logits import _combine_kernel, _dlogits_kernel, _fwd_kernel
+from lowerings.linear_logprobs.kernels.combine import _combine_kernel
+from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
 from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
                                               _dx_acc_op, _dx_store_impl, _dx_store_op)
 

@@ -37,7 +37,8 @@ from torch import Tensor
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs.cuda import cdiv, next_power_of_2
 from lowerings.linear_logprobs import cuda_rows as _rows
-from lowerings.linear_logprobs.kernels.logits import _combine_kernel, _fwd_kernel
+from lowerings.linear_logprobs.kernels.combine import _combine_kernel
+from lowerings.linear_logprobs.kernels.logits import _fwd_kernel
 from lowerings.linear_logprobs.kernels.dw import _dw_step_kernel, _dw_step_persistent_kernel
 from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel
 from lowerings.linear_logprobs.kernels.fused_block import (_dx_split_kernel, _dx_split_reduce_kernel,

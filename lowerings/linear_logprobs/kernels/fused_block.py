@@ -225,7 +225,7 @@ def _exp_prep_kernel(x_ptr, lse_ptr, glp_ptr, ref_ptr, count_ptr, n_rows, H, str
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """For the block's valid rows r < n (the block comment above): c = -g_lp e^(R* - lse) s / T
     -> ref[2 R' + r] (by the programs of the first h-block) and x[r, h-block] *= c (in x's
-    dtype: the dW step's operand). ws already holds e' (kernels.logits._combine_kernel, STORE_E)."""
+    dtype: the dW step's operand). ws already holds e' (kernels.combine._combine_kernel, STORE_E)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n_valid = _valid_rows(count_ptr, 0, n_rows, True)
     if tl.program_id(0) * BLOCK_R >= n_valid:
