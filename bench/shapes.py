@@ -23,6 +23,10 @@ class Shape:
     # The model's final_logit_softcapping (Gemma 2: 30.0), GRPOConfig / token_logprobs' argument of that
     # name. Recorded here; the providers do not apply it yet (each peer would need its own cap).
     softcap: Optional[float] = None
+    # The lm_head is the input embedding (tie_word_embeddings): the head's dW is then part of
+    # the embedding's gradient. The head's work is the same; bench.e2e / bench.fsdp build the
+    # model tied where this is set.
+    tied: bool = False
 
     @property
     def N(self) -> int:
@@ -45,8 +49,11 @@ SHAPES: dict[str, Shape] = {
         Shape("long", B=32, T=2048, **_QWEN),  # N = 65536
         # the small policies of much GRPO work: little GEMM time per row block, so the per-block
         # host and small-kernel costs weigh more
-        Shape("qwen2.5-0.5b", B=8, T=2048, H=896, V=151936),
-        Shape("qwen2.5-1.5b", B=8, T=2048, H=1536, V=151936),
+        Shape("qwen2.5-0.5b", B=8, T=2048, H=896, V=151936, tied=True),
+        Shape("qwen2.5-1.5b", B=8, T=2048, H=1536, V=151936, tied=True),
+        Shape("qwen3-0.6b", B=8, T=2048, H=1024, V=151936, tied=True),
+        Shape("qwen3-1.7b", B=8, T=2048, H=2048, V=151936, tied=True),
+        Shape("qwen3-4b", B=8, T=2048, H=2560, V=151936, tied=True),
         Shape("cpu-small", B=2, T=64, H=64, V=1000),  # default without a GPU; seconds on 2 cores
         Shape("cpu-tiny", B=2, T=16, H=32, V=128),  # for tests/test_bench.py
     ]
@@ -54,11 +61,15 @@ SHAPES: dict[str, Shape] = {
 # Packed (padding-free) twins: the same sequences (same seed: same lengths, hidden, targets) as the
 # padded shape's valid tokens, concatenated into [N_valid] rows with cu_seqlens [B + 1].
 SHAPES.update({f"{n}-packed": dataclasses.replace(SHAPES[n], name=f"{n}-packed", packed=True)
-               for n in ("qwen3-8b", "llama3-8b", "gemma2-2b", "long", "cpu-small", "cpu-tiny")})
+               for n in ("qwen3-8b", "llama3-8b", "gemma2-2b", "long", "qwen2.5-0.5b", "cpu-small",
+                         "cpu-tiny")})
 # N from 4k to 128k at T=2048; the memory-vs-N curve of the plot. Large N is expected to OOM
 # for the providers that hold [N, V] logits: that is recorded, not an error.
 SWEEP = [Shape(f"sweep-n{b * 2048 // 1024}k", B=b, T=2048, **_QWEN) for b in (2, 4, 8, 16, 32, 64)]
-GROUPS: dict[str, list[Shape]] = {"sweep": SWEEP}
+# The small policies most RL research trains (Qwen3 0.6b / 1.7b / 4b and Qwen2.5 0.5b / 1.5b:
+# tied embeddings), smallest H first.
+SMALL = [SHAPES[n] for n in ("qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b", "qwen3-1.7b", "qwen3-4b")]
+GROUPS: dict[str, list[Shape]] = {"sweep": SWEEP, "small": SMALL}
 SHAPES.update({s.name: s for s in SWEEP})
 
 

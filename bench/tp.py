@@ -1,6 +1,7 @@
 """Vocab-parallel TP over NCCL: grpo_loss with tp_group on 2+ GPUs against one GPU, same inputs.
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 -m bench.tp [--shape qwen3-8b]
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 -m bench.tp [--shape qwen3-8b ...]
+        [--variants base gspo bias softcap] [--no-time]
 
 Every rank builds the bench's inputs for the shape (same seed: identical hidden, ids, mask,
 old/ref log-probs and the full lm_head W [V, H]) on its own GPU and keeps its contiguous vocab
@@ -15,9 +16,12 @@ shard W[r V/R : (r + 1) V/R]. Rows printed by rank 0, in one run:
   tp=1 recompute (compiled) / fused  grpo_loss on rank 0 alone with the full W (gradient_mode as
                           named); tp=1 recompute eager, run on every rank, is the reference
 
-with the median fwd+bwd time, the peak memory beyond inputs and grads on rank 0, and the results
-against tp=1 recompute eager: loss (abs), dX (full, rel) and the dW rows of each rank's shard
-(rel; the TP rows give the worst rank and list every rank's).
+with the median fwd+bwd time, the peak memory beyond inputs and grads on rank 0, the bytes one
+rank sends through the collectives a step, and the results against tp=1 recompute eager: loss
+(abs), dX (full, rel) and the dW (and d_bias) rows of each rank's shard (rel; the TP rows give
+the worst rank and list every rank's), then the scaling: tp=R fused compiled against tp=1 fused.
+Each --variants entry reruns every row with that loss setting (base: dapo, beta 0.04; gspo; an
+lm_head bias; a softcap of 30), each --shape entry with those inputs.
 A check fails the run (exit 1) when any row's loss or grads differ by more than bf16 rounding
 (loss 1e-4 relative; dX, dW 2e-2 relative: bf16 grads from a different summation order).
 """
@@ -28,6 +32,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiled_grpo as cg
 from bench.shapes import SHAPES, make_inputs
@@ -51,10 +56,31 @@ def _bench(step, reps=10):
     return sorted(times)[len(times) // 2]
 
 
-def _run(fn, hidden, weight, x, cfg, **kw):
-    """One fwd+bwd from fresh leaves: (loss, dX, dW, peak MiB beyond inputs and grads)."""
+class _Collectives(TorchDispatchMode):
+    """Counts what one rank sends through the functional collectives that grpo_loss's TP path
+    issues (eager runs), in NCCL's ring terms: an all-gather of S bytes a rank sends (R - 1) S,
+    an all-reduce of S bytes 2 (R - 1) / R S."""
+
+    def __init__(self, world: int):
+        super().__init__()
+        self.world, self.sent, self.calls = world, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()   # e.g. "_c10d_functional::all_reduce"
+        if name.startswith("_c10d_functional::all_") and isinstance(args[0], torch.Tensor):
+            size = args[0].numel() * args[0].element_size()
+            r = self.world
+            self.sent += (r - 1) * size if "gather" in name else 2 * (r - 1) * size // r
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _run(fn, hidden, weight, bias, x, cfg, **kw):
+    """One fwd+bwd from fresh leaves: (loss, dX, dW, db, peak MiB beyond inputs and grads);
+    db None without a bias."""
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
+    b = None if bias is None else bias.detach().clone().requires_grad_()
     cuda = h.is_cuda
     _sync()
     base = torch.cuda.memory_allocated() if cuda else 0
@@ -64,52 +90,58 @@ def _run(fn, hidden, weight, x, cfg, **kw):
         kw["cu_seqlens"] = x.cu_seqlens
         if cfg.importance_sampling_level == "sequence":
             kw["max_seqlen"] = int((x.cu_seqlens[1:] - x.cu_seqlens[:-1]).max())
-    out = fn(h, w, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs, config=cfg, **kw)
+    out = fn(h, w, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs, config=cfg, bias=b, **kw)
     out.loss.backward()
     _sync()
-    grads = h.grad.numel() * h.grad.element_size() + w.grad.numel() * w.grad.element_size()
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in (h, w, b) if t is not None)
     peak = (torch.cuda.max_memory_allocated() - base - grads) / 2**20 if cuda else float("nan")
-    return out.loss.detach().float(), h.grad.float(), w.grad.float(), peak
+    return (out.loss.detach().float(), h.grad.float(), w.grad.float(),
+            None if b is None else b.grad.float(), peak)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3-8b", help="a bench shape; *-packed ones pass cu_seqlens")
-    ap.add_argument("--gspo", action="store_true", help="sequence-level importance sampling (GSPO)")
-    args = ap.parse_args()
-    for k in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS"):   # NVLink multicast stays off
-        os.environ.setdefault(k, "0" if k == "NCCL_NVLS_ENABLE" else "1")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo")   # gloo: a CPU smoke test (cpu-tiny)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    shape = SHAPES[args.shape]
+VARIANTS = ("base", "gspo", "bias", "softcap")
+
+
+def _config(variant: str, mode: str):
+    return cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=mode,
+                         importance_sampling_level="sequence" if variant == "gspo" else "token",
+                         final_logit_softcapping=30.0 if variant == "softcap" else None)
+
+
+def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed: bool) -> list:
+    """The rows of one (shape, variant) on every rank; rank 0 prints the table. Returns the
+    failing rows' names (rank 0; [] elsewhere)."""
+    torch._dynamo.reset()   # each case compiles its own programs (no recompile limit across cases)
     x = make_inputs(shape, dev, torch.bfloat16 if cuda else torch.float32)
     V = shape.V
     lo, hi = rank * V // world, (rank + 1) * V // world
     w_full = x.weight.detach()
     w_shard = w_full[lo:hi].contiguous()
-    level = "sequence" if args.gspo else "token"
-    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="recompute", importance_sampling_level=level)
+    b_full = b_shard = None
+    if variant == "bias":
+        g = torch.Generator(device="cpu").manual_seed(1)
+        b_full = (torch.randn(V, generator=g) * 0.5).to(dev, w_full.dtype)   # [V], same on every rank
+        b_shard = b_full[lo:hi].contiguous()
+    cfg, fused = _config(variant, "recompute"), _config(variant, "fused")
     group = dist.group.WORLD
     tp = lambda *a, **k: cg.grpo_loss(*a, tp_group=group, **k)  # noqa: E731
     rows = []
-    fails = []
     compiled_tp = torch.compile(tp, fullgraph=True)
-    fused = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused", importance_sampling_level=level)
     for name, fn, c in ((f"tp={world} eager", tp, cfg), (f"tp={world} compiled", compiled_tp, cfg),
                         (f"tp={world} fused eager", tp, fused),
                         (f"tp={world} fused compiled", compiled_tp, fused)):
-        loss, dx, dw, peak = _run(fn, x.hidden, w_shard, x, c)
-        ms = _bench(lambda: _run(fn, x.hidden, w_shard, x, c))
-        rows.append((name, ms, peak, loss, dx, dw))
+        counter = _Collectives(world)
+        if fn is tp:
+            with counter:
+                loss, dx, dw, db, peak = _run(fn, x.hidden, w_shard, b_shard, x, c)
+        else:
+            loss, dx, dw, db, peak = _run(fn, x.hidden, w_shard, b_shard, x, c)
+        ms = _bench(lambda: _run(fn, x.hidden, w_shard, b_shard, x, c)) if timed else float("nan")
+        rows.append((name, ms, peak, loss, dx, dw, db, counter.sent if fn is tp else None))
     # The reference, on every rank: tp=1 recompute eager with the full W; each rank checks its own
-    # dW shard against its rows.
-    loss, dx, dw, peak = _run(cg.grpo_loss, x.hidden, w_full, x, cfg)
-    ref = (loss, dx, dw[lo:hi])
+    # dW (and d_bias) shard against its rows.
+    loss, dx, dw, db, peak = _run(cg.grpo_loss, x.hidden, w_full, b_full, x, cfg)
+    ref = (loss, dx, dw[lo:hi], None if db is None else db[lo:hi])
     del dw
     dist.barrier()
     if rank == 0:
@@ -119,36 +151,75 @@ def main():
                                 ("tp=1 fused", cg.grpo_loss, "fused")):
             if mode == "fused" and not cuda:
                 continue
-            c1 = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=mode, importance_sampling_level=level)
-            loss, dx, dw, peak = _run(fn, x.hidden, w_full, x, c1)
-            ms = _bench(lambda: _run(fn, x.hidden, w_full, x, c1))
-            rows.append((label, ms, peak, loss, dx, dw[lo:hi]))
+            c1 = _config(variant, mode)
+            loss, dx, dw, db, peak = _run(fn, x.hidden, w_full, b_full, x, c1)
+            ms = _bench(lambda: _run(fn, x.hidden, w_full, b_full, x, c1)) if timed else float("nan")
+            rows.append((label, ms, peak, loss, dx, dw[lo:hi], None if db is None else db[lo:hi], None))
     dist.barrier()
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-    # [runs, 3] errors of this rank (loss abs, dX rel, own dW shard rel), gathered on every rank
-    errs = torch.tensor([[(r[3] - ref[0]).abs().item(), rel(r[4], ref[1]), rel(r[5], ref[2])]
+    rel = lambda a, b: 0.0 if a is None else ((a - b).norm() / b.norm()).item()  # noqa: E731
+    # [runs, 4] errors of this rank (loss abs, dX rel, own dW shard rel, own d_bias shard rel),
+    # gathered on every rank
+    errs = torch.tensor([[(r[3] - ref[0]).abs().item(), rel(r[4], ref[1]), rel(r[5], ref[2]), rel(r[6], ref[3])]
                          for r in rows[:4]], dtype=torch.float64, device=dev)
     every = [torch.empty_like(errs) for _ in range(world)]
     dist.all_gather(every, errs)
+    fails = []
     if rank == 0:
-        every = torch.stack(every).cpu()                                    # [ranks, runs, 3]
+        every = torch.stack(every).cpu()                                    # [ranks, runs, 4]
         where = (f"{torch.cuda.get_device_name()} x{world}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
                  if cuda else f"CPU x{world}, gloo")
-        print(f"\n**{shape.name}**{' GSPO' if args.gspo else ''} (N={shape.N}, H={shape.H}, V={shape.V}), {where}, "
-              f"torch {torch.__version__}; "
-              f"TP rows: the worst rank's error, each rank's own dW shard against tp=1 recompute eager\n")
-        print("| run | ms | peak MiB beyond grads (rank 0) | loss vs tp=1 | dX rel vs tp=1 | dW shard rel vs tp=1 "
-              "| dW shard rel, each rank |")
-        print("|---|---:|---:|---:|---:|---:|---|")
-        for k, (name, ms, peak, loss, dx, dw) in enumerate(rows):
+        print(f"\n**{shape.name}**, {variant} (N={shape.N}, H={shape.H}, V={shape.V}), {where}, "
+              f"torch {torch.__version__}; TP rows: the worst rank's error, each rank's own dW "
+              f"(and d_bias) shard against tp=1 recompute eager; KiB sent: one rank's collectives a "
+              f"step in NCCL ring terms (counted in the eager runs; compiled runs issue the same)\n")
+        print("| run | ms | peak MiB beyond grads (rank 0) | KiB sent a step (rank 0) | loss vs tp=1 | dX rel vs tp=1 "
+              "| dW shard rel vs tp=1 | d_bias shard rel | dW shard rel, each rank |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        for k, (name, ms, peak, loss, dx, dw, db, sent) in enumerate(rows):
             if k < 4:
-                dl, ex, ew = every[:, k].amax(0).tolist()
+                dl, ex, ew, eb = every[:, k].amax(0).tolist()
                 each = " ".join(f"{e:.1e}" for e in every[:, k, 2].tolist())
             else:
-                dl, ex, ew, each = (loss - ref[0]).abs().item(), rel(dx, ref[1]), rel(dw, ref[2]), ""
-            print(f"| {name} | {ms:.1f} | {peak:.0f} | {dl:.1e} | {ex:.1e} | {ew:.1e} | {each} |")
-            if dl > 1e-4 * ref[0].abs().item() + 1e-6 or ex > 2e-2 or ew > 2e-2:
-                fails.append(name)
+                dl, ex, ew, eb, each = ((loss - ref[0]).abs().item(), rel(dx, ref[1]), rel(dw, ref[2]),
+                                        rel(db, ref[3]), "")
+            kib = "" if sent is None else f"{sent / 2**10:.1f}"
+            print(f"| {name} | {ms:.1f} | {peak:.0f} | {kib} | {dl:.1e} | {ex:.1e} | {ew:.1e} | {eb:.1e} | {each} |")
+            if dl > 1e-4 * ref[0].abs().item() + 1e-6 or ex > 2e-2 or ew > 2e-2 or eb > 2e-2:
+                fails.append(f"{shape.name} {variant}: {name}")
+        if timed and cuda:
+            t1 = next(r[1] for r in rows if r[0] == "tp=1 fused")
+            tf = next(r[1] for r in rows if r[0] == f"tp={world} fused compiled")
+            print(f"\nscaling: tp={world} fused compiled {tf:.1f} ms against tp=1 fused {t1:.1f} ms: "
+                  f"{t1 / tf:.2f}x on {world} GPUs")
+    return fails
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", nargs="+", default=["qwen3-8b"],
+                    help="bench shapes; *-packed ones pass cu_seqlens")
+    ap.add_argument("--variants", nargs="+", default=["base"], choices=VARIANTS,
+                    help="base: dapo, beta 0.04; gspo: sequence-level importance sampling; bias: an lm_head "
+                         "bias [V] (sharded); softcap: final_logit_softcapping=30")
+    ap.add_argument("--gspo", action="store_true", help="the same as --variants gspo")
+    ap.add_argument("--no-time", action="store_true", help="the checks only (no timed repetitions)")
+    args = ap.parse_args()
+    if args.gspo:
+        args.variants = ["gspo"]
+    for k in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS"):   # NVLink multicast stays off
+        os.environ.setdefault(k, "0" if k == "NCCL_NVLS_ENABLE" else "1")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo")   # gloo: a CPU smoke test (cpu-tiny)
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    fails = []
+    for name in args.shape:
+        for variant in args.variants:
+            fails += run_case(SHAPES[name], variant, rank, world, dev, cuda, not args.no_time)
+    if rank == 0:
         print("TP CHECK:", "FAIL " + ", ".join(fails) if fails else "PASS")
     fails = [fails]
     dist.broadcast_object_list(fails, src=0)

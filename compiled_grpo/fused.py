@@ -284,6 +284,10 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             b_sz, max_seqlen = lead
             segments = segments_from_cu_seqlens(torch.arange(b_sz + 1, device=valid.device) * max_seqlen, n)
         s_num, block_rows = segments.num_sequences, budget
+        if not _auto_device_ok(hidden) and max_seqlen <= CPU_BLOCK_ROWS:
+            # the CPU body's blocks cost their R rows, valid or not (see the token-level
+            # branch): bound R as there while a whole sequence still fits (a guard on T at most)
+            block_rows = min(budget, CPU_BLOCK_ROWS)
         wave = _op.wave_rows(hidden, weight)   # whole dX waves, as token blocks, if T still fits
         if wave is not None and budget // wave * wave >= max_seqlen:
             block_rows = budget // wave * wave

@@ -344,32 +344,47 @@ def test_vocab_start_needs_a_group():
         cg.grpo_loss(inp["hidden"], inp["weight"], inp["token_ids"], inp["advantages"], inp["mask"], vocab_start=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
-                    reason="needs 2 CUDA GPUs and NCCL (the device tool's nvidia-h200-x2)")
-@pytest.mark.parametrize("shape", ["cpu-small", "qwen3-8b"])
-def test_nccl_tp(shape):
-    """bench/tp.py over NCCL on 2 GPUs (NVLink multicast off): recompute and fused TP, eager and
-    compiled, against one GPU with the full weight; the script exits 1 on a disagreement."""
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
+def _run_tp_bench(world: int, args: list, timeout: int, env: dict = None) -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "bench.tp", "--shape", shape], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=900)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                          str(world), "-m", "bench.tp", *args], cwd=root,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", **(env or {})},
+                         capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0 and "TP CHECK: PASS" in run.stdout, run.stdout[-4000:] + run.stderr[-4000:]
+    return run.stdout
+
+
+# (ranks, bench.tp arguments): the qwen3-8b head timed, and every TP mode (recompute / fused,
+# eager / compiled: each run's rows) at a smaller head, padded and packed, with GSPO, a bias and a
+# softcap; 4 ranks where the machine has 4 GPUs
+NCCL_RUNS = [(2, ["--shape", "qwen3-8b"]),
+             (2, ["--shape", "qwen2.5-0.5b", "qwen2.5-0.5b-packed", "--variants", "base", "gspo", "bias",
+                  "softcap", "--no-time"]),
+             (4, ["--shape", "qwen3-8b"])]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA GPUs and NCCL")
+@pytest.mark.parametrize("world,args", NCCL_RUNS, ids=["qwen3-8b-x2", "modes-x2", "qwen3-8b-x4"])
+def test_nccl_tp(world, args):
+    """bench/tp.py over NCCL (NVLink multicast off): recompute and fused TP, eager and compiled,
+    against one GPU with the full weight, every rank's dX and dW (d_bias) shard; the script exits
+    1 on a disagreement."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs (the device tool's nvidia-h100-x{world})")
+    _run_tp_bench(world, args, 900)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU (gloo) run of bench/tp.py; test_nccl_tp is its GPU twin")
-@pytest.mark.parametrize("shape", ["cpu-tiny", "cpu-tiny-packed"])
-def test_gloo_tp_bench_cpu_tiny(shape):
-    """bench/tp.py on 2 CPU processes over gloo at cpu-tiny, padded and packed (cu_seqlens): every rank's dW shard, TP recompute and
-    fused, eager and compiled, and the compiled TP=1 row agree with TP=1 recompute eager (~20 s on
-    2 cores; the fused compiled step took 7 s a call before fused.CPU_BLOCK_ROWS)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "bench.tp", "--shape", shape], cwd=root, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "TP CHECK: PASS" in run.stdout, run.stdout[-4000:] + run.stderr[-4000:]
-    assert "dW shard rel, each rank" in run.stdout and "tp=1 recompute compiled" in run.stdout
+def test_gloo_tp_bench_cpu_tiny():
+    """bench/tp.py on 2 CPU processes over gloo at cpu-tiny, padded and packed (cu_seqlens), each
+    with GSPO, a bias and a softcap: every rank's dW (and d_bias) shard, TP recompute and fused,
+    eager and compiled, and the compiled TP=1 row agree with TP=1 recompute eager (~25 s on 2
+    cores)."""
+    out = _run_tp_bench(2, ["--shape", "cpu-tiny", "cpu-tiny-packed", "--variants", "base", "gspo", "bias",
+                            "softcap"], 900)
+    assert out.count("| tp=2 fused compiled |") == 8 and "tp=1 recompute compiled" in out
+    assert "dW shard rel, each rank" in out and "KiB sent a step" in out
 
 
 def _run_fsdp_bench(extra, timeout):

@@ -21,6 +21,7 @@ import sys
 import tempfile
 from typing import Optional
 
+import torch
 import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
@@ -159,6 +160,33 @@ def cases():
     yield ("gradient scaling", kf._scale_kernel, dict(BLOCK=fused.SCALE_BLOCK), 8, 1)
     yield ("whole sequences first-fit", kf._first_fit_kernel,
            dict(BLOCK_G=64, CHUNK=fused_order.FIRST_FIT_CHUNK), 4, 1)
+    # fp32 operands (fp32 inputs, fp32_lm_head): FP32_DOT products through pointers (TMA takes
+    # 16-bit operands only), the 4-byte tiles (cuda.tiles, cuda_rows.step_tiles(4))
+    f32 = {n: "*fp32" for n in ("x_ptr", "w_ptr", "b_ptr", "ws_ptr", "dw_ptr", "dx_ptr")}
+    bn4, bv4, bk4, warps4, stages4 = dense.tiles(torch.empty(0))
+    logit4 = dict(logit, DOT_PREC=dense.FP32_DOT, USE_TMA=False, BLOCK_K=bk4)
+    yield ("fp32, forward, fused (STORE_Z)", k._fwd_kernel,
+           dict(logit4, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN,
+                _ptrs=dict(f32, z_ptr="*fp32")), warps4, stages4)
+    yield ("fp32, forward, recompute", k._fwd_kernel,
+           dict(logit4, HAS_COUNT=False, STORE_Z=False, FLATTEN=dense.FWD_FLATTEN, _ptrs=f32),
+           warps4, stages4)
+    yield ("fp32, dlogits, recompute", k._dlogits_kernel,
+           dict({k: c for k, c in logit4.items() if k not in ("STORE_E", "E_HEADROOM")},
+                NEED_DB=False, HAS_COUNT=True, _ptrs=f32), warps4, stages4)
+    gm4, gh4, gk4, gwarps4, gstages4 = rows.step_tiles(4)[0]
+    tiles4 = dict(DOT_PREC=dense.FP32_DOT, USE_TMA=False, BLOCK_M=gm4, BLOCK_H=gh4, BLOCK_K=gk4)
+    yield ("fp32, dX step, split over V", kf._dx_split_kernel,
+           dict(tiles4, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M, ROW_SCALE=False,
+                _ptrs=f32), gwarps4, gstages4)
+    yield ("fp32, dX step, recompute", k._dx_step_kernel,
+           dict(tiles4, ACCUMULATE=True, STORE=True, GROUP_M=rows.GROUP_M, _ptrs=f32),
+           gwarps4, gstages4)
+    fc_, fh_, fk_, fwarps_, fstages_ = rows.step_tiles(4)[1]
+    yield ("fp32, dW step, persistent, fused", kdw._dw_step_persistent_kernel,
+           dict(ACCUMULATE=True, ON_DEVICE=True, DOT_PREC=dense.FP32_DOT, USE_TMA=False,
+                TMA_OUT=False, BLOCK_C=fc_, BLOCK_H=fh_, BLOCK_K=fk_, GROUP_C=rows.GROUP_M,
+                _ptrs=f32), fwarps_, fstages_)
     cr, cwarps = dense.COMBINE_TILE
     for ent in (False, True):   # S = 64 splits: 2 S0 at a 262144 vocab
         yield (f"forward splits' combine, WITH_ENTROPY={ent}", kc._combine_kernel,

@@ -83,6 +83,11 @@ def next_power_of_2(n: int) -> int:
 # Tiles of the logits GEMM: (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages). Overridable for
 # the interpreter tests (tiles of 16) and for tuning runs (set the attribute, as the sweeps do).
 TILES = (128, 256, 64, 8, 3)
+# fp32 operands (fp32 inputs, fp32_lm_head): the products in 3xTF32 (each operand split into a
+# tf32 head and tail, three tensor-core products: fp32-accurate to a few ulp), not IEEE fp32
+# FMAs (20.0 s a qwen3-8b step on H200, bench/results/lm_head_precision_h200.txt). Their tiles
+# take half the BLOCK_K (see tiles()); "ieee" restores the FMA products.
+FP32_DOT = "tf32x3"
 GROUP_N = 16                # row blocks per program group (L2 reuse, see _swizzle)
 # The forward's vocab-tile loop flattened with its K loop (kernels.logits._fwd_kernel FLATTEN): H100,
 # qwen3-8b fused step, 39% valid (bench.kernels.fused --sweep fwd): forward 13.3 ms against 13.9-14.5,
@@ -115,6 +120,23 @@ TMA = "1"
 DW_TMA_OUT = True
 
 
+def tiles(x: Tensor) -> tuple:
+    """TILES for x's operand dtype: 4-byte operands take half the BLOCK_K, so a pipeline stage
+    holds the bytes of the 16-bit one (the 16-bit tiles in fp32 need 272 KiB of shared memory).
+    BLOCK_N and BLOCK_V stay: the vocab split plan, the fused path's zoff tiles and the dlogits
+    pass follow them."""
+    bn, bv, bk, warps, stages = TILES
+    if x.element_size() == 4:
+        bk = max(16, bk // 2)
+    return bn, bv, bk, warps, stages
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for operands of `dtype`: FP32_DOT for fp32, tf32 (ignored by
+    16-bit dots) otherwise."""
+    return FP32_DOT if dtype == torch.float32 else "tf32"
+
+
 def _bias(bias: Optional[Tensor], compute_dtype: Optional[torch.dtype]) -> Optional[Tensor]:
     """The bias as the kernels read it: dense, in compute_dtype when one is given (its value
     rounded as the operands' are; d_bias keeps the input's dtype)."""
@@ -128,7 +150,7 @@ def _prepare(hidden: Tensor, weight: Tensor, compute_dtype: Optional[torch.dtype
     a mixed-dtype head is cast once) and the dot precision. The grads keep the inputs' dtypes."""
     dt = compute_dtype or torch.promote_types(hidden.dtype, weight.dtype)
     x, w = hidden.to(dt).contiguous(), weight.to(dt).contiguous()
-    return x, w, ("ieee" if dt == torch.float32 else "tf32")
+    return x, w, dot_precision(dt)
 
 
 # Triton's global scratch, one buffer a (device, stream), reused by every launch on it (see
@@ -228,8 +250,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     compute_dtype: the dtype the operands are multiplied in (op.linear_logprobs).
     Logits z = softcap * tanh(a * logit_scale / softcap) / T, a = hidden @ weight.T + bias
     (z = a * logit_scale / T when softcap is None)."""
-    bn, bv, bk, warps, stages = TILES
     x, w, prec = _prepare(hidden, weight, compute_dtype)
+    bn, bv, bk, warps, stages = tiles(x)
     tma = _use_tma(x, w)
     ids = ids.contiguous()                                 # read at unit stride, like bias
     b_dtype = None if bias is None else bias.dtype                         # d_bias's dtype
@@ -334,8 +356,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
              compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes; [0]-shaped where not needed.
     The dlogits kernel applies the chain rule of the scale and cap (see _dlogits_kernel)."""
-    bn, bv, bk, warps, stages = TILES
     x, w, prec = _prepare(hidden, weight, compute_dtype)
+    bn, bv, bk, warps, stages = tiles(x)
     tma = _use_tma(x, w)
     # The kernel reads the [N] vectors at unit stride: autograd hands in expanded grads (the
     # grad of a .sum() is a stride-0 view of one element), so make them dense first.

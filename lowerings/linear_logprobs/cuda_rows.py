@@ -106,8 +106,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
             compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(logprobs, entropy, lse), each [N] fp32, 0 at padded rows; entropy 0 unless with_entropy.
     logit_scale / softcap / round_logits / compute_dtype as in cuda.forward."""
-    bn, bv, bk, warps, stages = _dense.TILES
     x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, compute_dtype)
+    bn, bv, bk, warps, stages = _dense.tiles(x)
     n, h = x.shape
     v = w.shape[0]
     ids_p = ids.index_select(0, perm)                                      # [N] permuted
@@ -142,10 +142,10 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
              softcap: Optional[float] = None, round_logits: bool = False,
              compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes, from the valid rows only."""
-    bn, bv, bk, warps, stages = _dense.TILES
     (gm, gh, gk, gwarps, gstages), (wc, wh, wk, wwarps, wstages) = step_tiles(hidden.element_size())
     b_dtype = None if bias is None else bias.dtype                         # d_bias's dtype
     x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, compute_dtype)
+    bn, bv, bk, warps, stages = _dense.tiles(x)
     n, h = x.shape
     v = w.shape[0]
     # the [N] vectors in permuted order, dense (autograd may hand in stride-0 grads)

@@ -131,8 +131,8 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
                   r0: int, rows: int, temperature: float, with_entropy: bool,
                   logit_scale: float, softcap: Optional[float], ref: Tensor,
                   scaled: bool, round_logits: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    bn, bv, bk, warps, stages = _dense.TILES
     x, w, prec = _dense._prepare(hidden, weight)   # no copies: fused.py cast them once
+    bn, bv, bk, warps, stages = _dense.tiles(x)
     if rows == 0:
         return tuple(x.new_zeros(0, dtype=torch.float32) for _ in range(3))
     tma = _dense._use_tma(x, w)
@@ -187,7 +187,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     v, h = weight.shape
     w = weight                       # in ws's dtype already: fused.py casts the operands once
     tma = _dense._use_tma(xg, w)
-    prec = "ieee" if ws.dtype == torch.float32 else "tf32"
+    prec = _dense.dot_precision(ws.dtype)
     count = counts.narrow(0, b, 1)
     inv_temp, _, cap_post = _dense._scalars(temperature, logit_scale, softcap)
     ids_b = ids_p.narrow(0, r0, rows)
