@@ -13,13 +13,13 @@ shard W[r V/R : (r + 1) V/R]. Rows printed by rank 0, in one run:
   tp=R fused eager / compiled   the same with gradient_mode="fused" ("auto"'s pick on CUDA): the
                           fused-gradient row blocks on each shard, one all-gather of statistics
                           a block, one all-reduce of dX
-  tp=1 recompute (compiled) / fused  grpo_loss on rank 0 alone with the full W (gradient_mode as
+  tp=1 recompute / fused (compiled)  grpo_loss on rank 0 alone with the full W (gradient_mode as
                           named); tp=1 recompute eager, run on every rank, is the reference
 
 with the median fwd+bwd time, the peak memory beyond inputs and grads on rank 0, the bytes one
 rank sends through the collectives a step, and the results against tp=1 recompute eager: loss
 (abs), dX (full, rel) and the dW (and d_bias) rows of each rank's shard (rel; the TP rows give
-the worst rank and list every rank's), then the scaling: tp=R fused compiled against tp=1 fused.
+the worst rank and list every rank's), then the scaling: tp=R fused against tp=1 fused, eager and compiled.
 Each --variants entry reruns every row with that loss setting (base: dapo, beta 0.04; gspo; an
 lm_head bias; a softcap of 30), each --shape entry with those inputs.
 A check fails the run (exit 1) when any row's loss or grads differ by more than bf16 rounding
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiled_grpo as cg
-from bench.shapes import SHAPES, make_inputs
+from bench.shapes import SHAPES, TARGETS, make_inputs
 
 
 def _sync():
@@ -108,11 +108,12 @@ def _config(variant: str, mode: str):
                          final_logit_softcapping=30.0 if variant == "softcap" else None)
 
 
-def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed: bool) -> list:
+def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed: bool,
+             targets: str = "sampled") -> list:
     """The rows of one (shape, variant) on every rank; rank 0 prints the table. Returns the
     failing rows' names (rank 0; [] elsewhere)."""
     torch._dynamo.reset()   # each case compiles its own programs (no recompile limit across cases)
-    x = make_inputs(shape, dev, torch.bfloat16 if cuda else torch.float32)
+    x = make_inputs(shape, dev, torch.bfloat16 if cuda else torch.float32, targets=targets)
     V = shape.V
     lo, hi = rank * V // world, (rank + 1) * V // world
     w_full = x.weight.detach()
@@ -148,7 +149,8 @@ def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed:
         compiled_1 = torch.compile(cg.grpo_loss, fullgraph=True)
         for label, fn, mode in (("tp=1 recompute", cg.grpo_loss, "recompute"),
                                 ("tp=1 recompute compiled", compiled_1, "recompute"),
-                                ("tp=1 fused", cg.grpo_loss, "fused")):
+                                ("tp=1 fused", cg.grpo_loss, "fused"),
+                                ("tp=1 fused compiled", compiled_1, "fused")):
             if mode == "fused" and not cuda:
                 continue
             c1 = _config(variant, mode)
@@ -187,10 +189,11 @@ def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed:
             if dl > 1e-4 * ref[0].abs().item() + 1e-6 or ex > 2e-2 or ew > 2e-2 or eb > 2e-2:
                 fails.append(f"{shape.name} {variant}: {name}")
         if timed and cuda:
-            t1 = next(r[1] for r in rows if r[0] == "tp=1 fused")
-            tf = next(r[1] for r in rows if r[0] == f"tp={world} fused compiled")
-            print(f"\nscaling: tp={world} fused compiled {tf:.1f} ms against tp=1 fused {t1:.1f} ms: "
-                  f"{t1 / tf:.2f}x on {world} GPUs")
+            ms = {r[0]: r[1] for r in rows}
+            for how in ("eager", "compiled"):   # like against like: tp=1's row of the same kind
+                t1, tr = ms["tp=1 fused" + (" compiled" if how == "compiled" else "")], ms[f"tp={world} fused {how}"]
+                print(f"scaling, fused {how}: tp={world} {tr:.1f} ms against tp=1 {t1:.1f} ms: "
+                      f"{t1 / tr:.2f}x on {world} GPUs")
     return fails
 
 
@@ -203,6 +206,8 @@ def main():
                          "bias [V] (sharded); softcap: final_logit_softcapping=30")
     ap.add_argument("--gspo", action="store_true", help="the same as --variants gspo")
     ap.add_argument("--no-time", action="store_true", help="the checks only (no timed repetitions)")
+    ap.add_argument("--targets", default="sampled", choices=TARGETS,
+                    help="token ids (bench.shapes.make_inputs): sampled from the policy, as rollouts are")
     args = ap.parse_args()
     if args.gspo:
         args.variants = ["gspo"]
@@ -218,7 +223,7 @@ def main():
     fails = []
     for name in args.shape:
         for variant in args.variants:
-            fails += run_case(SHAPES[name], variant, rank, world, dev, cuda, not args.no_time)
+            fails += run_case(SHAPES[name], variant, rank, world, dev, cuda, not args.no_time, args.targets)
     if rank == 0:
         print("TP CHECK:", "FAIL " + ", ".join(fails) if fails else "PASS")
     fails = [fails]

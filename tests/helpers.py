@@ -5,6 +5,7 @@ aggregate), with the NeMo-RL/verl clamps spelled out; it shares no code with com
 """
 import math
 
+import pytest
 import torch
 
 
@@ -104,3 +105,9 @@ def golden_loss(hidden, weight, token_ids, advantages, mask, old_logprobs, ref_l
 
 def rel_err(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
+
+
+# The devices a CPU-and-GPU test runs on: its CUDA case carries the gpu marker, so `pytest -m gpu`
+# on a GPU machine selects it (and only the GPU cases).
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
+

@@ -15,9 +15,8 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import compiled_grpo as cg
-from helpers import make_inputs
+from helpers import DEVICES, make_inputs
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 B, T, H, V = 2, 5, 16, 37
 
 

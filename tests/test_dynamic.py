@@ -24,9 +24,8 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import compiled_grpo as cg
-from helpers import make_inputs
+from helpers import DEVICES, make_inputs
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 H, V = 16, 37
 LENGTHS = [2, 3, 4, 6, 7, 9, 11, 13, 16, 20]                      # ten T, none 0 or 1
 BATCH_AND_LENGTHS = [(2, 2), (3, 3), (4, 5), (5, 7), (2, 9), (6, 4), (3, 11), (7, 2), (4, 13), (2, 20)]

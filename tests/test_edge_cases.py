@@ -8,6 +8,7 @@ import torch
 
 import compiled_grpo as cg
 from compiled_grpo.reference import reference_grpo_loss
+from helpers import DEVICES
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 
@@ -202,7 +203,7 @@ def test_one_token_vocab():
 @pytest.mark.parametrize("garbage,dtype,temperature", [(1e4, torch.float32, 1.0), (3e38, torch.float32, 1.0),
                                                        (1e3, torch.float16, 1.0), (1e2, torch.float32, 1e-4)])
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", DEVICES)
 def test_garbage_hidden_at_masked_rows_never_reaches_the_grads(garbage, dtype, temperature, compiled, device):
     """Masked rows' hidden states (finite but huge) change nothing: log-probs and dX / dW / db equal
     those of the same batch with zeros there (the recompute backward zeroes a padded row's

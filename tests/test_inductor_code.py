@@ -28,9 +28,8 @@ from torch._inductor.utils import run_and_get_code
 
 import compiled_grpo as cg
 import lowerings.linear_logprobs.cpu as torch_impl
-from helpers import make_inputs
+from helpers import DEVICES, make_inputs
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 B, T, H, V = 3, 7, 16, 1009
 N = B * T
 CHUNK = 128

@@ -5,8 +5,8 @@ import torch
 
 import compiled_grpo as cg
 from compiled_grpo.reference import reference_token_logprobs
+from helpers import DEVICES
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -15,11 +15,10 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import compiled_grpo as cg
-from helpers import make_inputs
+from helpers import DEVICES, make_inputs
 
 LENGTHS = (5, 0, 3, 7, 4)            # sequence 1 empty; sequence 4 fully masked (below)
 T = max(LENGTHS)
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PAIRS = [(lt, lvl) for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
          for lvl in ("token", "sequence")]
 PER_TOKEN = ("token_ids", "mask", "old_logprobs", "ref_logprobs", "sampling_ratio")
