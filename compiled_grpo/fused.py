@@ -177,12 +177,6 @@ def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, shard, old_lo
         # CPU: the recompute body streams 16 MiB tiles; the fused body's block holds several
         # [R, V] float32 temporaries (logits, p, dlogits) for no FLOP saving that matters there
         return False
-    if (cfg.gradient_mode == "auto" and cfg.lm_head_dtype is not None and not cfg.fp32_lm_head
-            and weight.element_size() > cfg.lm_head_dtype.itemsize):
-        # a dW wider than the operands (fp32 lm_head multiplied in bf16: the TRL drop-in under
-        # autocast with an fp32 model): the fused dW step's 4-byte tiles for it have not run on
-        # a GPU yet (its 2-byte tiles overflowed shared memory on H200); the recompute path has
-        return False
     if (cfg.gradient_mode == "auto" and _GUARD_LOCATION_BUG and torch.compiler.is_compiling()
             and sequence_coupled(cfg, old_logprobs, sampling_logprobs) is not None):
         return False   # see _guard_location_bug
