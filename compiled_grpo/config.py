@@ -48,7 +48,7 @@ class GRPOConfig:
     The lm_head's precision (README "lm_head precision"), one of three:
     default: 16-bit operands multiplied with fp32 accumulation, the logits kept in fp32 (the
     closest to the float64 reference); ``fp32_lm_head`` (TRL's ``cast_lm_head_to_fp32``,
-    Fast-LLM's name): hidden, weight and bias cast to fp32 first (IEEE fp32 products; grads come
+    Fast-LLM's name): hidden, weight and bias cast to fp32 first (fp32-accurate products, 3xTF32 on CUDA; grads come
     back in the inputs' dtypes), as vLLM's ``bf16_last_layer_fp32`` samples; ``round_logits``:
     the logits rounded to the operands' 16-bit dtype before the softmax statistics and the
     logits gradient rounded before the dX / dW GEMMs, as TRL 1.16's head computes under its

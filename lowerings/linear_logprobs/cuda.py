@@ -49,7 +49,7 @@ and under torch.compile alike (compiled fwd 32.4 ms, dlogits 34.7 ms in all vs e
 fp32, the TRITON_INTERPRET tests) masked pointer loads.
 
 Precision: bf16/fp16 tiles use tensor-core dots with fp32 accumulation; their products are exact
-in fp32, so `fp32_lm_head` changes nothing for them. fp32 inputs use IEEE fp32 dots (no tf32).
+in fp32, so `fp32_lm_head` changes nothing for them. fp32 inputs use 3xTF32 dots (FP32_DOT; fp32-accurate to a few ulp, tensor cores).
 All pointer offsets are int64 (N*V and V*H exceed 2^31 at real sizes).
 
 `forward`/`backward` take `wrap`, the function applied to each kernel before launch:
