@@ -356,3 +356,24 @@ def test_two_processes_parity_with_trl(bf16, tmp_path):
     run = subprocess.run(cmd, cwd=root, env={**os.environ, "OUTDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"},
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0 and "TRL MULTIPROCESS: PASS" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (the device tool's nvidia-h100-x2)")
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=pytest.mark.xfail(
+    reason="2 x H200: step 0 grad_norm 7.7e-4 off stock TRL (bf16 logits rounded after cuBLAS's and "
+           "Triton's different fp32 accumulation orders; bench/results/trl_dropin_2gpu_h200x2.txt)",
+    strict=False))])
+def test_two_gpus_parity_with_trl(bf16, tmp_path):
+    """The same on 2 GPUs over NCCL: the drop-in's CUDA kernels against TRL's head on cuBLAS,
+    every logged metric of 3 steps (tests/trl_multiprocess.py --cuda)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(root, "tests", "trl_multiprocess.py"), "--cuda"] + (["--bf16"] if bf16 else [])
+    run = subprocess.run(cmd, cwd=root, env={**os.environ, "OUTDIR": str(tmp_path), "PYTHONUNBUFFERED": "1",
+                                             "NCCL_NVLS_ENABLE": "0"},
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and "TRL MULTIPROCESS: PASS" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]

@@ -4,7 +4,10 @@ taking its share of each batch (accelerate's multi-process data parallel); rank 
 logged metric step by step (tests/test_trl_integration.py's assert_same_logs) and prints
 "TRL MULTIPROCESS: PASS". Used by test_trl_integration.py::test_two_processes_parity_with_trl.
 
-    OUTDIR=<dir> torchrun --standalone --nproc_per_node 2 tests/trl_multiprocess.py [--bf16]
+    OUTDIR=<dir> torchrun --standalone --nproc_per_node 2 tests/trl_multiprocess.py [--bf16] [--cuda]
+
+--cuda: one GPU a process (accelerate's NCCL process group, use_cpu=False), the drop-in on its CUDA
+kernels against TRL's own head on cuBLAS.
 """
 import os
 import pathlib
@@ -33,13 +36,20 @@ def main():
         (out / "ready").touch()
     while not (out / "ready").exists():
         time.sleep(0.1)
-    overrides = dict(per_device_train_batch_size=8 // world, bf16="--bf16" in sys.argv)
+    overrides = dict(per_device_train_batch_size=8 // world, bf16="--bf16" in sys.argv,
+                     use_cpu="--cuda" not in sys.argv)
     ref = t.train(trl.GRPOTrainer, str(model), out / "trl", **overrides)
     ours = t.train(GRPOTrainer, str(model), out / "ours", pytest.MonkeyPatch(), **overrides)
     assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == world
     if rank == 0:
+        for step, (a, b) in enumerate(zip(ref, ours)):   # every logged value, before the assertion
+            diffs = {k: (a[k], b.get(k)) for k in (*t.SAME_BATCH, *t.LOSS_METRICS) if k in a}
+            print(f"step {step}: " + ", ".join(
+                f"{k} {x:.6g}/{y:.6g} ({abs(x - y) / max(abs(x), 1e-3):.1e})" for k, (x, y) in diffs.items()),
+                flush=True)
         worst = t.assert_same_logs(ref, ours)
-        print(f"{world} processes, bf16={overrides['bf16']}: worst relative difference {worst:.1e}")
+        where = torch.cuda.get_device_name() if "--cuda" in sys.argv else "CPU"
+        print(f"{world} processes ({where}), bf16={overrides['bf16']}: worst relative difference {worst:.1e}")
         print("TRL MULTIPROCESS: PASS", flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
