@@ -57,7 +57,7 @@ from compiled_grpo.segments import segments_from_cu_seqlens
 from lowerings.linear_logprobs import LinearLogprobs
 from lowerings.linear_logprobs import fused as _op
 from lowerings.linear_logprobs.cpu import _hint
-from lowerings.linear_logprobs.cuda import cdiv
+from lowerings.linear_logprobs.device import cdiv
 
 ROW_ALIGN = 128          # block rows: a whole number of the kernels' 128-row tiles ...
 MIN_ROWS = 16            # ... or of 16 when the workspace budget is smaller (tests, tiny heads)

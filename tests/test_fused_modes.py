@@ -7,6 +7,7 @@ import torch
 
 import compiled_grpo as cg
 from compiled_grpo import fused as F
+from lowerings.linear_logprobs import device
 from helpers import make_inputs
 
 V = 37   # make_inputs' vocabulary
@@ -107,7 +108,7 @@ def test_sm_count_is_a_compile_time_constant(monkeypatch):
     """fused.sm_count (wave_rows' SM count) is called, not traced, inside a fullgraph compile."""
     props = type("Props", (), {"multi_processor_count": 132})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-    monkeypatch.setattr(F._op._dense, "_SMS", {})   # sm_count's cache (a GPU run fills it)
+    monkeypatch.setattr(device, "_SMS", {})   # sm_count's cache (a GPU run fills it)
     fn = torch.compile(lambda x: x * F._op.sm_count(0), fullgraph=True, backend="eager")
     assert fn(torch.ones(2)).tolist() == [132.0, 132.0]
 

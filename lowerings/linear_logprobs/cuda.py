@@ -65,20 +65,9 @@ from torch import Tensor
 
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
 from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
+from lowerings.linear_logprobs.device import cdiv, next_power_of_2, sm_count  # noqa: F401 (callers)
 from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
                                               _dx_acc_op, _dx_store_impl, _dx_store_op)
-
-def cdiv(a, b):
-    """ceil(a / b) for host code (ints or SymInts): the launchers' and compiled_grpo's block
-    planning. triton.cdiv is a ConstexprFunction in Triton 3.6, ~6 us a host call against
-    ~0.15: the old per-N split pick alone made ~60 of them a block, ~3 ms of host time a qwen3-8b step."""
-    return (a + b - 1) // b
-
-
-def next_power_of_2(n: int) -> int:
-    """The least power of 2 >= n (n >= 1), as triton.next_power_of_2 without its host cost."""
-    return 1 << (n - 1).bit_length()
-
 
 # Tiles of the logits GEMM: (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages). Overridable for
 # the interpreter tests (tiles of 16) and for tuning runs (set the attribute, as the sweeps do).
@@ -295,18 +284,6 @@ def _tracing(*tensors: Tensor) -> bool:
 def _hint(n) -> int:
     """n, or the size hint of a symbolic n (1 when unbacked)."""
     return n if isinstance(n, int) else (n.node.hint or 1)
-
-
-_SMS: dict = {}   # sm_count's cache
-
-
-@torch.compiler.assume_constant_result
-def sm_count(index: Optional[int]) -> int:
-    """The GPU's SM count; a constant to Dynamo (called, not traced, inside a compiled step),
-    cached here (several calls a row block on the host; Dynamo warns on functools caches)."""
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 def fwd_split_plan(v: int, bn: int, bv: int, device: torch.device) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs.cuda import cdiv
+from lowerings.linear_logprobs.fused_order import valid_rows_first
 from lowerings.linear_logprobs.kernels.logits import (_dlogits_kernel, _dx_step_kernel, _fwd_kernel,
                                                _gather_rows_kernel)
 from lowerings.linear_logprobs.kernels.dw import _dw_step_kernel
@@ -54,13 +55,6 @@ def step_tiles(itemsize: int) -> tuple[tuple, tuple]:
 
 GROUP_M = 8       # row (or vocab) blocks a program group shares in L2 (see kernels.logits._swizzle)
 GATHER_ROWS, GATHER_H = 16, 256
-
-
-def order_rows(row_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """perm [N] int64, valid rows first in their original order (a stable device sort, no host
-    sync), and count [1] int32, the number of valid rows."""
-    perm = torch.argsort(row_mask.to(torch.uint8), descending=True, stable=True)  # [N]
-    return perm, row_mask.sum(dtype=torch.int32).reshape(1)
 
 
 def _gather(wrap, x: Tensor, perm: Tensor, count: Tensor, r0, rows, xg: Tensor) -> None:
@@ -96,7 +90,7 @@ def _operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_mask: 
     TMA or not, a dense bias, and the valid-first order (perm, count)."""
     x, w, prec = _dense._prepare(hidden, weight, compute_dtype)
     bias = _dense._bias(bias, compute_dtype)
-    return (x, w, prec, _dense._use_tma(x, w), bias) + order_rows(row_mask)
+    return (x, w, prec, _dense._use_tma(x, w), bias) + valid_rows_first(row_mask)
 
 
 def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], row_mask: Tensor,

@@ -48,10 +48,15 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lowerings.linear_logprobs import cpu as _cpu
 from lowerings.linear_logprobs.cpu import _hint
-from lowerings.linear_logprobs import cuda as _dense
-from lowerings.linear_logprobs import cuda_rows as _rows
-from lowerings.linear_logprobs import fused_cuda as _fcuda
-from lowerings.linear_logprobs.cuda import cdiv, sm_count   # sm_count: wave_rows, callers
+from lowerings.linear_logprobs.device import cdiv, sm_count   # sm_count: wave_rows, callers
+try:   # the Triton side: absent triton (a CPU-only install off Linux) the PyTorch body runs alone
+    from lowerings.linear_logprobs import cuda as _dense
+    from lowerings.linear_logprobs import cuda_rows as _rows
+    from lowerings.linear_logprobs import fused_cuda as _fcuda
+except ModuleNotFoundError as e:
+    if e.name != "triton":
+        raise
+    _dense = _rows = _fcuda = None
 from lowerings.linear_logprobs.fused_order import (next_fit_blocks, order_rows, order_rows_grouped,  # noqa: F401 (callers)
                                                    pack_sequences)
 
@@ -68,6 +73,8 @@ class FusedResult(NamedTuple):
 def _triton_body(t: Tensor) -> bool:
     """The block steps run fused_cuda.py's Triton kernels on CUDA tensors (the interpreter tests
     patch this to run them on CPU tensors), the PyTorch body elsewhere."""
+    if t.device.type == "cuda" and _fcuda is None:
+        raise RuntimeError("compiled_grpo's CUDA kernels need triton (pip install triton==3.6.0)")
     return t.device.type == "cuda"
 
 

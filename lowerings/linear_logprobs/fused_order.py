@@ -7,22 +7,28 @@ Legend: N rows, G blocks of R rows (slots), S packed sequences.
 """
 
 import torch
-import triton
 from torch import Tensor
 
-from lowerings.linear_logprobs import cuda_rows as _rows
-from lowerings.linear_logprobs.kernels.fused_block import _first_fit_kernel
+from lowerings.linear_logprobs.device import next_power_of_2
 
 # Whole sequences into blocks: "ffd" first-fit decreasing (pack_sequences), "next_fit" in order
 # (next_fit_sequences). SEQ_PACKING = "next_fit" for A/B runs (bench code sets it).
 SEQ_PACKING = "ffd"
 
 
+def valid_rows_first(row_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """perm [N] int64, valid rows first in their original order (a stable device sort, no host
+    sync), and count [1] int32, the number of valid rows (the row-masked recompute path,
+    cuda_rows.py, and order_rows)."""
+    perm = torch.argsort(row_mask.to(torch.uint8), descending=True, stable=True)  # [N]
+    return perm, row_mask.sum(dtype=torch.int32).reshape(1)
+
+
 def order_rows(row_mask: Tensor, block_rows, blocks: int) -> tuple[Tensor, Tensor]:
     """perm [N] int64 and counts [G] int32 (valid rows of each block), no host sync: all valid
     rows first (a stable sort), so blocks are full until the last valid row and later blocks
     are empty. (Whole sequences in a block: order_rows_grouped.)"""
-    perm, total = _rows.order_rows(row_mask)                               # [N], [1] int32
+    perm, total = valid_rows_first(row_mask)                               # [N], [1] int32
     start = torch.arange(blocks, device=row_mask.device, dtype=torch.int32) * block_rows
     counts = (total - start).clamp(min=0).clamp(max=block_rows).to(torch.int32)
     return perm, counts
@@ -100,9 +106,10 @@ def first_fit_blocks(lengths: Tensor, block_rows: int, blocks: int) -> Tensor:
     the host copy on CPU."""
     out = torch.empty_like(lengths, dtype=torch.int64)                                # [S]
     if lengths.device.type == "cuda":
+        from lowerings.linear_logprobs.kernels.fused_block import _first_fit_kernel
         if lengths.numel():
             _first_fit_kernel[(1,)](lengths, out, lengths.numel(), block_rows, blocks,
-                                    BLOCK_G=triton.next_power_of_2(max(blocks, 2)),
+                                    BLOCK_G=next_power_of_2(max(blocks, 2)),
                                     CHUNK=FIRST_FIT_CHUNK)
         return out
     fill, got = [0] * blocks, []

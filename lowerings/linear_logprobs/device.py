@@ -1,0 +1,29 @@
+"""Host-side integer helpers and device facts the launch plans share, with no triton import (the
+CPU body and compiled_grpo's block planning use them where triton may be absent)."""
+from typing import Optional
+
+import torch
+
+
+def cdiv(a, b):
+    """ceil(a / b) for host code (ints or SymInts): the launchers' and compiled_grpo's block
+    planning. triton.cdiv is a ConstexprFunction in Triton 3.6, ~6 us a host call against
+    ~0.15: the old per-N split pick alone made ~60 of them a block, ~3 ms of host time a qwen3-8b step."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of 2 >= n (n >= 1), as triton.next_power_of_2 without its host cost."""
+    return 1 << (n - 1).bit_length()
+
+
+_SMS: dict = {}   # sm_count's cache
+
+
+@torch.compiler.assume_constant_result
+def sm_count(index: Optional[int]) -> int:
+    """The GPU's SM count; a constant to Dynamo (called, not traced, inside a compiled step),
+    cached here (several calls a row block on the host; Dynamo warns on functools caches)."""
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
