@@ -263,18 +263,21 @@ def test_fused_exp_scaled_far_targets(monkeypatch):
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("with_entropy,entropy_grad,cap,bias,dtype,want", [
-    (False, True, None, False, torch.float32, True),      # no entropy at all
-    (True, False, None, False, torch.float32, True),      # entropy an output only
-    (True, True, None, False, torch.float32, False),      # an entropy term in the loss
-    (False, False, 3.0, False, torch.float32, False),     # softcap: (1 - y^2) per element
-    (False, False, None, True, torch.float32, False),     # d_bias: the dlogits' column sums
-    (False, False, None, False, torch.float16, False),    # fp16: e's range does not fit
+@pytest.mark.parametrize("with_entropy,entropy_grad,cap,bias,dtype,rnd,want", [
+    (False, True, None, False, torch.float32, False, True),      # no entropy at all
+    (True, False, None, False, torch.float32, False, True),      # entropy an output only
+    (True, True, None, False, torch.float32, False, False),      # an entropy term in the loss
+    (False, False, 3.0, False, torch.float32, False, False),     # softcap: (1 - y^2) per element
+    (False, False, None, True, torch.float32, False, False),     # d_bias: the dlogits' column sums
+    (False, False, None, False, torch.float16, False, False),    # fp16: e's range does not fit
+    (False, False, None, False, torch.bfloat16, False, True),    # bf16
+    # round_logits: the contract rounds the logits gradient (TRL's head), which this never forms
+    (False, False, None, False, torch.bfloat16, True, False),
 ])
-def test_exp_scaled_rule(with_entropy, entropy_grad, cap, bias, dtype, want):
-    """Which calls take the exp-scaled backward (fused.exp_scaled)."""
-    assert fk.exp_scaled(dtype, with_entropy and entropy_grad, cap, bias, None) is want
-    assert fk.exp_scaled(dtype, with_entropy and entropy_grad, cap, bias, lambda *a: a) is False
+def test_exp_scaled_rule(with_entropy, entropy_grad, cap, bias, dtype, rnd, want):
+    """Which calls take the exp-scaled backward (fused.exp_scaled); vocab shards never do."""
+    assert fk.exp_scaled(dtype, with_entropy and entropy_grad, cap, bias, None, rnd) is want
+    assert fk.exp_scaled(dtype, with_entropy and entropy_grad, cap, bias, lambda *a: a, rnd) is False
 
 
 def test_fused_allow_scaled_false_keeps_the_dlogits_pass(monkeypatch):

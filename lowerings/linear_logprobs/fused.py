@@ -202,7 +202,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                 logit_scale=float(logit_scale), softcap=None if softcap is None else float(softcap),
                 round_logits=bool(round_logits))
     scaled = cuda and allow_scaled and exp_scaled(cd, with_entropy and entropy_grad, softcap, need_b,
-                                                  combine)
+                                                  combine, round_logits)
     ref = hidden.new_empty(3 * r, dtype=torch.float32)                        # [3 R] (scaled)
     step_fwd, step_bwd = block_steps(hidden)
     lps, ents, lses = [], [], []
@@ -252,15 +252,17 @@ def block_steps(hidden: Tensor) -> tuple[Callable, Callable]:
 
 
 def exp_scaled(ws_dtype: torch.dtype, entropy_grad: bool, softcap: Optional[float],
-               need_b: bool, combine: Optional[Callable]) -> bool:
+               need_b: bool, combine: Optional[Callable], round_logits: bool = False) -> bool:
     """Whether the Triton body's blocks take the exp-scaled backward (kernels.fused_block's block
     comment): the forward stores e = exp(z - R*) and the dlogits are one per-row scale of it,
     applied to dX rows as they are stored and to X's rows before the dW step, with no pass over
     the [R, V] tile between the GEMMs. Exact only where every dlogit is g_lp (1[v = y] - p) s / T
     (no entropy gradient, no softcap's (1 - y^2)); d_bias (a column sum of the dlogits) and vocab
     shards (no target logit on the ranks that do not own it) keep the dlogits pass, and so do
-    fp16 operands: e spans e^-87..e^32, fp32's exponent range, which bf16 has and fp16 has not."""
-    return (ws_dtype in (torch.bfloat16, torch.float32)
+    fp16 operands: e spans e^-87..e^32, fp32's exponent range, which bf16 has and fp16 has not.
+    round_logits keeps the pass too: its contract (and TRL's head) rounds the logits gradient
+    g_lp (1[v = y] - p) s / T to 16 bits before the GEMMs, where this backward rounds e and c X."""
+    return (ws_dtype in (torch.bfloat16, torch.float32) and not round_logits
             and not entropy_grad and softcap is None and not need_b and combine is None)
 
 
