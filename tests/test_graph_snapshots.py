@@ -307,6 +307,7 @@ aten.add
 aten.where
 [compiled_grpo.linear_logprobs_backward]""")
 
+    @pytest.mark.gpu
     @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA: compares the CUDA sequences with CPU")
     def test_sequences_are_device_independent(self):
         for name, cfg in CONFIGS.items():

@@ -173,6 +173,7 @@ def test_spelling(fn, expect, frozen):
 CUDA_CASES = [logprob_and_entropy, cross_entropy, trl_style_shifted, float_before]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
 @pytest.mark.parametrize("fn", CUDA_CASES, ids=[f.__name__ for f in CUDA_CASES])
 def test_spelling_cuda(fn):

@@ -319,6 +319,7 @@ def test_token_logprobs_compile_once_for_many_packings(device):
     assert cnt.frame_count == 1
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the op's row-masked Triton path)")
 @pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "sequence"), ("dr_grpo", "sequence")])
 def test_cuda_float32_equals_padded(loss_type, level):
@@ -341,6 +342,7 @@ def test_cuda_float32_equals_padded(loss_type, level):
     torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (host syncs are a CUDA notion)")
 @pytest.mark.parametrize("compiled", [False, True])
 def test_cuda_step_has_no_host_sync(compiled):
