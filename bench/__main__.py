@@ -41,10 +41,10 @@ def parse(argv=None) -> argparse.Namespace:
                     help="seconds of timed calls per provider (default 1.0 on CUDA, 0.2 on CPU)")
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 reference and error columns")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--targets", default="random", choices=shapes.TARGETS,
-                    help="target token ids: uniform over V (default), sampled from the policy's own "
-                         "softmax (on-policy rollouts: peaked, realistic), or each row's least likely "
-                         "token (a stress input)")
+    ap.add_argument("--targets", default="sampled", choices=shapes.TARGETS,
+                    help="target token ids: uniform over V, sampled from the policy's own softmax "
+                         "(default: on-policy rollouts, peaked, what the README's numbers use), or each "
+                         "row's least likely token (a stress input)")
     ap.add_argument("--gspo", action="store_true",
                     help="GSPO's sequence-level importance ratio (TRL importance_sampling_level="
                          "'sequence') in place of DAPO's token-level one, same clip, KL and "

@@ -28,7 +28,7 @@ def test_cpu_run_writes_rows(tmp_path, capsys):
     assert [r["provider"] for r in rows] == ["floor", "floor_valid", "naive_eager", "cce", "compiled_grpo"]
     by = {r["provider"]: r for r in rows}
     assert all(r["device"] == "cpu" and r["shape"] == "cpu-tiny" and r["N"] == "32" for r in rows)
-    assert all(r["targets"] == "random" for r in rows)  # the default
+    assert all(r["targets"] == "sampled" for r in rows)  # the default
     n_valid = int(rows[0]["N_valid"])
     assert 0 < n_valid <= 32 and all(int(r["N_valid"]) == n_valid for r in rows)
     assert float(rows[0]["valid_frac"]) == pytest.approx(n_valid / 32)
