@@ -13,10 +13,10 @@ and a step function closes over it without recompiling. Defaults follow Liger-Ke
 from __future__ import annotations
 
 import math
-
-import torch
 from dataclasses import dataclass
 from typing import Optional, Union
+
+import torch
 
 from compiled_grpo._checks import LM_HEAD_DTYPES
 from compiled_grpo._registry import METRIC_LEVELS, registered_metrics
@@ -48,8 +48,9 @@ class GRPOConfig:
     The lm_head's precision (README "lm_head precision"), one of three:
     default: 16-bit operands multiplied with fp32 accumulation, the logits kept in fp32 (the
     closest to the float64 reference); ``fp32_lm_head`` (TRL's ``cast_lm_head_to_fp32``,
-    Fast-LLM's name): hidden, weight and bias cast to fp32 first (fp32-accurate products, 3xTF32 on CUDA; grads come
-    back in the inputs' dtypes), as vLLM's ``bf16_last_layer_fp32`` samples; ``round_logits``:
+    Fast-LLM's name): hidden, weight and bias cast to fp32 first (fp32-accurate products,
+    3xTF32 on CUDA; grads come back in the inputs' dtypes), as vLLM's ``bf16_last_layer_fp32``
+    samples; ``round_logits``:
     the logits rounded to the operands' 16-bit dtype before the softmax statistics and the
     logits gradient rounded before the dX / dW GEMMs, as TRL 1.16's head computes under its
     default bf16 autocast and as vLLM / SGLang sample in bf16 (the TRL drop-in sets it under
@@ -67,12 +68,12 @@ class GRPOConfig:
     token_logprobs (8NHV, logits recomputed in the backward, ~64 MiB); ``"auto"`` (default) is
     "fused" on CUDA whenever a gradient is wanted and fused is exact (tensor-parallel heads too,
     but not ``vocab_start``'s uneven shards; GSPO only on padded inputs with a whole sequence per
-    block; not with an ``lm_head_dtype`` narrower than the weight, whose fp32 dW the fused step
-    has not run on a GPU yet), else
+    block), else
     "recompute" (always on CPU, whose chunked recompute body needs far less memory). In fused mode
     only ``loss`` carries a gradient: per_token_loss, logprobs and entropy come back detached.
     ``fused_scaled_backward`` (True): where it is exact (CUDA, bf16 / fp32 operands, no
-    ``entropy_coef``, no softcap, no bias gradient, no tensor-parallel head) the fused mode keeps
+    ``entropy_coef``, no softcap, no bias gradient, no tensor-parallel head, no
+    ``round_logits``) the fused mode keeps
     each block's logits as e = exp(z - R) and applies the per-token gradient as a per-row scale
     of dX's rows and of X's rows before the dW GEMM, with no pass over the [R, V] logits between
     the GEMMs (H100, qwen3-8b: ~5% faster a step); dW then takes one more bf16 rounding (the

@@ -49,7 +49,8 @@ and under torch.compile alike (compiled fwd 32.4 ms, dlogits 34.7 ms in all vs e
 fp32, the TRITON_INTERPRET tests) masked pointer loads.
 
 Precision: bf16/fp16 tiles use tensor-core dots with fp32 accumulation; their products are exact
-in fp32, so `fp32_lm_head` changes nothing for them. fp32 inputs use 3xTF32 dots (FP32_DOT; fp32-accurate to a few ulp, tensor cores).
+in fp32, so `fp32_lm_head` changes nothing for them. fp32 inputs use 3xTF32 dots (FP32_DOT:
+tensor cores, fp32-accurate to a few ulp).
 All pointer offsets are int64 (N*V and V*H exceed 2^31 at real sizes).
 
 `forward`/`backward` take `wrap`, the function applied to each kernel before launch:
@@ -63,6 +64,7 @@ import torch._guards
 import triton
 from torch import Tensor
 
+from lowerings.linear_logprobs.cpu import round_dtype
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
 from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
 from lowerings.linear_logprobs.device import cdiv, next_power_of_2, sm_count  # noqa: F401 (callers)
@@ -215,10 +217,10 @@ def _dw_tma_out(tma: bool, dw: Tensor) -> bool:
 
 
 def rounds(x: Tensor, round_logits: bool) -> bool:
-    """The kernels' ROUND: round_logits with 16-bit operands (rounding fp32 logits to the fp32
-    operands' dtype changes nothing). The dlogits workspace already has the operands' dtype, so
-    the logits gradient is rounded before the dX / dW GEMMs either way."""
-    return bool(round_logits) and x.element_size() == 2
+    """The kernels' ROUND: round_logits where cpu.round_dtype rounds (16-bit operands; rounding
+    fp32 logits to the fp32 operands' dtype changes nothing). The dlogits workspace already has
+    the operands' dtype, so the logits gradient is rounded before the dX / dW GEMMs either way."""
+    return round_dtype(x, x, round_logits) is not None
 
 
 def _scalars(temperature: float, logit_scale: float, softcap: Optional[float]) -> tuple:

@@ -209,8 +209,8 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[
     fp32_lm_head (Fast-LLM's name; vLLM's bf16_last_layer_fp32, TRL's cast_lm_head_to_fp32):
     bf16 / fp16 hidden, weight and bias are cast to fp32 before the op (upcast_lm_head), so every
     path runs fp32 operands with fp32-accurate products (CUDA: 3xTF32, cuda.FP32_DOT): the
-    logits as before (16-bit products are exact in fp32), but the dlogits workspace and the dX / dW GEMMs in fp32 instead of the input
-    dtype, and dW summed over row groups in fp32. The casts' backward returns the grads in the
+    logits as before (16-bit products are exact in fp32), but the dlogits workspace and the
+    dX / dW GEMMs in fp32 instead of the input dtype, and dW summed over row groups in fp32. The casts' backward returns the grads in the
     inputs' dtypes. Costs an fp32 copy of W (and of dW) and fp32 GEMM speed.
 
     row_mask [...] bool: rows where it is False are padding. Their logprobs, entropy and lse
