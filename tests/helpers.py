@@ -4,6 +4,9 @@
 aggregate), with the NeMo-RL/verl clamps spelled out; it shares no code with compiled_grpo.
 """
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -110,4 +113,17 @@ def rel_err(x, ref):
 # The devices a CPU-and-GPU test runs on: its CUDA case carries the gpu marker, so `pytest -m gpu`
 # on a GPU machine selects it (and only the GPU cases).
 DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun(world: int, args: list, timeout: int, env: dict = None) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone --nproc_per_node world *args` from the
+    checkout's root (bench.tp, bench.fsdp, tests/trl_multiprocess.py), NVLink multicast off, its
+    output captured."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(world), *args], cwd=ROOT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
 

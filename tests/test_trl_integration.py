@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import compiled_grpo as cg
 from compiled_grpo.integrations.trl import GRPOTrainer
+from helpers import torchrun
 
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -342,20 +343,18 @@ def test_parity_with_trl_bf16(name, model_dir, tmp_path, monkeypatch):
     assert_same_logs(ref, ours)
 
 
+def _run_trl_multiprocess(tmp_path, flags: list) -> None:
+    """tests/trl_multiprocess.py on 2 processes: stock TRL and the drop-in, every step's logs."""
+    run = torchrun(2, ["tests/trl_multiprocess.py", *flags], 900, env={"OUTDIR": str(tmp_path)})
+    assert run.returncode == 0 and "TRL MULTIPROCESS: PASS" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_two_processes_parity_with_trl(bf16, tmp_path):
     """The drop-in under accelerate's multi-process data parallel (2 processes under torchrun, gloo
     on CPU): each process scores its half of every batch and DDP averages the gradients; every
     logged metric of 3 steps equals stock TRL's on 2 processes (tests/trl_multiprocess.py)."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(root, "tests", "trl_multiprocess.py")] + (["--bf16"] if bf16 else [])
-    run = subprocess.run(cmd, cwd=root, env={**os.environ, "OUTDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"},
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and "TRL MULTIPROCESS: PASS" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    _run_trl_multiprocess(tmp_path, ["--bf16"] if bf16 else [])
 
 
 @pytest.mark.gpu
@@ -367,13 +366,4 @@ def test_two_processes_parity_with_trl(bf16, tmp_path):
 def test_two_gpus_parity_with_trl(bf16, tmp_path):
     """The same on 2 GPUs over NCCL: the drop-in's CUDA kernels against TRL's head on cuBLAS,
     every logged metric of 3 steps (tests/trl_multiprocess.py --cuda)."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(root, "tests", "trl_multiprocess.py"), "--cuda"] + (["--bf16"] if bf16 else [])
-    run = subprocess.run(cmd, cwd=root, env={**os.environ, "OUTDIR": str(tmp_path), "PYTHONUNBUFFERED": "1",
-                                             "NCCL_NVLS_ENABLE": "0"},
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and "TRL MULTIPROCESS: PASS" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    _run_trl_multiprocess(tmp_path, ["--cuda"] + (["--bf16"] if bf16 else []))
