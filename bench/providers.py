@@ -266,6 +266,10 @@ PROVIDERS: dict[str, Provider] = {
         # trl_chunked computes them, and fp32 operands against TRL's cast_lm_head_to_fp32
         Provider("compiled_grpo_round", _need_cg("grpo_loss"), _compiled_grpo(False, round_logits=True),
                  accepts=_cg_packed, sequence_level=_any_inputs),
+        # the fp32-logits default with the dlogits backward that round_logits must take (the
+        # exp-scaled backward rounds exp(z - R*) instead of the logits gradient): the same scheme
+        Provider("compiled_grpo_dlogits", _need_cg("grpo_loss"), _compiled_grpo(False, fused_scaled_backward=False),
+                 accepts=_cg_packed, sequence_level=_any_inputs),
         Provider("compiled_grpo_fp32_head", _need_cg("grpo_loss"), _compiled_grpo(False, fp32_lm_head=True),
                  accepts=_cg_packed, sequence_level=_any_inputs),
         Provider("trl_chunked_fp32_head", _need("trl.kernels.chunked_logprob"), _trl_chunked_fp32,

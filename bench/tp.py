@@ -1,7 +1,7 @@
 """Vocab-parallel TP over NCCL: grpo_loss with tp_group on 2+ GPUs against one GPU, same inputs.
 
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 -m bench.tp [--shape qwen3-8b ...]
-        [--variants base gspo bias softcap] [--no-time]
+        [--variants base gspo bias softcap] [--no-time] [--profile DIR]
 
 Every rank builds the bench's inputs for the shape (same seed: identical hidden, ids, mask,
 old/ref log-probs and the full lm_head W [V, H]) on its own GPU and keeps its contiguous vocab
@@ -16,7 +16,8 @@ shard W[r V/R : (r + 1) V/R]. Rows printed by rank 0, in one run:
   tp=1 recompute / fused (compiled)  grpo_loss on rank 0 alone with the full W (gradient_mode as
                           named); tp=1 recompute eager, run on every rank, is the reference
 
-with the median fwd+bwd time, the peak memory beyond inputs and grads on rank 0, the bytes one
+with the median fwd+bwd time (bench.measure.time_step on persistent leaves: CUDA events, 10 steps
+queued back to back after 20 untimed ones, the same counts on every rank), the peak memory beyond inputs and grads on rank 0, the bytes one
 rank sends through the collectives a step, and the results against tp=1 recompute eager: loss
 (abs), dX (full, rel) and the dW (and d_bias) rows of each rank's shard (rel; the TP rows give
 the worst rank and list every rank's), then the scaling: tp=R fused against tp=1 fused, eager and compiled.
@@ -28,32 +29,52 @@ A check fails the run (exit 1) when any row's loss or grads differ by more than 
 import argparse
 import os
 import sys
-import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiled_grpo as cg
+from bench.measure import Timing, sync, time_step
 from bench.shapes import SHAPES, TARGETS, make_inputs
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+TIMING = Timing(warmup=20, reps=10)   # fixed counts: every rank must issue the same collectives
 
 
-def _bench(step, reps=10):
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(reps):
-        _sync()
-        t0 = time.perf_counter()
-        step()
-        _sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+def _kwargs(x, cfg) -> dict:
+    """The packed inputs' extra arguments (cu_seqlens; GSPO's bound on the sequences' lengths,
+    from the host once, as a trainer computes flash-attn's max_seqlen)."""
+    if not x.packed:
+        return {}
+    kw = dict(cu_seqlens=x.cu_seqlens)
+    if cfg.importance_sampling_level == "sequence":
+        kw["max_seqlen"] = int((x.cu_seqlens[1:] - x.cu_seqlens[:-1]).max())
+    return kw
+
+
+def _step(fn, hidden, weight, bias, x, cfg):
+    """(step, leaves): one fwd+bwd on persistent leaves, as bench.measure times a provider: the
+    steps queued back to back, grads cleared on the host between them (no clone, no sync, no
+    dtype conversion inside the timed step)."""
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    b = None if bias is None else bias.detach().clone().requires_grad_()
+    kw = _kwargs(x, cfg)
+
+    def step():
+        if b is not None:
+            b.grad = None
+        out = fn(h, w, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs, config=cfg, bias=b, **kw)
+        out.loss.backward()
+    return step, SimpleNamespace(hidden=h, weight=w)
+
+
+def _bench(fn, hidden, weight, bias, x, cfg) -> float:
+    """Median ms of a step (bench.measure.time_step: CUDA events, device time)."""
+    step, leaves = _step(fn, hidden, weight, bias, x, cfg)
+    return time_step(step, leaves, hidden.device, TIMING)["ms"]
 
 
 class _Collectives(TorchDispatchMode):
@@ -82,17 +103,14 @@ def _run(fn, hidden, weight, bias, x, cfg, **kw):
     w = weight.detach().clone().requires_grad_()
     b = None if bias is None else bias.detach().clone().requires_grad_()
     cuda = h.is_cuda
-    _sync()
+    sync(h.device)
     base = torch.cuda.memory_allocated() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    if x.packed:   # flat [N] inputs: cu_seqlens, and GSPO's bound on the sequences' lengths
-        kw["cu_seqlens"] = x.cu_seqlens
-        if cfg.importance_sampling_level == "sequence":
-            kw["max_seqlen"] = int((x.cu_seqlens[1:] - x.cu_seqlens[:-1]).max())
+    kw.update(_kwargs(x, cfg))
     out = fn(h, w, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs, config=cfg, bias=b, **kw)
     out.loss.backward()
-    _sync()
+    sync(h.device)
     grads = sum(t.grad.numel() * t.grad.element_size() for t in (h, w, b) if t is not None)
     peak = (torch.cuda.max_memory_allocated() - base - grads) / 2**20 if cuda else float("nan")
     return (out.loss.detach().float(), h.grad.float(), w.grad.float(),
@@ -108,8 +126,28 @@ def _config(variant: str, mode: str):
                          final_logit_softcapping=30.0 if variant == "softcap" else None)
 
 
+def _profile(step, rank: int, out: str, label: str):
+    """torch.profiler over 3 steps of one row on every rank (the collectives need all of them);
+    rank 0 writes the kernel table by device time and a Chrome trace under out/."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        sync(torch.device("cuda"))
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        stem = os.path.join(out, label.replace(" ", "_").replace("=", ""))
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+        with open(stem + ".txt", "w") as f:
+            f.write(f"# {label}: 3 steps, torch.profiler, sorted by self CUDA time\n{table}\n")
+        prof.export_chrome_trace(stem + ".json")
+        print(f"profile of {label}: {stem}.txt")
+
+
 def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed: bool,
-             targets: str = "sampled") -> list:
+             targets: str = "sampled", profile_dir: str = "") -> list:
     """The rows of one (shape, variant) on every rank; rank 0 prints the table. Returns the
     failing rows' names (rank 0; [] elsewhere)."""
     torch._dynamo.reset()   # each case compiles its own programs (no recompile limit across cases)
@@ -137,8 +175,11 @@ def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed:
                 loss, dx, dw, db, peak = _run(fn, x.hidden, w_shard, b_shard, x, c)
         else:
             loss, dx, dw, db, peak = _run(fn, x.hidden, w_shard, b_shard, x, c)
-        ms = _bench(lambda: _run(fn, x.hidden, w_shard, b_shard, x, c)) if timed else float("nan")
+        ms = _bench(fn, x.hidden, w_shard, b_shard, x, c) if timed else float("nan")
         rows.append((name, ms, peak, loss, dx, dw, db, counter.sent if fn is tp else None))
+        if profile_dir and name.endswith("fused compiled"):
+            _profile(_step(fn, x.hidden, w_shard, b_shard, x, c)[0], rank, profile_dir,
+                     f"{shape.name} {variant} {name}")
     # The reference, on every rank: tp=1 recompute eager with the full W; each rank checks its own
     # dW (and d_bias) shard against its rows.
     loss, dx, dw, db, peak = _run(cg.grpo_loss, x.hidden, w_full, b_full, x, cfg)
@@ -155,7 +196,10 @@ def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed:
                 continue   # --no-time on GPUs: the TP rows' checks only (each compile ~30 s)
             c1 = _config(variant, mode)
             loss, dx, dw, db, peak = _run(fn, x.hidden, w_full, b_full, x, c1)
-            ms = _bench(lambda: _run(fn, x.hidden, w_full, b_full, x, c1)) if timed else float("nan")
+            ms = _bench(fn, x.hidden, w_full, b_full, x, c1) if timed else float("nan")
+            if profile_dir and label == "tp=1 fused compiled":
+                _profile(_step(fn, x.hidden, w_full, b_full, x, c1)[0], 0, profile_dir,
+                         f"{shape.name} {variant} {label}")
             rows.append((label, ms, peak, loss, dx, dw[lo:hi], None if db is None else db[lo:hi], None))
     dist.barrier()
     rel = lambda a, b: 0.0 if a is None else ((a - b).norm() / b.norm()).item()  # noqa: E731
@@ -208,6 +252,8 @@ def main():
     ap.add_argument("--no-time", action="store_true", help="the checks only (no timed repetitions)")
     ap.add_argument("--targets", default="sampled", choices=TARGETS,
                     help="token ids (bench.shapes.make_inputs): sampled from the policy, as rollouts are")
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="also profile the fused compiled rows (tp=R and tp=1) with torch.profiler into DIR")
     args = ap.parse_args()
     if args.gspo:
         args.variants = ["gspo"]
@@ -223,7 +269,8 @@ def main():
     fails = []
     for name in args.shape:
         for variant in args.variants:
-            fails += run_case(SHAPES[name], variant, rank, world, dev, cuda, not args.no_time, args.targets)
+            fails += run_case(SHAPES[name], variant, rank, world, dev, cuda, not args.no_time, args.targets,
+                              args.profile)
     if rank == 0:
         print("TP CHECK:", "FAIL " + ", ".join(fails) if fails else "PASS")
     fails = [fails]
