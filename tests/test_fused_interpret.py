@@ -7,6 +7,7 @@ import pytest
 import torch
 from interpret import DTYPE_16, MASKS, golden, make, small_tiles  # noqa: F401 (autouse fixture)
 
+import lowerings.linear_logprobs.cuda as tk
 import lowerings.linear_logprobs.cuda_rows as rk
 import lowerings.linear_logprobs.fused as fk
 import lowerings.linear_logprobs.fused_cuda as fck
@@ -356,3 +357,30 @@ def test_fused_zero_rows(monkeypatch):
                                    need_b=True)
     assert res.logprobs.shape == (0,) and res.d_hidden.shape == (0, 24)
     assert torch.equal(res.d_weight, torch.zeros_like(w)) and torch.equal(res.d_bias, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_fused_round_logits_recomputes_the_forward_logits(monkeypatch, cap):
+    """round_logits on the fused Triton blocks (fp32 leaves multiplied in fp16, as the TRL drop-in
+    under autocast): the dlogits pass recomputes the forward's rounded logits exactly (they are
+    stored as themselves, fused_cuda._z_view), so the grads are the recompute kernels' to fp32
+    summation order. Stored as d = z - max in fp16 (the default path's workspace) they were
+    off by |d| 2^-11 where p is small: 4.8e-5 in dX and dW on an H100 (trl_head_probe.py)."""
+    monkeypatch.setattr(rk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    g = torch.Generator().manual_seed(5)
+    n, h, v = 40, 24, 75
+    x = (torch.randn(n, h, generator=g) * 2).to(DTYPE_16).float()
+    w = (torch.randn(v, h, generator=g) / h ** 0.5 * 3).to(DTYPE_16).float()
+    ids = torch.randint(0, v, (n,), generator=g)
+    mask = MASKS["scattered"]
+    kw = dict(softcap=cap, round_logits=True, compute_dtype=DTYPE_16)
+    res, G_lp, _, _ = _fused_run(monkeypatch, x, w, ids, None, mask, 3, 16, False, temperature=0.7,
+                                 allow_scaled=False, **kw)
+    lp, ent, lse = tk.forward(x, w, ids, None, 0.7, False, False, **kw)
+    zero = torch.zeros(n)
+    dx, dw, _ = tk.backward(x, w, ids, None, lse, ent, G_lp * mask, zero, zero, 0.7, False, False,
+                            True, True, False, **kw)
+    assert torch.equal(res.logprobs, lp * mask)
+    for got, ref in ((res.d_hidden, dx), (res.d_weight, dw)):
+        assert got.dtype == torch.float32
+        assert float((got - ref).norm() / ref.norm()) < 2e-6

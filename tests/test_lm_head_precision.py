@@ -118,6 +118,31 @@ def test_lm_head_dtype_keeps_fp32_grads(mode, device, round_logits):
             assert _rel(got16, r) > 10 * _rel(got, r)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_round_logits_grads_are_the_rounded_model(device, softcap):
+    """The drop-in's setting under TRL's bf16 (fp32 leaves, lm_head_dtype=bf16, round_logits):
+    each gradient path's dX / dW against the float64 reference with the same roundings (the
+    logits and their gradient rounded to bf16, exact sums). The fused path's dlogits pass must
+    recompute the forward's rounded logits exactly: storing them as d = z - max in fp16 (the
+    default path's workspace) put its grads 4.8e-5 off where recompute's are 7e-8 (H100,
+    bench/probes/trl_head_probe.py), which moved the TRL drop-in's grad_norm 7e-5 off TRL's."""
+    h, w, _, ids, mask, adv = _inputs(device, torch.float32, seed=2, B=4, T=40, H=32, V=48)
+    kw = dict(round_logits=True, lm_head_dtype=torch.bfloat16, final_logit_softcapping=softcap)
+    hh, ww = h.double().requires_grad_(), w.double().requires_grad_()
+    lp = reference_token_logprobs(hh, ww, ids, mask=mask, temperature=0.8, **kw).logprobs
+    # dapo, beta 0, on-policy: d loss / d lp = -adv / n_valid at the valid tokens
+    (-(adv.double()[:, None] * lp * mask).sum() / mask.sum()).backward()
+    errs = {}
+    for mode in ("recompute", "fused"):
+        leaves = [t.clone().requires_grad_() for t in (h, w)]
+        cfg = cg.GRPOConfig(loss_type="dapo", beta=0.0, gradient_mode=mode, temperature=0.8, **kw)
+        cg.grpo_loss(*leaves, ids, adv, mask, config=cfg).loss.backward()
+        errs[mode] = [_rel(t.grad, r) for t, r in zip(leaves, (hh.grad, ww.grad))]
+    for e_fused, e_rec in zip(errs["fused"], errs["recompute"]):
+        assert e_fused <= 2 * e_rec + 1e-6, errs
+
+
 def test_lm_head_dtype_rejects_other_dtypes():
     h, w, b, ids, mask, adv = _inputs("cpu", torch.float32)
     with pytest.raises(ValueError, match="lm_head_dtype"):

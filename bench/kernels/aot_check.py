@@ -109,9 +109,9 @@ def cases():
     yield ("exp-scaled c, c * X", kf._exp_prep_kernel, dict(BLOCK_R=pr, BLOCK_H=ph),
            pwarps, 1)
     en, ev, ewarps = fc.DLOGITS_TILE
-    for cap in (False, True):
-        yield (f"dlogits, fused in place, HAS_CAP={cap}", kf._fused_dlogits_kernel,
-               dict(HAS_CAP=cap, WITH_ENTROPY=True, NEED_DB=False, TILE_V=bv, BLOCK_N=en,
+    for cap, rnd in ((False, False), (True, False), (True, True)):
+        yield (f"dlogits, fused in place, HAS_CAP={cap}, ROUND={rnd}", kf._fused_dlogits_kernel,
+               dict(HAS_CAP=cap, ROUND=rnd, WITH_ENTROPY=True, NEED_DB=False, TILE_V=bv, BLOCK_N=en,
                     BLOCK_V=ev), ewarps, 1)
     wc, wh, wk, wwarps, wstages = dw
     for out in (False, True):

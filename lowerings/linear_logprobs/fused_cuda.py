@@ -120,10 +120,11 @@ def _dw_ws_ok(ws: Tensor, tma_out: bool) -> bool:
     return DW_WS and tma_out and ws.is_cuda and _hopper(ws.device.index)
 
 
-def _z_view(ws: Tensor) -> Tensor:
+def _z_view(ws: Tensor, rounds: bool = False) -> Tensor:
     """The stored logits' dtype view of ws: fp16 for 16-bit operands (11 significant bits for
-    d = z - max; bf16 keeps 8), ws itself for fp32."""
-    return ws.view(torch.float16) if ws.element_size() == 2 else ws
+    d = z - max; bf16 keeps 8), ws itself for fp32; with rounds (round_logits: the forward
+    stores the rounded logit, a value of the operands' dtype that ws has) ws itself."""
+    return ws.view(torch.float16) if ws.element_size() == 2 and not rounds else ws
 
 
 def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[Tensor],
@@ -153,7 +154,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     _fwd_kernel[(n_blocks * splits,)](
         xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
         xg.stride(0), w.stride(0), *scal, cols, n_blocks, splits, 0, rows,
-        ws if scaled else _z_view(ws), zoff, ws.stride(0), zoff.stride(0),
+        ws if scaled else _z_view(ws, _dense.rounds(x, round_logits)), zoff, ws.stride(0), zoff.stride(0),
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
         ROUND=_dense.rounds(x, round_logits), WITH_ENTROPY=with_entropy,
         HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
@@ -178,8 +179,9 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                    rows: int, temperature: float, with_entropy: bool, logit_scale: float,
                    softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool,
                    ref: Tensor, scaled: bool, round_logits: bool = False) -> None:
-    # round_logits needs nothing here: the stored logits are the rounded ones, and the dlogits
-    # go into ws in the operands' 16-bit dtype before the dX / dW GEMMs
+    # round_logits: the forward stored the rounded logits themselves (exact in ws's 16-bit dtype),
+    # the dlogits pass recomputes z from them as the forward did, and the dlogits go into ws in
+    # that dtype before the dX / dW GEMMs (the logits gradient rounded, as TRL's head)
     if rows == 0:
         if need_w and b == counts.shape[0] - 1:   # the first block run (fused.py: last to first)
             dw.zero_()
@@ -189,7 +191,8 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     tma = _dense._use_tma(xg, w)
     prec = _dense.dot_precision(ws.dtype)
     count = counts.narrow(0, b, 1)
-    inv_temp, _, cap_post = _dense._scalars(temperature, logit_scale, softcap)
+    inv_temp, cap_pre, cap_post = _dense._scalars(temperature, logit_scale, softcap)
+    rounds = _dense.rounds(w, round_logits)
     ids_b = ids_p.narrow(0, r0, rows)
     if scaled:   # ws holds e' already (block_forward): c, and X's rows times c for the dW step
         assert not need_b and softcap is None
@@ -203,9 +206,9 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         n_rb = cdiv(rows, en)
         dbp = ws.new_empty((n_rb, v), dtype=torch.float32) if need_b else zoff   # [R'/BN, V]
         _fused_dlogits_kernel[(n_rb, cdiv(v, ev))](
-            _z_view(ws), ws, zoff, ids_b, lse, ent, g_lp, g_ent, dbp, count, rows, v,
-            ws.stride(0), zoff.stride(0), inv_temp, cap_post, HAS_CAP=softcap is not None,
-            WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_dense.TILES[1], BLOCK_N=en,
+            _z_view(ws, rounds), ws, zoff, ids_b, lse, ent, g_lp, g_ent, dbp, count, rows, v,
+            ws.stride(0), zoff.stride(0), inv_temp, cap_pre, cap_post, HAS_CAP=softcap is not None,
+            ROUND=rounds, WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_dense.TILES[1], BLOCK_N=en,
             BLOCK_V=ev, num_warps=ewarps)
     gemm_tiles = _rows.step_tiles(ws.element_size())[0]
     # an fp32 dW of 16-bit operands (lm_head_dtype): the fp32 epilogue tile needs the 4-byte

@@ -8,17 +8,20 @@ S the dX step's split count over V.
 import triton
 import triton.language as tl
 
-from lowerings.linear_logprobs.kernels.logits import _desc, _dz_tile, _swizzle_id, _tile, _valid_rows
+from lowerings.linear_logprobs.kernels.logits import (_desc, _dz_tile, _swizzle_id, _tile, _transform,
+                                                      _valid_rows)
 
 
 @triton.jit
 def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
-                          dbp_ptr, count_ptr, n_rows, V, stride_ws, n_ztiles, inv_temp, cap_post,
-                          HAS_CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr,
+                          dbp_ptr, count_ptr, n_rows, V, stride_ws, n_ztiles, inv_temp, cap_pre,
+                          cap_post, HAS_CAP: tl.constexpr, ROUND: tl.constexpr,
+                          WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr,
                           TILE_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     """The fused-gradient path's dlogits, in place: for the n = clamp(count, 0, n_rows) valid
     rows of a block, z = d + zoff[row, col // TILE_V] from the stored logits tile (z, written by
-    _fwd_kernel with STORE_Z), then ws[r, c] = dz as _dlogits_kernel forms it (no lse grad),
+    _fwd_kernel with STORE_Z; with ROUND, z = _transform(a) of the stored rounded logit a: the
+    forward's z exactly), then ws[r, c] = dz as _dlogits_kernel forms it (no lse grad),
     in ws's dtype at the same address (z and ws are two dtype views of one buffer: each element
     is read before it is overwritten, by the same program). dbp[pid_n, c]: column sums for
     d_bias. Rows past n are neither read nor written (the GEMM steps stop at n)."""
@@ -37,7 +40,9 @@ def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, gl
     mask = row_mask[:, None] & col_mask[None, :]
     offs = rows.to(tl.int64)[:, None] * stride_ws + cols[None, :]
     d = tl.load(z_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    if TILE_V % BLOCK_V == 0:   # one stored max per row in this tile: a [BLOCK_N] load
+    if ROUND:
+        z, y = _transform(d, inv_temp, cap_pre, cap_post, HAS_CAP)
+    elif TILE_V % BLOCK_V == 0:   # one stored max per row in this tile: a [BLOCK_N] load
         off = tl.load(zoff_ptr + rows.to(tl.int64) * n_ztiles + (pid_v * BLOCK_V) // TILE_V,
                       mask=row_mask, other=0.0)
         z = d + off[:, None]
@@ -45,13 +50,14 @@ def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, gl
         off = tl.load(zoff_ptr + rows.to(tl.int64)[:, None] * n_ztiles + (cols // TILE_V)[None, :],
                       mask=mask, other=0.0)
         z = d + off
+    if not ROUND:
+        if HAS_CAP:   # tanh(a s / c) = z / cap_post (z = c y / T)
+            y = z / tl.cast(cap_post, tl.float32)
+        else:
+            y = z
     ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
-    if HAS_CAP:   # tanh(a s / c) = z / cap_post (z = c y / T)
-        y = z / tl.cast(cap_post, tl.float32)
-    else:
-        y = z
     dz = _dz_tile(z, y, cols, ids, lse, g_lp, g_lp, gent_ptr, ent_ptr, rows, row_mask, inv_temp,
                   HAS_CAP, WITH_ENTROPY)
     dz = tl.where(mask, dz, 0.0)

@@ -71,7 +71,7 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
                  HAS_CAP: tl.constexpr, ROUND: tl.constexpr, RDTYPE: tl.constexpr,
                  DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(z, y), fp32 [BLOCK_N, BLOCK_V]: with a = x[rows] @ w[cols].T + b[cols] and the model's
+    """(z, y, a), fp32 [BLOCK_N, BLOCK_V]: with a = x[rows] @ w[cols].T + b[cols] and the model's
     logit_scale s, softcap c and temperature T,
         HAS_CAP:  y = tanh(a * cap_pre), z = y * cap_post   (cap_pre = s / c, cap_post = c / T)
         else:     z = y = a * inv_temp                      (inv_temp = s / T)
@@ -108,11 +108,20 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
             acc = (acc + b.to(RDTYPE).to(tl.float32)[None, :]).to(RDTYPE).to(tl.float32)
         else:
             acc += b.to(tl.float32)[None, :]
+    z, y = _transform(acc, inv_temp, cap_pre, cap_post, HAS_CAP)
+    return z, y, acc
+
+
+@triton.jit
+def _transform(a, inv_temp, cap_pre, cap_post, HAS_CAP: tl.constexpr):
+    """(z, y) of a logits tile a (fp32): the model's scale, cap and temperature as
+    _logits_tile states them. One definition: the fused path's dlogits pass recomputes z from a
+    stored rounded a with it (round_logits), bit for bit the forward's z."""
     if HAS_CAP:
-        y = _tanh(acc * tl.cast(cap_pre, tl.float32))
+        y = _tanh(a * tl.cast(cap_pre, tl.float32))
         return y * tl.cast(cap_post, tl.float32), y
     else:
-        z = acc * tl.cast(inv_temp, tl.float32)
+        z = a * tl.cast(inv_temp, tl.float32)
         return z, z
 
 
@@ -180,7 +189,9 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     relative to the running row max after it, d = z - m_sh <= 0, in z's dtype (fp16 for 16-bit
     operands), and m_sh to zoff[row, tile] fp32 [N, n_ztiles]: z = d + zoff exactly where p
     is large (d near 0), and an error |d| * 2^-11 where p <= e^d is small (stored from the
-    MMA's registers: a TMA store through shared memory measured no faster, H100).
+    MMA's registers: a TMA store through shared memory measured no faster, H100). With ROUND the
+    tile goes to z as the rounded logit a (exact in the 16-bit RDTYPE that z then has), so the
+    dlogits pass recomputes the forward's z bit for bit, as the recompute path and TRL's head do.
     FLATTEN: one flattened (vocab tile, K step) loop, so the pipeliner can issue the next
     tile's operand loads during this tile's statistics epilogue (cuda.FWD_FLATTEN).
     (No parameter has a default: the recompute op's traced launches (launch.py) name
@@ -214,7 +225,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
         col0 = split * cols_per_split + i
         cols = col0 + tl.arange(0, BLOCK_V)
         col_mask = cols < V
-        z, _ = _logits_tile(x_src, w_src, b_ptr, pid_n * BLOCK_N, col0, rows, cols, row_mask,
+        z, _, a = _logits_tile(x_src, w_src, b_ptr, pid_n * BLOCK_N, col0, rows, cols, row_mask,
                             col_mask, H, stride_x, stride_w, inv_temp, cap_pre, cap_post,
                             HAS_BIAS, HAS_CAP, ROUND, x_ptr.dtype.element_ty, DOT_PREC, USE_TMA,
                             BLOCK_N, BLOCK_V, BLOCK_K)
@@ -223,6 +234,8 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
         if STORE_Z:
             zmask = row_mask[:, None] & col_mask[None, :]
             val, r_t = _tile_out(d, e, m_sh, ref, STORE_E, E_HEADROOM)
+            if ROUND:   # the rounded logit a itself: exact in z's dtype (RDTYPE, fused_cuda._z_view)
+                val = a
             tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
                      val.to(z_ptr.dtype.element_ty), mask=zmask)
             # (a tile wholly past V, in the last split, has no slot: its index is n_ztiles)
@@ -288,7 +301,7 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
     row_mask = local_rows < n_valid
     x_src, w_src = _operands(x_ptr, w_ptr, N, V, H, stride_x, stride_w, USE_TMA, BLOCK_N,
                              BLOCK_V, BLOCK_K)
-    z, y = _logits_tile(x_src, w_src, b_ptr, x_row_first + pid_n * BLOCK_N, v_first + pid_v * BLOCK_V,
+    z, y, _ = _logits_tile(x_src, w_src, b_ptr, x_row_first + pid_n * BLOCK_N, v_first + pid_v * BLOCK_V,
                         x_row_first + local_rows, cols, row_mask, col_mask, H, stride_x, stride_w, inv_temp,
                         cap_pre, cap_post, HAS_BIAS, HAS_CAP, ROUND, x_ptr.dtype.element_ty, DOT_PREC,
                         USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
