@@ -89,6 +89,9 @@ def cases():
     yield ("forward, fused, no entropy", k._fwd_kernel,
            dict(logit, **fused_fwd, WITH_ENTROPY=False, HAS_COUNT=True, STORE_Z=True,
                 FLATTEN=dense.FWD_FLATTEN), warps, stages)
+    yield ("forward, fused, ROUND (round_logits)", k._fwd_kernel,
+           dict(logit, **fused_fwd, ROUND=True, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN),
+           warps, stages)
     for ent in (True, False):   # the exp-scaled backward's forward (fused.exp_scaled)
         yield (f"forward, fused, STORE_E, WITH_ENTROPY={ent}", k._fwd_kernel,
                dict(logit, **fused_fwd, WITH_ENTROPY=ent, HAS_COUNT=True, STORE_Z=True,

@@ -71,7 +71,8 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
                  HAS_CAP: tl.constexpr, ROUND: tl.constexpr, RDTYPE: tl.constexpr,
                  DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(z, y, a), fp32 [BLOCK_N, BLOCK_V]: with a = x[rows] @ w[cols].T + b[cols] and the model's
+    """(z, y, a16) [BLOCK_N, BLOCK_V], z and y fp32 (a16: the ROUND tile a in RDTYPE, else a in fp32):
+    with a = x[rows] @ w[cols].T + b[cols] and the model's
     logit_scale s, softcap c and temperature T,
         HAS_CAP:  y = tanh(a * cap_pre), z = y * cap_post   (cap_pre = s / c, cap_post = c / T)
         else:     z = y = a * inv_temp                      (inv_temp = s / T)
@@ -100,16 +101,19 @@ def _logits_tile(x_src, w_src, b_ptr, row0, col0, rows, cols, row_mask, col_mask
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+    a16 = acc   # ROUND: the rounded logits in RDTYPE (the fused forward stores them as they are)
     if ROUND:
-        acc = acc.to(RDTYPE).to(tl.float32)
+        a16 = acc.to(RDTYPE)
+        acc = a16.to(tl.float32)
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=col_mask, other=0.0)
         if ROUND:
-            acc = (acc + b.to(RDTYPE).to(tl.float32)[None, :]).to(RDTYPE).to(tl.float32)
+            a16 = (acc + b.to(RDTYPE).to(tl.float32)[None, :]).to(RDTYPE)
+            acc = a16.to(tl.float32)
         else:
             acc += b.to(tl.float32)[None, :]
     z, y = _transform(acc, inv_temp, cap_pre, cap_post, HAS_CAP)
-    return z, y, acc
+    return z, y, a16
 
 
 @triton.jit
@@ -191,7 +195,8 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     is large (d near 0), and an error |d| * 2^-11 where p <= e^d is small (stored from the
     MMA's registers: a TMA store through shared memory measured no faster, H100). With ROUND the
     tile goes to z as the rounded logit a (exact in the 16-bit RDTYPE that z then has), so the
-    dlogits pass recomputes the forward's z bit for bit, as the recompute path and TRL's head do.
+    dlogits pass recomputes the forward's z bit for bit, as the recompute path and TRL's head do
+    (zoff is then not written: nothing reads it).
     FLATTEN: one flattened (vocab tile, K step) loop, so the pipeliner can issue the next
     tile's operand loads during this tile's statistics epilogue (cuda.FWD_FLATTEN).
     (No parameter has a default: the recompute op's traced launches (launch.py) name
@@ -231,11 +236,13 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
                             BLOCK_N, BLOCK_V, BLOCK_K)
         z = tl.where(col_mask[None, :], z, float("-inf"))
         m, s, t, zt, m_sh, d, e = _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY)
-        if STORE_Z:
+        if STORE_Z and ROUND:   # the rounded logit a itself, exact in z's dtype (RDTYPE,
+            # fused_cuda._z_view)
+            tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
+                     a.to(z_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        if STORE_Z and not ROUND:
             zmask = row_mask[:, None] & col_mask[None, :]
             val, r_t = _tile_out(d, e, m_sh, ref, STORE_E, E_HEADROOM)
-            if ROUND:   # the rounded logit a itself: exact in z's dtype (RDTYPE, fused_cuda._z_view)
-                val = a
             tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
                      val.to(z_ptr.dtype.element_ty), mask=zmask)
             # (a tile wholly past V, in the last split, has no slot: its index is n_ztiles)
