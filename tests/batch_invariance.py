@@ -36,38 +36,39 @@ def _same(name: str, got: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, o
     out[name] = int(((g != r) & ~(g.isnan() & r.isnan())).sum())
 
 
-def reference(hidden, weight, ids, mask, with_entropy=True):
+def reference(hidden, weight, ids, mask, with_entropy=True, **precision):
     """Each sequence alone: token_logprobs([1, T], its mask) -> (logprobs, entropy) [B, T]."""
     lp, ent = torch.zeros(ids.shape, device=ids.device), torch.zeros(ids.shape, device=ids.device)
     with torch.no_grad():
         for i in range(ids.shape[0]):
             o = cg.token_logprobs(hidden[i:i + 1], weight, ids[i:i + 1], mask=mask[i:i + 1],
-                                  with_entropy=with_entropy)
+                                  with_entropy=with_entropy, **precision)
             lp[i], ent[i] = o.logprobs[0], o.entropy[0]
     return lp, ent
 
 
 def mismatches(hidden, weight, ids, mask, adv, compile_fn: Callable = torch.compile,
-               modes=("fused", "recompute"), singles: int = 4) -> dict:
+               modes=("fused", "recompute"), singles: int = 4, **precision) -> dict:
     """{way of computing: valid positions whose log-prob or entropy differs from the reference}.
-    Every value 0 is batch invariance."""
+    Every value 0 is batch invariance. ``precision``: lm_head precision settings (round_logits,
+    lm_head_dtype, fp32_lm_head) passed to every call alike."""
     out: dict = {}
-    lp0, ent0 = reference(hidden, weight, ids, mask)
+    lp0, ent0 = reference(hidden, weight, ids, mask, **precision)
     b, t = ids.shape
     with torch.no_grad():
         for name, kw in (("padded", dict(mask=mask)), ("no mask", {})):
-            o = cg.token_logprobs(hidden, weight, ids, with_entropy=True, **kw)
+            o = cg.token_logprobs(hidden, weight, ids, with_entropy=True, **kw, **precision)
             _same(f"token_logprobs {name}: logprobs", o.logprobs, lp0, mask, out)
             _same(f"token_logprobs {name}: entropy", o.entropy, ent0, mask, out)
         # batch size: the first k sequences, and single rows (N = 1) at a few positions
         for k in sorted({1, max(1, b // 2), b - 1} - {0}):
-            o = cg.token_logprobs(hidden[:k], weight, ids[:k], mask=mask[:k], with_entropy=True)
+            o = cg.token_logprobs(hidden[:k], weight, ids[:k], mask=mask[:k], with_entropy=True, **precision)
             _same(f"token_logprobs first {k} sequences", o.logprobs, lp0[:k], mask[:k], out)
         g = torch.Generator().manual_seed(1)
         for _ in range(singles):
             i, j = int(torch.randint(b, (1,), generator=g)), 0
             j = int(torch.randint(int(mask[i].sum()), (1,), generator=g))
-            o = cg.token_logprobs(hidden[i, j:j + 1], weight, ids[i, j:j + 1], with_entropy=True)
+            o = cg.token_logprobs(hidden[i, j:j + 1], weight, ids[i, j:j + 1], with_entropy=True, **precision)
             out.setdefault("token_logprobs one row (N = 1)", 0)
             out["token_logprobs one row (N = 1)"] += int((o.logprobs[0] != lp0[i, j]) |
                                                          (o.entropy[0] != ent0[i, j]))
@@ -75,12 +76,12 @@ def mismatches(hidden, weight, ids, mask, adv, compile_fn: Callable = torch.comp
         lens = mask.sum(1)
         cu = torch.zeros(b + 1, dtype=torch.int32, device=ids.device)
         cu[1:] = torch.cumsum(lens, 0)
-        o = cg.token_logprobs(hidden[mask], weight, ids[mask], cu_seqlens=cu, with_entropy=True)
+        o = cg.token_logprobs(hidden[mask], weight, ids[mask], cu_seqlens=cu, with_entropy=True, **precision)
         flat = torch.ones(int(lens.sum()), dtype=torch.bool, device=ids.device)
         _same("token_logprobs packed: logprobs", o.logprobs, lp0[mask], flat, out)
         _same("token_logprobs packed: entropy", o.entropy, ent0[mask], flat, out)
         # compiled token_logprobs
-        f = compile_fn(lambda *a: cg.token_logprobs(*a[:3], mask=a[3], with_entropy=True),
+        f = compile_fn(lambda *a: cg.token_logprobs(*a[:3], mask=a[3], with_entropy=True, **precision),
                        fullgraph=True)
         o = f(hidden, weight, ids, mask)
         _same("token_logprobs compiled: logprobs", o.logprobs, lp0, mask, out)
@@ -89,7 +90,7 @@ def mismatches(hidden, weight, ids, mask, adv, compile_fn: Callable = torch.comp
     # the ratio is exactly 1), in each gradient mode, eager and compiled, padded and packed
     w = weight.detach().requires_grad_()
     for mode in modes:
-        cfg = cg.GRPOConfig(loss_type="dapo", gradient_mode=mode, metrics="with_entropy")
+        cfg = cg.GRPOConfig(loss_type="dapo", gradient_mode=mode, metrics="with_entropy", **precision)
         r = cg.grpo_loss(hidden, w, ids, adv, mask, lp0, config=cfg)
         _same(f"grpo_loss {mode}: logprobs", r.logprobs, lp0, mask, out)
         _same(f"grpo_loss {mode}: entropy", r.entropy, ent0, mask, out)

@@ -12,13 +12,16 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("shape", [(16, 1024, 4096, 151936), (8, 300, 896, 151936)],
-                         ids=["qwen3-8b", "qwen2.5-0.5b"])
-def test_rows_bitwise_independent_of_the_batch_gpu(shape):
+@pytest.mark.parametrize("shape,precision", [
+    ((16, 1024, 4096, 151936), {}), ((8, 300, 896, 151936), {}),
+    # the TRL drop-in's setting under bf16: fp32 leaves multiplied in bf16, logits rounded
+    ((8, 300, 896, 151936), dict(round_logits=True, lm_head_dtype=torch.bfloat16))],
+    ids=["qwen3-8b", "qwen2.5-0.5b", "qwen2.5-0.5b-round-logits"])
+def test_rows_bitwise_independent_of_the_batch_gpu(shape, precision):
     b, t, h, v = shape
     torch._dynamo.reset()
-    batch = make_batch(b, t, h, v, torch.bfloat16, "cuda")
-    out = mismatches(*batch)
+    batch = make_batch(b, t, h, v, torch.float32 if precision else torch.bfloat16, "cuda")
+    out = mismatches(*batch, **precision)
     assert out and all(n == 0 for n in out.values()), {k: n for k, n in out.items() if n}
 
 
