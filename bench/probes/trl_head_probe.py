@@ -1,6 +1,6 @@
 """The drop-in's lm_head under bf16 autocast against TRL 1.16's fused head, op level, one GPU.
 
-    python -m bench.probes.trl_head_probe
+    python -m bench.probes.trl_head_probe [--more]
 
 TRL's ChunkedLogProbFunction under torch.autocast(bf16) (logits tiles rounded to bf16 by cuBLAS,
 their gradient rounded to bf16, fp32 dX / dW) against compiled_grpo with round_logits=True and
@@ -13,6 +13,8 @@ the same roundings (logits rounded to bf16, the logits gradient rounded to bf16,
 a difference can be told apart from an error: the shapes of the TRL test model (H=32, V=48) and
 of a small LM.
 """
+import sys
+
 import torch
 
 import compiled_grpo as cg
@@ -38,7 +40,11 @@ def _rel(a, b):
 
 def main():
     dev = "cuda" if torch.cuda.is_available() else "cpu"   # CPU: a smoke run of the script
-    for name, (N, H, V) in {"TRL test model": (160, 32, 48), "small LM": (4096, 1024, 32000) if dev == "cuda" else (64, 64, 512)}.items():
+    shapes = {"TRL test model": (160, 32, 48), "small LM": (4096, 1024, 32000) if dev == "cuda" else (64, 64, 512)}
+    if "--more" in sys.argv and dev == "cuda":   # the fused dX step's split count follows the rows
+        shapes.update({"small LM, 1024 rows": (1024, 1024, 32000), "small LM, 512 rows": (512, 1024, 32000),
+                       "qwen3-0.6b head, 4096 rows": (4096, 1024, 151936)})
+    for name, (N, H, V) in shapes.items():
         gen = torch.Generator().manual_seed(0)
         h = torch.randn(N, H, generator=gen).to(dev)
         w = (torch.randn(V, H, generator=gen) / H ** 0.5).to(dev)
