@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import lowerings.naive_fusion as nf
-from naive_fusion_harness import (B, H, PLACEHOLDER_OP, T, V, check, fired,  # noqa: F401
+from naive_fusion_harness import (B, H, T, V, check, fired,  # noqa: F401
                                   fusion_on, logp_of, make, nv_buffers, run_case)
 
 
@@ -164,9 +164,6 @@ FROZEN = [(f, e) for f, e in SPELLINGS if f in (matmul_T, bias_linear, cross_ent
 def test_spelling(fn, expect, frozen):
     sources = check(fn, expect, make_kw={"frozen": frozen, "ignore": "cross" in fn.__name__})
     hits = nv_buffers(sources)
-    if hits and PLACEHOLDER_OP:
-        pytest.xfail("lowerings.linear_logprobs is still the TEMPORARY placeholder that "
-                     "materializes the logits")
     assert not hits, hits
 
 
@@ -186,7 +183,7 @@ def test_spelling_cuda(fn):
 def test_inference_no_grad():
     with torch.no_grad():
         sources = check(logprob_and_entropy, (1, 1), grads=False)
-    assert not nv_buffers(sources) or PLACEHOLDER_OP
+    assert not nv_buffers(sources), nv_buffers(sources)
 
 
 def test_checker_sees_naive_logits():

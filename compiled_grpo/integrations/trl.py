@@ -46,10 +46,11 @@ with vLLM importance sampling and ``vllm_importance_sampling_clip_min > 1`` or `
 (TRL's ratio is then not 1 at padded positions and its gamma weight sums their logs; compiled_grpo
 reads valid tokens only), MoE router aux loss (``router_aux_loss_coef`` on a model with
 ``output_router_logits``), vision-language models, DeepSpeed ZeRO-3 (the op recomputes logits from
-the weight in its backward, outside the ZeRO-3 gather). Written for but not tested end to end
-(single CPU process is what CI runs): DDP / multi-GPU (the forward runs through the wrapped model,
-metrics are reduced as TRL does), FSDP2 (the lm_head weight is gathered with ``full_tensor`` as TRL
-does), PEFT without an lm_head adapter, vLLM generation with ``vllm_importance_sampling_correction``:
+the weight in its backward, outside the ZeRO-3 gather). Tested end to end against stock TRL:
+one process (CPU, in CI) and accelerate's multi-process data parallel on 2 processes (gloo on CPU
+in CI; NCCL on 2 GPUs, bf16 and fp32: tests/trl_multiprocess.py), every logged metric step by step.
+Written for but not tested end to end: FSDP2 (the lm_head weight is gathered with ``full_tensor``
+as TRL does), PEFT without an lm_head adapter, vLLM generation with ``vllm_importance_sampling_correction``:
 TRL forms the weight at generation (``inputs["importance_sampling_ratio"]``) and the trainer passes
 it to ``grpo_loss`` as ``sampling_ratio`` (a factor of the policy term; vespo: its log enters phi),
 with compiled_grpo's own ``vllm_importance_sampling_correction`` off so it is applied once;
