@@ -130,18 +130,20 @@ def _profile(step, rank: int, out: str, label: str):
     """torch.profiler over 3 steps of one row on every rank (the collectives need all of them);
     rank 0 writes the kernel table by device time and a Chrome trace under out/."""
     from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
     for _ in range(2):
         step()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(3):
             step()
-        sync(torch.device("cuda"))
+        sync(torch.device("cuda" if cuda else "cpu"))
     if rank == 0:
         os.makedirs(out, exist_ok=True)
         stem = os.path.join(out, label.replace(" ", "_").replace("=", ""))
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=40)
         with open(stem + ".txt", "w") as f:
-            f.write(f"# {label}: 3 steps, torch.profiler, sorted by self CUDA time\n{table}\n")
+            f.write(f"# {label}: 3 steps, torch.profiler, sorted by {key}\n{table}\n")
         prof.export_chrome_trace(stem + ".json")
         print(f"profile of {label}: {stem}.txt")
 

@@ -40,15 +40,17 @@ def test_nccl_tp(world, args):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU (gloo) run of bench/tp.py; test_nccl_tp is its GPU twin")
-def test_gloo_tp_bench_cpu_tiny():
+def test_gloo_tp_bench_cpu_tiny(tmp_path):
     """bench/tp.py on 2 CPU processes over gloo at cpu-tiny, padded and packed (cu_seqlens), each
     with GSPO, a bias and a softcap: every rank's dW (and d_bias) shard, TP recompute and fused,
     eager and compiled, and the compiled TP=1 row agree with TP=1 recompute eager (~25 s on 2
-    cores)."""
+    cores); --profile writes a profiler table and trace of the TP fused compiled rows."""
     out = _run_tp_bench(2, ["--shape", "cpu-tiny", "cpu-tiny-packed", "--variants", "base", "gspo", "bias",
-                            "softcap"], 900)
+                            "softcap", "--profile", str(tmp_path)], 900)
     assert out.count("| tp=2 fused compiled |") == 8 and "tp=1 recompute compiled" in out
     assert "dW shard rel, each rank" in out and "KiB sent a step" in out
+    assert (tmp_path / "cpu-tiny_base_tp2_fused_compiled.txt").exists()
+    assert (tmp_path / "cpu-tiny-packed_softcap_tp2_fused_compiled.json").exists()
 
 
 def _run_fsdp_bench(extra, timeout):
