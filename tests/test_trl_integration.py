@@ -366,3 +366,16 @@ def test_two_gpus_parity_with_trl(bf16, tmp_path):
     logits and their gradient rounded to bf16) and fp32; 2 x H200: worst 1.7e-7 and 3.2e-6
     (bench/results/trl_dropin_2gpu_h200x4_4ff4024.txt)."""
     _run_trl_multiprocess(tmp_path, ["--cuda"] + (["--bf16"] if bf16 else []))
+
+
+def test_trl_head_probe_runs_on_cpu(capsys):
+    """bench/probes/trl_head_probe.py (the drop-in's head against TRL's ChunkedLogProbFunction
+    under bf16 autocast; its GPU runs are in bench/results) on CPU: every path equal to TRL's
+    head there, as both run the same fp32 addmm."""
+    from bench.probes import trl_head_probe
+    trl_head_probe.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "run |" not in line]
+    assert len(rows) == 8
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1:5] == ["0.0e+00", "0", "0.0e+00", "0.0e+00"], line

@@ -66,8 +66,9 @@ def main():
                 lp = cg.token_logprobs(hh[None], ww, ids[None], **kw).logprobs[0]
                 (lp * g).sum().backward()
             else:
-                out = cg.grpo_loss(hh[None], ww, ids[None], adv[None], torch.ones(1, N, dtype=torch.bool, device=dev),
-                                   config=cg.GRPOConfig(loss_type="dapo", beta=0.0, gradient_mode=mode, **kw))
+                every = torch.ones(1, N, dtype=torch.bool, device=dev)
+                cfg = cg.GRPOConfig(loss_type="dapo", beta=0.0, gradient_mode=mode, **kw)
+                out = cg.grpo_loss(hh[None], ww, ids[None], adv[None], every, config=cfg)
                 out.loss.backward()
                 lp = out.logprobs[0]
             return lp.detach(), hh.grad, ww.grad
@@ -75,14 +76,15 @@ def main():
         ref = _rounded_model(h, w, ids, g)
         runs = {"trl": trl(), **{m: ours(m) for m in ("token_logprobs", "recompute", "fused")}}
         t = runs["trl"]
-        print(f"\n{name}: N={N} H={H} V={V}, {torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}, torch {torch.__version__}")
+        where = torch.cuda.get_device_name() if dev == "cuda" else "CPU"
+        print(f"\n{name}: N={N} H={H} V={V}, {where}, torch {torch.__version__}")
         print("| run | lp max diff vs TRL | rows differing | dX rel vs TRL | dW rel vs TRL "
               "| lp err vs model | dX err vs model | dW err vs model |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for k, (lp, dx, dw) in runs.items():
-            print(f"| {k} | {(lp - t[0]).abs().max().item():.1e} | {int((lp != t[0]).sum())} | {_rel(dx, t[1]):.1e} "
-                  f"| {_rel(dw, t[2]):.1e} | {(lp.double() - ref[0]).abs().max().item():.1e} | {_rel(dx, ref[1]):.1e} "
-                  f"| {_rel(dw, ref[2]):.1e} |")
+            lp_diff, lp_err = (lp - t[0]).abs().max().item(), (lp.double() - ref[0]).abs().max().item()
+            print(f"| {k} | {lp_diff:.1e} | {int((lp != t[0]).sum())} | {_rel(dx, t[1]):.1e} | {_rel(dw, t[2]):.1e} "
+                  f"| {lp_err:.1e} | {_rel(dx, ref[1]):.1e} | {_rel(dw, ref[2]):.1e} |")
 
 
 if __name__ == "__main__":
