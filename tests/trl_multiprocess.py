@@ -5,12 +5,12 @@ logged metric step by step (tests/test_trl_integration.py's assert_same_logs) an
 "TRL MULTIPROCESS: PASS". Used by test_trl_integration.py::test_two_processes_parity_with_trl.
 
     OUTDIR=<dir> torchrun --standalone --nproc_per_node 2 tests/trl_multiprocess.py [--bf16] [--cuda]
-        [--lr LR] [--trl-vs-trl]
+        [--lr LR] [--temperature T] [--trl-vs-trl]
 
 --cuda: one GPU a process (accelerate's NCCL process group, use_cpu=False), the drop-in on its CUDA
 kernels against TRL's own head on cuBLAS (bf16 too: within 2e-4, as on CPU; 1.7e-7 measured on
 2 x H200, bench/results/trl_dropin_2gpu_h200x4_4ff4024.txt).
---lr: another learning rate (default: the test's 3e-2). --trl-vs-trl: stock TRL against stock TRL
+--lr, --temperature: another learning rate (default: the test's 3e-2) or sampling temperature (1.0). --trl-vs-trl: stock TRL against stock TRL
 whose logits products are summed in another order (_addmm_ieee), in place of the drop-in.
 """
 import os
@@ -53,8 +53,9 @@ def main():
         time.sleep(0.1)
     overrides = dict(per_device_train_batch_size=8 // world, bf16="--bf16" in sys.argv,
                      use_cpu="--cuda" not in sys.argv)
-    if "--lr" in sys.argv:
-        overrides["learning_rate"] = float(sys.argv[sys.argv.index("--lr") + 1])
+    for flag, key in (("--lr", "learning_rate"), ("--temperature", "temperature")):
+        if flag in sys.argv:
+            overrides[key] = float(sys.argv[sys.argv.index(flag) + 1])
     ref = t.train(trl.GRPOTrainer, str(model), out / "trl", **overrides)
     if "--trl-vs-trl" in sys.argv:   # the noise floor: stock TRL against itself, another summation order
         mp = pytest.MonkeyPatch()
