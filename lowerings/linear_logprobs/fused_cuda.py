@@ -134,6 +134,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
                   scaled: bool, round_logits: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     x, w, prec = _dense._prepare(hidden, weight)   # no copies: fused.py cast them once
     bn, bv, bk, warps, stages = _dense.tiles(x)
+    rounds = _dense.rounds(x, round_logits)
     if rows == 0:
         return tuple(x.new_zeros(0, dtype=torch.float32) for _ in range(3))
     tma = _dense._use_tma(x, w)
@@ -154,9 +155,9 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     _fwd_kernel[(n_blocks * splits,)](
         xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
         xg.stride(0), w.stride(0), *scal, cols, n_blocks, splits, 0, rows,
-        ws if scaled else _z_view(ws, _dense.rounds(x, round_logits)), zoff, ws.stride(0), zoff.stride(0),
+        ws if scaled else _z_view(ws, rounds), zoff, ws.stride(0), zoff.stride(0),
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
-        ROUND=_dense.rounds(x, round_logits), WITH_ENTROPY=with_entropy,
+        ROUND=rounds, WITH_ENTROPY=with_entropy,
         HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_K=bk, GROUP_N=_dense.GROUP_N, FLATTEN=_dense.FWD_FLATTEN, ref_ptr=ref,
         STORE_E=scaled, E_HEADROOM=E_HEADROOM, num_warps=warps, num_stages=stages)
@@ -208,8 +209,8 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         _fused_dlogits_kernel[(n_rb, cdiv(v, ev))](
             _z_view(ws, rounds), ws, zoff, ids_b, lse, ent, g_lp, g_ent, dbp, count, rows, v,
             ws.stride(0), zoff.stride(0), inv_temp, cap_pre, cap_post, HAS_CAP=softcap is not None,
-            ROUND=rounds, WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_dense.TILES[1], BLOCK_N=en,
-            BLOCK_V=ev, num_warps=ewarps)
+            ROUND=rounds, WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_dense.TILES[1],
+            BLOCK_N=en, BLOCK_V=ev, num_warps=ewarps)
     gemm_tiles = _rows.step_tiles(ws.element_size())[0]
     # an fp32 dW of 16-bit operands (lm_head_dtype): the fp32 epilogue tile needs the 4-byte
     # tiles (the 2-byte ones with an fp32 dW tile overflow shared memory: 272 KiB, H200)
