@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from lowerings.linear_logprobs.kernels.logits import _desc, _tile
+from lowerings.linear_logprobs.kernels.tiles import _desc, _tile
 
 TILE_V = 256   # the forward's vocab tile: one scale per (row, TILE_V columns)
 

@@ -79,7 +79,7 @@ TILES = (128, 256, 64, 8, 3)
 # FMAs (20.0 s a qwen3-8b step on H200, bench/results/lm_head_precision_h200.txt). Their tiles
 # take half the BLOCK_K (see tiles()); "ieee" restores the FMA products.
 FP32_DOT = "tf32x3"
-GROUP_N = 16                # row blocks per program group (L2 reuse, see _swizzle)
+GROUP_N = 16                # row blocks per program group (L2 reuse, see kernels.tiles._swizzle)
 # The forward's vocab-tile loop flattened with its K loop (kernels.logits._fwd_kernel FLATTEN): H100,
 # qwen3-8b fused step, 39% valid (bench.kernels.fused --sweep fwd): forward 13.3 ms against 13.9-14.5,
 # step 40.2 against 41.0-41.2 ms. FWD_FLATTEN = False turns it off (tuning runs).

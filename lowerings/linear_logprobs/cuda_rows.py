@@ -53,7 +53,7 @@ def step_tiles(itemsize: int) -> tuple[tuple, tuple]:
     return GEMM_TILES[size], DW_TILES[size]
 
 
-GROUP_M = 8       # row (or vocab) blocks a program group shares in L2 (see kernels.logits._swizzle)
+GROUP_M = 8       # row (or vocab) blocks a program group shares in L2 (see kernels.tiles._swizzle)
 GATHER_ROWS, GATHER_H = 16, 256
 
 

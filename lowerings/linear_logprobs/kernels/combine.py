@@ -7,7 +7,7 @@ Legend: R' rows, S vocab splits of the forward (cuda.fwd_split_plan).
 import triton
 import triton.language as tl
 
-from lowerings.linear_logprobs.kernels.logits import _valid_rows
+from lowerings.linear_logprobs.kernels.tiles import _valid_rows
 from lowerings.linear_logprobs.launch import writes
 
 

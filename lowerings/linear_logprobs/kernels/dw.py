@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from lowerings.linear_logprobs.launch import writes
-from lowerings.linear_logprobs.kernels.logits import _desc, _swizzle, _swizzle_id, _tile, _valid_rows
+from lowerings.linear_logprobs.kernels.tiles import _desc, _swizzle, _swizzle_id, _tile, _valid_rows
 
 
 @writes("dw_ptr")

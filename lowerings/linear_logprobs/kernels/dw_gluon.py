@@ -30,12 +30,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from lowerings.linear_logprobs.kernels import logits as _k
+from lowerings.linear_logprobs.kernels import tiles as _k
 from lowerings.linear_logprobs.kernels import dw as _kdw
 
 # The Triton step's helpers, their bodies compiled as Gluon functions (one definition of the
 # valid rows, the skip rule and the tile order): kernels.dw._dw_rows / _dw_skips, and
-# kernels.logits._swizzle_id (GROUP_C vocab blocks share their xg columns in L2).
+# kernels.tiles._swizzle_id (GROUP_C vocab blocks share their xg columns in L2).
 _dw_rows = gluon.jit(_kdw._dw_rows.fn)
 _dw_skips = gluon.jit(_kdw._dw_skips.fn)
 _tile_of = gluon.jit(_k._swizzle_id.fn)

@@ -8,8 +8,8 @@ S the dX step's split count over V.
 import triton
 import triton.language as tl
 
-from lowerings.linear_logprobs.kernels.logits import (_desc, _dz_tile, _swizzle_id, _tile, _transform,
-                                                      _valid_rows)
+from lowerings.linear_logprobs.kernels.logits import _dz_tile, _transform
+from lowerings.linear_logprobs.kernels.tiles import _desc, _swizzle_id, _tile, _valid_rows
 
 
 @triton.jit

@@ -1,0 +1,59 @@
+"""Tile addressing shared by every kernel of linear_logprobs: the grouped program order
+(_swizzle), the device-side valid-row count (_valid_rows), and operands read as zero-filled
+tiles through TMA descriptors or masked pointer loads (_desc, _tile).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _swizzle(n_blocks, n_other, GROUP_N: tl.constexpr):
+    """1-D program id -> (row block, other index), GROUP_N row blocks at a time. The ~132
+    resident programs then share GROUP_N row blocks of X and ~132/GROUP_N column tiles of W
+    (16 MiB + 8 * 2 MiB at GROUP_N=16, BV=256: inside the 50 MB L2) instead of each streaming
+    its own 1 MiB of X rows from HBM for every vocab tile (forward 45 -> 41 ms on H200)."""
+    return _swizzle_id(tl.program_id(0), n_blocks, n_other, GROUP_N)
+
+
+@triton.jit
+def _swizzle_id(pid, n_blocks, n_other, GROUP_N: tl.constexpr):
+    """_swizzle of a given tile id (persistent kernels walk several)."""
+    width = GROUP_N * n_other
+    first = (pid // width) * GROUP_N
+    size = tl.minimum(n_blocks - first, GROUP_N)
+    return first + (pid % width) % size, (pid % width) // size
+
+
+@triton.jit
+def _valid_rows(count_ptr, row0, n_rows, HAS_COUNT: tl.constexpr):
+    """Rows [0, n_rows) from row0 of a valid-first order, of which the first count (a device
+    int32 scalar) are valid: clamp(count - row0, 0, n_rows); n_rows without a count."""
+    if HAS_COUNT:
+        return tl.minimum(tl.maximum(tl.load(count_ptr) - row0, 0), n_rows)
+    else:
+        return n_rows
+
+
+@triton.jit
+def _desc(ptr, rows, cols, stride, USE_TMA: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """A [rows, cols] row-major operand (row stride `stride`) read in [BR, BC] tiles that are
+    zero outside it: a TMA descriptor of that shape (its zero fill does the masking) or the
+    pointer itself (_tile masks)."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(ptr, shape=[rows, cols], strides=[stride, 1],
+                                         block_shape=[BR, BC])
+    else:
+        return ptr
+
+
+@triton.jit
+def _tile(src, r0, c0, rows, cols, stride, USE_TMA: tl.constexpr, BR: tl.constexpr,
+          BC: tl.constexpr):
+    """Tile [r0 : r0 + BR, c0 : c0 + BC] of a _desc operand, zero outside [rows, cols]."""
+    if USE_TMA:
+        return src.load([r0, c0])
+    else:
+        r = r0 + tl.arange(0, BR)
+        c = c0 + tl.arange(0, BC)
+        return tl.load(src + r.to(tl.int64)[:, None] * stride + c[None, :],
+                       mask=(r < rows)[:, None] & (c < cols)[None, :], other=0.0)
