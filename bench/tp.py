@@ -16,11 +16,12 @@ shard W[r V/R : (r + 1) V/R]. Rows printed by rank 0, in one run:
   tp=1 recompute / fused (compiled)  grpo_loss on rank 0 alone with the full W (gradient_mode as
                           named); tp=1 recompute eager, run on every rank, is the reference
 
-with the median fwd+bwd time (bench.measure.time_step on persistent leaves: CUDA events, 10 steps
-queued back to back after 20 untimed ones, the same counts on every rank), the peak memory beyond inputs and grads on rank 0, the bytes one
-rank sends through the collectives a step, and the results against tp=1 recompute eager: loss
-(abs), dX (full, rel) and the dW (and d_bias) rows of each rank's shard (rel; the TP rows give
-the worst rank and list every rank's), then the scaling: tp=R fused against tp=1 fused, eager and compiled.
+with the median fwd+bwd time (bench.measure.time_step on persistent leaves: CUDA events, 10
+steps queued back to back after 20 untimed ones, the same counts on every rank), the peak memory
+beyond inputs and grads on rank 0, the bytes one rank sends through the collectives a step, and
+the results against tp=1 recompute eager: loss (abs), dX (full, rel) and the dW (and d_bias) rows
+of each rank's shard (rel; the TP rows give the worst rank and list every rank's), then the
+scaling: tp=R fused against tp=1 fused, eager and compiled.
 Each --variants entry reruns every row with that loss setting (base: dapo, beta 0.04; gspo; an
 lm_head bias; a softcap of 30), each --shape entry with those inputs.
 A check fails the run (exit 1) when any row's loss or grads differ by more than bf16 rounding

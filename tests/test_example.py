@@ -6,13 +6,14 @@ import sys
 
 import pytest
 
+from helpers import ROOT
+
 
 def test_train_grpo_tiny_runs(tmp_path):
     pytest.importorskip("trl")
     pytest.importorskip("matplotlib")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, os.path.join(root, "examples", "train_grpo_tiny.py"), "--steps", "3",
-                          "--output-dir", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=600,
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_grpo_tiny.py"), "--steps", "3",
+                          "--output-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "3 steps in" in run.stdout and (tmp_path / "train_grpo_tiny.png").exists(), run.stdout[-2000:]

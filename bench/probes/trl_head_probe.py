@@ -22,16 +22,13 @@ from trl.kernels import ChunkedLogProbFunction
 
 
 def _rounded_model(h, w, ids, g):
-    """(lp, dX, dW) in float64 with TRL's bf16 roundings: z = bf16(h16 @ w16.T) (the product exact),
-    dz = bf16(g (onehot - p)), dX = dz @ w16, dW = dz.T @ h16 (exact sums)."""
-    h16, w16 = h.bfloat16().double(), w.bfloat16().double()
-    z = (h16 @ w16.T).bfloat16().double()                                   # [N, V]
-    lse = torch.logsumexp(z, -1)
-    lp = z.gather(-1, ids[:, None])[:, 0] - lse
-    p = torch.exp(z - lse[:, None])
-    onehot = torch.nn.functional.one_hot(ids, z.shape[-1]).double()
-    dz = (g.double()[:, None] * (onehot - p)).bfloat16().double()
-    return lp, dz @ w16, dz.T @ h16
+    """(lp, dX, dW) in float64 with TRL's bf16 roundings: compiled_grpo.reference_token_logprobs
+    with the drop-in's settings on float64 leaves (operands rounded to bf16, the logits and their
+    gradient rounded to bf16, exact sums)."""
+    hh, ww = h.double().requires_grad_(), w.double().requires_grad_()
+    lp = cg.reference_token_logprobs(hh, ww, ids, round_logits=True, lm_head_dtype=torch.bfloat16).logprobs
+    (lp * g.double()).sum().backward()
+    return lp.detach(), hh.grad, ww.grad
 
 
 def _rel(a, b):
