@@ -163,6 +163,8 @@ def main(argv=None):
     ap.add_argument("--providers", nargs="*", default=PROVIDERS, choices=PROVIDERS)
     ap.add_argument("--reps", type=int, default=10 if cuda else 3)
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--compile-times", action="store_true",
+                    help="print Dynamo/Inductor's time per phase after each compiled provider")
     a = ap.parse_args(argv)
     device = torch.device("cuda" if cuda else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -186,6 +188,8 @@ def main(argv=None):
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
         print(f"  {name}: {r}", flush=True)
+        if a.compile_times and name.endswith("+compile"):   # where the first call's time went
+            print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), flush=True)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "e2e.csv")
     fields = ["run_id", "device", "torch", "commit", "shape", "provider", "status", "ms", "first_s",

@@ -4,7 +4,7 @@
         [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile [MODE]] [--recompute] [--cublas]
         [--workspace-mib MIB ...] [--trace DIR] [--host-profile]
         [--targets {random,sampled,least}] [--logit-std S] [--cuda-graph] [--clocks] [--gspo]
-        [--counters [R ...]]
+        [--counters [R ...]] [--precisions {dlogits,round} ...]
 
 Prints the fwd+bwd median (eager), the valid-token floor (three cuBLAS GEMMs of N_valid*H*V) in
 the same run (each timed after 5 s of it untimed: the GPU's sustained clock,
@@ -46,7 +46,10 @@ pipe) compare our kernels with cuBLAS's on the same rows (bench/results/ncu_h100
 --gspo: GSPO (loss_type "grpo", sequence-level importance sampling) instead of DAPO: whole
 sequences next-fit into the row blocks by their valid tokens (fused_order.pack_sequences; a
 packed shape, e.g. qwen3-8b-packed, passes cu_seqlens and max_seqlen = the shape's T).
-Packed shapes pass cu_seqlens with either loss.
+Packed shapes pass cu_seqlens with either loss. --precisions: the default step again with
+GRPOConfig.fused_scaled_backward=False ("dlogits": the logits gradient formed in place, as
+round_logits needs) and round_logits=True ("round": the drop-in's precision under bf16), each
+profiled as the default: what round_logits costs and where.
 """
 import argparse
 import collections
@@ -131,6 +134,8 @@ def main():
                     help="one step and cuBLAS's GEMMs between cudaProfilerStart / Stop, for ncu")
     ap.add_argument("--gspo", action="store_true",
                     help="GSPO (sequence-level importance sampling): whole-sequence row blocks")
+    ap.add_argument("--precisions", nargs="+", default=[], choices=["dlogits", "round"],
+                    help="the step again with the logits gradient formed (dlogits) / rounded logits")
     args = ap.parse_args()
     x = make_inputs(SHAPES[args.shape], torch.device("cuda"), targets=args.targets,
                     logit_std=args.logit_std)
@@ -279,6 +284,11 @@ def main():
         cfg = dataclasses.replace(default_cfg, fused_workspace_mib=mib)   # loss_fn reads cfg
         rows = cg_fused._budget_rows(h2, w, cfg)
         measure(f"fused_workspace_mib={mib:g} (budget {rows} rows)")
+    for name, change in (("dlogits", dict(fused_scaled_backward=False)),
+                         ("round", dict(round_logits=True))):
+        if name in args.precisions:
+            cfg = dataclasses.replace(default_cfg, **change)
+            measure(f"{name}: " + ", ".join(f"{k}={v}" for k, v in change.items()))
     cfg = default_cfg
     if args.sweep:
         def variant(mod, name, value, tag):
