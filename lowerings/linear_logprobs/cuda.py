@@ -300,6 +300,16 @@ def fwd_split_plan(v: int, bn: int, bv: int, device: torch.device) -> tuple[int,
     CUDA (the interpreter tests, fake-target traces) S0."""
     s0 = cdiv(v, FWD_COLS_PER_SPLIT)
     sms = sm_count(device.index) if device.type == "cuda" and torch.cuda.is_available() else None
+    key = (v, bn, bv, s0, sms, PLAN_ROW_BLOCKS)
+    if key not in _SPLIT_PLANS:   # memoized: a search of S0 + 1 S's a row block on the host
+        _SPLIT_PLANS[key] = _best_split(v, bv, s0, sms)
+    return _SPLIT_PLANS[key]
+
+
+_SPLIT_PLANS: dict[tuple, tuple[int, int]] = {}   # (a dict, as device.sm_count: Dynamo calls it)
+
+
+def _best_split(v: int, bv: int, s0: int, sms: Optional[int]) -> tuple[int, int]:
     best = None
     for s in range(s0, 2 * s0 + 1) if sms else (s0,):
         cols = cdiv(cdiv(v, s), bv) * bv
