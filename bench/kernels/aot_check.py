@@ -84,24 +84,22 @@ def cases():
                  E_HEADROOM=fc.E_HEADROOM)
     fused_fwd = recompute = {}   # one forward kernel, one split plan (cuda.fwd_split_plan)
     yield ("forward, fused (STORE_Z)", k._fwd_kernel,
-           dict(logit, **fused_fwd, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN), warps,
+           dict(logit, **fused_fwd, HAS_COUNT=True, STORE_Z=True), warps,
            stages)
     yield ("forward, fused, no entropy", k._fwd_kernel,
-           dict(logit, **fused_fwd, WITH_ENTROPY=False, HAS_COUNT=True, STORE_Z=True,
-                FLATTEN=dense.FWD_FLATTEN), warps, stages)
+           dict(logit, **fused_fwd, WITH_ENTROPY=False, HAS_COUNT=True, STORE_Z=True), warps, stages)
     yield ("forward, fused, ROUND (round_logits)", k._fwd_kernel,
-           dict(logit, **fused_fwd, ROUND=True, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN),
+           dict(logit, **fused_fwd, ROUND=True, HAS_COUNT=True, STORE_Z=True),
            warps, stages)
     for ent in (True, False):   # the exp-scaled backward's forward (fused.exp_scaled)
         yield (f"forward, fused, STORE_E, WITH_ENTROPY={ent}", k._fwd_kernel,
                dict(logit, **fused_fwd, WITH_ENTROPY=ent, HAS_COUNT=True, STORE_Z=True,
-                    STORE_E=True, FLATTEN=dense.FWD_FLATTEN), warps, stages)
+                    STORE_E=True), warps, stages)
     yield ("forward, recompute", k._fwd_kernel,
-           dict(logit, **recompute, HAS_COUNT=False, STORE_Z=False, FLATTEN=dense.FWD_FLATTEN),
+           dict(logit, **recompute, HAS_COUNT=False, STORE_Z=False),
            warps, stages)
     yield ("forward, softcapped", k._fwd_kernel,
-           dict(logit, **fused_fwd, HAS_CAP=True, HAS_COUNT=True, STORE_Z=True,
-                FLATTEN=dense.FWD_FLATTEN), warps, stages)
+           dict(logit, **fused_fwd, HAS_CAP=True, HAS_COUNT=True, STORE_Z=True), warps, stages)
     yield ("dlogits, recompute", k._dlogits_kernel,
            dict({k: c for k, c in logit.items() if k not in ("STORE_E", "E_HEADROOM")},
                 NEED_DB=False, HAS_COUNT=True), warps, stages)
@@ -169,10 +167,10 @@ def cases():
     bn4, bv4, bk4, warps4, stages4 = dense.tiles(torch.empty(0))
     logit4 = dict(logit, DOT_PREC=dense.FP32_DOT, USE_TMA=False, BLOCK_K=bk4)
     yield ("fp32, forward, fused (STORE_Z)", k._fwd_kernel,
-           dict(logit4, HAS_COUNT=True, STORE_Z=True, FLATTEN=dense.FWD_FLATTEN,
+           dict(logit4, HAS_COUNT=True, STORE_Z=True,
                 _ptrs=dict(f32, z_ptr="*fp32")), warps4, stages4)
     yield ("fp32, forward, recompute", k._fwd_kernel,
-           dict(logit4, HAS_COUNT=False, STORE_Z=False, FLATTEN=dense.FWD_FLATTEN, _ptrs=f32),
+           dict(logit4, HAS_COUNT=False, STORE_Z=False, _ptrs=f32),
            warps4, stages4)
     yield ("fp32, dlogits, recompute", k._dlogits_kernel,
            dict({k: c for k, c in logit4.items() if k not in ("STORE_E", "E_HEADROOM")},

@@ -17,8 +17,8 @@ can exceed the timed step. --trace DIR: the profiled steps' chrome trace (DIR/<t
 where the GPU waits. --all-valid: every position valid (the all-positions target). --compile [MODE]:
 the loss under torch.compile(fullgraph=True, mode=MODE) (what the loss's own kernels add
 there; "reduce-overhead": Inductor's CUDA graphs). --sweep:
-the same for variants of one step or all (fwd: FWD_FLATTEN off, a 4-stage tile; dlogits
-tiles; dw: one program per tile, tiles; dx: DX_SPLITS=1, tiles), then the default
+the same for variants of one step or all (fwd: a 4-stage tile; dlogits
+tiles; dw: the load-add-store epilogue, tiles; dx: DX_SPLITS=1, tiles), then the default
 again (the drift of the GPU's clock over the sweep). The tiles and switches are module
 attributes of the plan (cuda.py, cuda_rows.py, fused_cuda.py), which the sweep patches.
 --recompute: the same profile of gradient_mode="recompute" (its _fwd_kernel stores no logits:
@@ -303,14 +303,10 @@ def main():
 
         want = lambda part: args.sweep in ("all", part)  # noqa: E731
         if want("fwd"):
-            variant(dense, "FWD_FLATTEN", not dense.FWD_FLATTEN,
-                    f"FWD_FLATTEN={not dense.FWD_FLATTEN}")
             # Two-programs-a-SM tiles, (128, 128, 64, 4 or 8, 3 or 4), measured 16.4-18.7 ms
             # for the forward against 12.7-13.4 (H100, bench_fused_h100_log.txt): not swept.
             variant(dense, "TILES", (128, 256, 64, 8, 4), "TILES=(128, 256, 64, 8, 4)")
         if want("dw"):
-            variant(fused_cuda, "DW_PERSISTENT", not fused_cuda.DW_PERSISTENT,
-                    f"DW_PERSISTENT={not fused_cuda.DW_PERSISTENT}")
             variant(dense, "DW_TMA_OUT", not dense.DW_TMA_OUT, f"DW_TMA_OUT={not dense.DW_TMA_OUT}")
         for tile in [(64, 256, 8), (16, 256, 4), (32, 256, 4)] * want("dlogits"):
             variant(fused_cuda, "DLOGITS_TILE", tile, f"DLOGITS_TILE={tile}")

@@ -80,10 +80,6 @@ TILES = (128, 256, 64, 8, 3)
 # take half the BLOCK_K (see tiles()); "ieee" restores the FMA products.
 FP32_DOT = "tf32x3"
 GROUP_N = 16                # row blocks per program group (L2 reuse, see kernels.tiles._swizzle)
-# The forward's vocab-tile loop flattened with its K loop (kernels.logits._fwd_kernel FLATTEN): H100,
-# qwen3-8b fused step, 39% valid (bench.kernels.fused --sweep fwd): forward 13.3 ms against 13.9-14.5,
-# step 40.2 against 41.0-41.2 ms. FWD_FLATTEN = False turns it off (tuning runs).
-FWD_FLATTEN = True
 FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see fwd_split_plan for the pick
 PLAN_ROW_BLOCKS = 16        # the row blocks fwd_split_plan fills the GPU for
 COMBINE_TILE = (32, 4)      # the splits' merge (_combine_kernel): (BLOCK_R, num_warps), fixed
@@ -257,7 +253,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
         w.stride(0), *_scalars(temperature, logit_scale, softcap), cols, n_blocks, splits, 0, n, m, m, 0, 0,
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, ROUND=rounds(x, round_logits),
         WITH_ENTROPY=with_entropy, HAS_COUNT=False, STORE_Z=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
-        BLOCK_K=bk, GROUP_N=GROUP_N, FLATTEN=FWD_FLATTEN, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
+        BLOCK_K=bk, GROUP_N=GROUP_N, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
         num_warps=warps, num_stages=stages)
     return combine(wrap, m, s, t, zt, ids, None, with_entropy)
 

@@ -121,7 +121,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
             ROUND=_dense.rounds(x, round_logits),
             WITH_ENTROPY=with_entropy, HAS_COUNT=True, STORE_Z=False, DOT_PREC=prec,
             USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
-            FLATTEN=_dense.FWD_FLATTEN, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
+            ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
             num_warps=warps, num_stages=stages)
     lp, ent, lse = _dense.combine(wrap, m, s, t, zt, ids_p, count, with_entropy)  # [N] permuted
     lp, lse = _unpermute(perm, row_mask, lp), _unpermute(perm, row_mask, lse)

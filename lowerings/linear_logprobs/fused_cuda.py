@@ -39,7 +39,7 @@ from lowerings.linear_logprobs.cuda import cdiv, next_power_of_2
 from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
 from lowerings.linear_logprobs.kernels.logits import _fwd_kernel
-from lowerings.linear_logprobs.kernels.dw import _dw_step_kernel, _dw_step_persistent_kernel
+from lowerings.linear_logprobs.kernels.dw import _dw_step_persistent_kernel
 from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel
 from lowerings.linear_logprobs.kernels.fused_block import (_dx_split_kernel, _dx_split_reduce_kernel,
                                                      _exp_prep_kernel, _fused_dlogits_kernel,
@@ -50,10 +50,9 @@ from lowerings.linear_logprobs.kernels.fused_block import (_dx_split_kernel, _dx
 # partial sums are [cdiv(R, BLOCK_N), V] fp32 (only with a bias). H100, qwen3-8b, 39% valid
 # (bench.kernels.fused --sweep dlogits): 1.73 ms a step at (32, 256, 8), 2.00 at (32, 256, 4).
 DLOGITS_TILE = (32, 256, 8)
-# The dW step as a persistent grid (kernels.dw._dw_step_persistent_kernel): H100, qwen3-8b bench,
-# 39% valid (bench.kernels.fused --sweep dw): step 39.8 ms against 41.8 with one program per tile.
-# DW_PERSISTENT = False takes the one-program-per-tile kernel (tuning runs).
-DW_PERSISTENT = True
+# The dW step as a persistent grid (kernels.dw._dw_step_persistent_kernel) where the Gluon step
+# does not run: H100, qwen3-8b bench, 39% valid: step 39.8 ms against 41.8 with one program per
+# tile (the recompute path's kernels.dw._dw_step_kernel; HISTORY.md).
 # The dW step as a warp-specialized Gluon kernel (kernels.dw_gluon: a TMA loader warp running ahead
 # of two 4-warp wgmma consumers, each on half of a tile's vocab rows, sharing each stage's xg
 # tile, across tiles; the old dW tile prefetched into the epilogue buffer, one rounding a
@@ -159,7 +158,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
         ROUND=rounds, WITH_ENTROPY=with_entropy,
         HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
-        BLOCK_K=bk, GROUP_N=_dense.GROUP_N, FLATTEN=_dense.FWD_FLATTEN, ref_ptr=ref,
+        BLOCK_K=bk, GROUP_N=_dense.GROUP_N, ref_ptr=ref,
         STORE_E=scaled, E_HEADROOM=E_HEADROOM, num_warps=warps, num_stages=stages)
     # the splits' statistics -> the block's outputs, 0 past count: the merge every CUDA path
     # shares (cuda.combine), plus the exp-scaled backward's re-referencing when scaled
@@ -240,11 +239,9 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                     *args, ACCUMULATE=acc, ON_DEVICE=True, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
                     GROUP_C=_rows.GROUP_M, STAGES=wstages, NC=wnc, num_warps=wwarps,
                     maxnreg=wregs)
-            elif DW_PERSISTENT:
+            else:
                 n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
                 _dw_step_persistent_kernel[(n_prog,)](*args, n_prog, ACCUMULATE=acc, **tiles)
-            else:
-                _dw_step_kernel[(n_cblocks * n_hblocks,)](*args, ACCUMULATE=acc, **tiles)
     if need_x:
         gm, gh, gk, gwarps, gstages = gemm_tiles
         n_mblocks, n_hblocks = cdiv(rows, gm), cdiv(h, gh)
