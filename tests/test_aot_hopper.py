@@ -3,6 +3,7 @@ checked on any machine through Triton's ahead-of-time compile (lowerings/linear_
 aot_check.py). A subprocess: this session imported Triton under TRITON_INTERPRET=1 (conftest),
 which swaps the kernels for interpreted ones."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,5 +26,12 @@ def test_kernels_compile_for_sm90():
     # thread inside the column loop.
     # (16-bit operands; the fp32 forwards, fp32_lm_head's 3xTF32 products, spill ~1.5 KB a thread:
     # known, stated in the README's lm_head precision table, not yet tuned)
+    # The ROUND forward stores its rounded tile before the statistics: a measured-faster 116 B
+    # spill (kernels.logits._fwd_kernel's docstring); bounded here so it cannot grow unseen.
     forwards = [line for line in lines if "_fwd_kernel" in line and " fp32, " not in line]
-    assert forwards and all("spills 0/0 B" in line for line in forwards), "\n".join(forwards)
+    plain = [line for line in forwards if "ROUND" not in line]
+    assert plain and all("spills 0/0 B" in line for line in plain), "\n".join(forwards)
+    for line in forwards:
+        if "ROUND" in line:
+            st, ld = map(int, re.search(r"spills (\d+)/(\d+) B", line).groups())
+            assert st <= 256 and ld <= 256, line

@@ -169,7 +169,10 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     MMA's registers: a TMA store through shared memory measured no faster, H100). With ROUND the
     tile goes to z as the rounded logit a (exact in the 16-bit RDTYPE that z then has), so the
     dlogits pass recomputes the forward's z bit for bit, as the recompute path and TRL's head do
-    (zoff is then not written: nothing reads it).
+    (zoff is then not written: nothing reads it). It is stored before the tile's statistics:
+    ptxas spills 116 bytes a thread there, yet the forward ran 12.4-12.7 ms a qwen3-8b step
+    against 13.2-13.4 storing after them, where a's registers stay live through the epilogue
+    (H100, two A/B runs each: bench/results/round_store_h100_1cf350e.txt).
     The vocab-tile loop is flattened with its K loop, so the pipeliner issues the next tile's
     operand loads during this tile's statistics epilogue (H100, qwen3-8b fused step: 40.2
     against 41.0-41.2 ms unflattened; HISTORY.md).
@@ -208,12 +211,12 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
                             col_mask, H, stride_x, stride_w, inv_temp, cap_pre, cap_post,
                             HAS_BIAS, HAS_CAP, ROUND, x_ptr.dtype.element_ty, DOT_PREC, USE_TMA,
                             BLOCK_N, BLOCK_V, BLOCK_K)
-        z = tl.where(col_mask[None, :], z, float("-inf"))
-        m, s, t, zt, m_sh, d, e = _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY)
         if STORE_Z and ROUND:   # the rounded logit a itself, exact in z's dtype (RDTYPE,
-            # fused_cuda._z_view)
+            # fused_cuda._z_view), stored before the statistics so a's registers free at once
             tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
                      a.to(z_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        z = tl.where(col_mask[None, :], z, float("-inf"))
+        m, s, t, zt, m_sh, d, e = _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY)
         if STORE_Z and not ROUND:
             zmask = row_mask[:, None] & col_mask[None, :]
             val, r_t = _tile_out(d, e, m_sh, ref, STORE_E, E_HEADROOM)
