@@ -216,3 +216,19 @@ def make_inputs(shape: Shape, device: torch.device, dtype: torch.dtype = torch.b
     ref = lp + randn(B, T, std=ref_noise, dt=torch.float32)
     x = StepInputs(hidden, weight, token_ids, advantages, mask, old, ref, softcap=shape.softcap)
     return pack(x) if shape.packed else x
+
+
+def dapo_step(x: StepInputs, config=None):
+    """(step, hidden, weight): one eager grpo_loss forward + backward on x (DAPO, beta 0.04 unless
+    `config`), on leaves made once, their grads cleared each step (the host-time probes' step)."""
+    import compiled_grpo as cg
+    cfg = config or cg.GRPOConfig(loss_type="dapo", beta=0.04)
+    hidden = x.hidden.detach().requires_grad_()
+    weight = x.weight.detach().requires_grad_()
+
+    def step():
+        hidden.grad = weight.grad = None
+        cg.grpo_loss(hidden, weight, x.token_ids, x.advantages, x.mask, x.old_logprobs,
+                     x.ref_logprobs, config=cfg).loss.backward()
+
+    return step, hidden, weight

@@ -15,10 +15,9 @@ import time
 import torch
 import triton
 
-import compiled_grpo as cg
 import lowerings.linear_logprobs.fused as lf
 import lowerings.linear_logprobs.cuda as lc
-from bench.shapes import SHAPES, make_inputs
+from bench.shapes import SHAPES, dapo_step, make_inputs
 
 pc = time.perf_counter
 
@@ -50,15 +49,7 @@ old_steps = lambda hidden: (lf.fused_block_forward, lf.fused_block_backward)  # 
 
 def main():
     for shape in sys.argv[1:] or ["qwen2.5-0.5b"]:
-        x = make_inputs(SHAPES[shape], torch.device("cuda"))
-        cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04)
-        hidden = x.hidden.detach().requires_grad_()
-        weight = x.weight.detach().requires_grad_()
-
-        def step():
-            hidden.grad = weight.grad = None
-            cg.grpo_loss(hidden, weight, x.token_ids, x.advantages, x.mask, x.old_logprobs,
-                         x.ref_logprobs, config=cfg).loss.backward()
+        step, _, _ = dapo_step(make_inputs(SHAPES[shape], torch.device("cuda")))
 
         def show(tag, alloc, steps):
             triton.set_allocator(alloc)

@@ -18,8 +18,7 @@ import time
 import torch
 from triton.runtime.jit import JITFunction
 
-import compiled_grpo as cg
-from bench.shapes import SHAPES, make_inputs
+from bench.shapes import SHAPES, dapo_step, make_inputs
 
 
 def main():
@@ -27,16 +26,7 @@ def main():
     ap.add_argument("--shape", default="qwen2.5-0.5b")
     ap.add_argument("--steps", type=int, default=20)
     a = ap.parse_args()
-    x = make_inputs(SHAPES[a.shape], torch.device("cuda"), targets="sampled")
-    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04)
-    hidden = x.hidden.detach().requires_grad_()
-    weight = x.weight.detach().requires_grad_()
-
-    def step():
-        hidden.grad = weight.grad = None
-        cg.grpo_loss(hidden, weight, x.token_ids, x.advantages, x.mask, x.old_logprobs,
-                     x.ref_logprobs, config=cfg).loss.backward()
-
+    step, _, _ = dapo_step(make_inputs(SHAPES[a.shape], torch.device("cuda"), targets="sampled"))
     for _ in range(3):
         step()
     torch.cuda.synchronize()
