@@ -56,8 +56,7 @@ from compiled_grpo.loss import aggregate, masked_mean
 from compiled_grpo.segments import segments_from_cu_seqlens
 from lowerings.linear_logprobs import LinearLogprobs
 from lowerings.linear_logprobs import fused as _op
-from lowerings.linear_logprobs.cpu import _hint
-from lowerings.linear_logprobs.device import cdiv
+from lowerings.linear_logprobs.device import cdiv, size_hint
 
 ROW_ALIGN = 128          # block rows: a whole number of the kernels' 128-row tiles ...
 MIN_ROWS = 16            # ... or of 16 when the workspace budget is smaller (tests, tiny heads)
@@ -151,7 +150,7 @@ def why_not_fused(hidden: Tensor, weight: Tensor, cfg, segments, shard, old_logp
         if segments is not None and max_seqlen is None:
             return (f"{coupled} on packed inputs needs whole sequences in a row block: pass max_seqlen "
                     f"(a bound on the lengths of cu_seqlens' sequences)")
-        longest = _hint(hidden.shape[1]) if segments is None else max_seqlen
+        longest = size_hint(hidden.shape[1]) if segments is None else max_seqlen
         if longest > _budget_rows(hidden, weight, cfg, shard):
             what = "T" if segments is None else "max_seqlen"
             return f"{coupled} needs a whole sequence ({what} rows) in the workspace: raise fused_workspace_mib"
@@ -169,7 +168,7 @@ def use_fused(hidden: Tensor, weight: Tensor, bias, cfg, segments, shard, old_lo
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not wants_grad:   # nothing to fuse: the forward alone
         return False
-    if _hint(hidden.shape[:-1].numel()) == 0:
+    if size_hint(hidden.shape[:-1].numel()) == 0:
         # no token (an empty packed batch): nothing to fuse, and the blocks' slots would index
         # rows that do not exist (Dynamo specializes a size of 0, so this is no guard on N)
         return False
@@ -291,7 +290,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             by_rows = _compiled_blocks(2 * cdiv(n, block_rows) - 1, 1)
             blocks = by_seq if by_rows is None else by_rows if by_seq is None else min(by_seq, by_rows)
         if blocks is None:
-            blocks = _op.next_fit_blocks(_hint(s_num), _hint(n), block_rows, _hint(max_seqlen))
+            blocks = _op.next_fit_blocks(size_hint(s_num), size_hint(n), block_rows, size_hint(max_seqlen))
     else:   # several blocks: whole dX waves where the budget holds one (see wave_rows)
         if not _auto_device_ok(hidden):
             # The CPU body computes every row of a block, valid or not (the Triton kernels stop at
@@ -301,14 +300,14 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             budget = min(budget, CPU_BLOCK_ROWS)
         align = ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS
         wave = _op.wave_rows(hidden, weight)
-        if wave is not None and budget >= wave and _hint(n) > budget:
+        if wave is not None and budget >= wave and size_hint(n) > budget:
             align = wave
         budget = budget // align * align
         blocks = _compiled_blocks(n, budget) if compiling else None
         if blocks is not None:   # static R and G: static block shapes under dynamic N
             block_rows = budget
         else:
-            blocks = min(MAX_BLOCKS, max(1, cdiv(_hint(n), budget)))
+            blocks = min(MAX_BLOCKS, max(1, cdiv(size_hint(n), budget)))
             block_rows = cdiv(cdiv(n, blocks), align) * align
 
     # the per-block gradient as one compiled graph in eager CUDA calls (fused_grads)

@@ -161,30 +161,63 @@ def _vespo(phi, adv, logprobs, cfg) -> PolicyObjective:
     return PolicyObjective(loss, none, none)
 
 
+def _world_size() -> int:
+    # TRL and Liger divide num_items_in_batch by the process count: DDP averages the gradients.
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# The normalizers (aggregate's divisor): f(mask [B, T] or [N], B (S packed; a SymInt under
+# dynamic shapes: multiplied, never float()ed), one (a 0-dim 1 of the loss dtype), config,
+# num_items_in_batch) -> a 0-dim divisor.
+def _batch_divisor(mask, batch, one, config, num_items_in_batch):
+    return one * batch                                              # B
+
+
+def _dr_grpo_divisor(mask, batch, one, config, num_items_in_batch):
+    return one * (batch * config.max_completion_length)            # B * max_completion_length
+
+
+def _tokens_divisor(mask, batch, one, config, num_items_in_batch):
+    return mask.sum().to(one.dtype).clamp(min=1.0)                  # max(local sum m, 1)
+
+
+def _items_divisor(mask, batch, one, config, num_items_in_batch):
+    """max(num_items_in_batch / world_size, 1); the local token count without it."""
+    if num_items_in_batch is None:
+        return _tokens_divisor(mask, batch, one, config, None)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        items = num_items_in_batch.to(dtype=one.dtype, device=mask.device)
+    else:  # an int: multiply (stays a SymInt once Dynamo makes it dynamic; as_tensor would guard)
+        items = one * num_items_in_batch
+    return (items / _world_size()).clamp(min=1.0)
+
+
 class LossType(NamedTuple):
     """A loss type is a clip rule plus a normalizer, picked once from the frozen config."""
 
     clip_rule: Callable[..., PolicyObjective]
     per_sequence_mean: bool   # divide each sequence's token sum by max(L_i, 1) first (grpo, sapo)
-    divisor: str              # "batch" (B), "tokens" (local sum m), "dr_grpo" (B * max_len), "items"
+    divisor: Callable[..., Tensor]   # one of the _*_divisor functions above
     gamma_weighted: bool = False  # the clip rule gets vespo_weight(...) instead of rho (vespo)
 
 
-LOSS_TYPES = {
-    "grpo": LossType(_ppo_clip, True, "batch"),
-    "sapo": LossType(_sapo, True, "batch"),
-    "bnpo": LossType(_ppo_clip, False, "tokens"),
-    "dr_grpo": LossType(_ppo_clip, False, "dr_grpo"),
-    "dapo": LossType(_ppo_clip, False, "items"),
-    "cispo": LossType(_cispo, False, "items"),
-    "luspo": LossType(_ppo_clip, False, "batch"),
-    "vespo": LossType(_vespo, False, "items", gamma_weighted=True),
+# the rule of every GRPOConfig.loss_type (config.LOSS_TYPES names them; a test checks they agree)
+LOSS_RULES = {
+    "grpo": LossType(_ppo_clip, True, _batch_divisor),
+    "bnpo": LossType(_ppo_clip, False, _tokens_divisor),
+    "dr_grpo": LossType(_ppo_clip, False, _dr_grpo_divisor),
+    "dapo": LossType(_ppo_clip, False, _items_divisor),
+    "cispo": LossType(_cispo, False, _items_divisor),
+    "sapo": LossType(_sapo, True, _batch_divisor),
+    "luspo": LossType(_ppo_clip, False, _batch_divisor),
+    "vespo": LossType(_vespo, False, _items_divisor, gamma_weighted=True),
 }
 
 
 def policy_objective(ratio: Tensor, advantages: Tensor, logprobs: Tensor, config) -> PolicyObjective:
     """The per-token policy term of ``config.loss_type`` (before the sampling ratio and KL)."""
-    return LOSS_TYPES[config.loss_type].clip_rule(ratio, advantages, logprobs, config)
+    return LOSS_RULES[config.loss_type].clip_rule(ratio, advantages, logprobs, config)
 
 
 def _sequence_sum(x: Tensor, segments: Optional[Segments]) -> Tensor:
@@ -300,12 +333,6 @@ class Aggregate(NamedTuple):
     divisor: Tensor  # 0-dim, the loss type's own divisor
 
 
-def _world_size() -> int:
-    # TRL and Liger divide num_items_in_batch by the process count: DDP averages the gradients.
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def aggregate(per_token_loss: Tensor, mask: Tensor, config, num_items_in_batch=None, *,
               segments: Optional[Segments] = None) -> Aggregate:
     """Reduce the masked per-token loss [B, T] the way ``config.loss_type`` does (TRL 1.16):
@@ -324,7 +351,7 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, config, num_items_in_batch=N
     ones included, as padded rows with no valid token are), and L_i is a segment's valid tokens,
     so every loss type gives the padded layout's value.
     """
-    kind = LOSS_TYPES[config.loss_type]
+    kind = LOSS_RULES[config.loss_type]
     dtype = per_token_loss.dtype
     masked = torch.where(mask, per_token_loss, 0)  # [B, T]
     if kind.per_sequence_mean and segments is not None:
@@ -340,18 +367,7 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, config, num_items_in_batch=N
     batch = mask.shape[0] if segments is None else segments.num_sequences
     if isinstance(batch, int):  # B = 0, an empty batch: 0 / 1, not 0 / 0 (a SymInt B is never 0: 0 specializes)
         batch = max(batch, 1)
-    if kind.divisor == "batch":
-        divisor = one * batch
-    elif kind.divisor == "dr_grpo":
-        divisor = one * (batch * config.max_completion_length)
-    elif kind.divisor == "items" and num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            items = num_items_in_batch.to(dtype=dtype, device=mask.device)
-        else:  # an int: multiply (stays a SymInt once Dynamo makes it dynamic; as_tensor would guard)
-            items = one * num_items_in_batch
-        divisor = (items / _world_size()).clamp(min=1.0)
-    else:
-        divisor = mask.sum().to(dtype).clamp(min=1.0)
+    divisor = kind.divisor(mask, batch, one, config, num_items_in_batch)
     loss = numerator / divisor
     if config.grad_divisor is not None:
         scaled = numerator / config.grad_divisor

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from compiled_grpo.loss import (LOSS_TYPES, importance_ratio, kl_penalty, off_policy_mask, policy_objective,
+from compiled_grpo.loss import (LOSS_RULES, importance_ratio, kl_penalty, off_policy_mask, policy_objective,
                                 sampling_importance_weight, vespo_weight)
 
 
@@ -48,7 +48,7 @@ def per_token_loss(logp, old_logprobs, valid, advantages, sampling_ratio, ref_lo
     rho = importance_ratio(logp, old, valid, level=cfg.importance_sampling_level,
                            log_ratio_clamp=cfg.log_ratio_clamp, segments=segments)
     gamma, factor = None, sampling_ratio
-    if LOSS_TYPES[cfg.loss_type].gamma_weighted:  # VESPO: the IS weight goes into phi, not a factor
+    if LOSS_RULES[cfg.loss_type].gamma_weighted:  # VESPO: the IS weight goes into phi, not a factor
         gamma = vespo_weight(rho.log_ratio, valid, advantages, sampling_ratio, cfg, segments=segments)  # [B, T]
         factor = None
     pol = policy_objective(rho.ratio if gamma is None else gamma, advantages, logp, cfg)

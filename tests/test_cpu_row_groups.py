@@ -35,9 +35,9 @@ def _loss(x, w, ids, b, row_mask=None):
     return (out.logprobs * 2.0 + out.entropy * 0.1 + out.lse * 0.01).sum()
 
 
-def test_row_groups_cover_n():
+def test_row_spans_cover_n():
     for n in (0, 1, 15, 16, 17, 40, 1000):
-        groups = torch_impl._row_groups(n, 37, torch.float32)
+        groups = torch_impl._row_spans(n, 37, torch.float32)
         assert groups[0][0] == 0 and sum(r for _, r in groups) == n
         assert all(r0 + r == nxt for (r0, r), (nxt, _) in zip(groups, groups[1:]))
         assert len(groups) == min(torch_impl.MAX_ROW_GROUPS, max(1, -(-n // 16)))

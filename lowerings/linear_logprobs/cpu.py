@@ -35,6 +35,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lowerings.linear_logprobs.device import size_hint
+
 # Vocab columns per chunk. Tests lower it to exercise the multi-chunk path on tiny shapes.
 CHUNK_V = 4096
 # Bytes of one [R, C] tile (logits, probabilities, dlogits): R = WS_BYTES / (C * 4) rows a group
@@ -54,18 +56,15 @@ def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
 
 
-def _hint(n) -> int:
-    """n, or the size hint of a symbolic n (1 when unbacked)."""
-    return n if isinstance(n, int) else (n.node.hint or 1)
 
 
-def _row_groups(n, v: int, dtype: torch.dtype) -> list:
+def _row_spans(n, v: int, dtype: torch.dtype) -> list:
     """[(r0, rows)] of G groups covering rows [0, N): G from N's size hint so that one [R, C]
     tile fits WS_BYTES; r0 and rows are `sym_min` expressions of a symbolic N (some groups may
     be empty when N is smaller than the hint), plain ints otherwise."""
     c = min(CHUNK_V, v)
     elem = torch.finfo(dtype).bits // 8
-    groups = min(MAX_ROW_GROUPS, max(1, -(-_hint(n) * c * elem // WS_BYTES)))
+    groups = min(MAX_ROW_GROUPS, max(1, -(-size_hint(n) * c * elem // WS_BYTES)))
     if groups == 1:
         return [(0, n)]
     r = (n + groups - 1) // groups
@@ -186,7 +185,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     hidden, weight, bias = operands(hidden, weight, bias, compute_dtype)
     cd = _compute_dtype(hidden, weight)
     n = hidden.shape[0]
-    groups = _row_groups(n, weight.shape[0], cd)
+    groups = _row_spans(n, weight.shape[0], cd)
     scaling = dict(logit_scale=logit_scale, softcap=softcap,
                    rd=round_dtype(hidden, weight, round_logits))
     if len(groups) == 1:
@@ -249,7 +248,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     cd = _compute_dtype(hidden, weight)
     rd = round_dtype(hidden, weight, round_logits)   # the logits and their gradient rounded to it
     n, v = hidden.shape[0], weight.shape[0]
-    groups = _row_groups(n, v, cd)
+    groups = _row_spans(n, v, cd)
     g_lse_, g_lp_, g_ent_ = g_lse.to(cd), g_lp.to(cd), g_ent.to(cd)        # [N]
     lse_, ent_ = lse.to(cd), entropy.to(cd)                                # [N]
     dx = hidden.new_zeros(hidden.shape, dtype=cd) if need_x else None      # [N, H] acc

@@ -67,7 +67,7 @@ from torch import Tensor
 from lowerings.linear_logprobs.cpu import round_dtype
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
 from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
-from lowerings.linear_logprobs.device import cdiv, next_power_of_2, sm_count  # noqa: F401 (callers)
+from lowerings.linear_logprobs.device import cdiv, next_power_of_2, size_hint, sm_count  # noqa: F401 (callers)
 from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
                                               _dx_acc_op, _dx_store_impl, _dx_store_op)
 
@@ -279,9 +279,6 @@ def _tracing(*tensors: Tensor) -> bool:
     return torch._guards.detect_fake_mode(tensors) is not None
 
 
-def _hint(n) -> int:
-    """n, or the size hint of a symbolic n (1 when unbacked)."""
-    return n if isinstance(n, int) else (n.node.hint or 1)
 
 
 def fwd_split_plan(v: int, bn: int, bv: int, device: torch.device) -> tuple[int, int]:
@@ -321,14 +318,14 @@ def _row_groups(n, h: int, budget: int = 0) -> int:
     cdiv(N, G) * H * 4 bytes, fits DX_GROUP_BYTES. A symbolic N takes the size hint it was
     traced with (G is a Python int: the loops unroll at trace time), so a graph compiled for
     dynamic N keeps that G for every N it runs (any N is correct; memory scales as N / G)."""
-    return min(MAX_ROW_GROUPS, max(1, cdiv(_hint(n) * h * 4, budget or DX_GROUP_BYTES)))
+    return min(MAX_ROW_GROUPS, max(1, cdiv(size_hint(n) * h * 4, budget or DX_GROUP_BYTES)))
 
 
 def _chunk_cols(v: int, r, groups: int, elem_bytes: int, bv: int, ws_bytes: int = 0) -> int:
     """C, the backward's vocab columns a step: CHUNK_V, shrunk so that the workspace [R, C]
     fits ws_bytes (WS_BYTES by default), grown so that there are at most MAX_STEPS (group,
     chunk) steps."""
-    fit = (ws_bytes or WS_BYTES) // (max(1, _hint(r)) * elem_bytes) // bv * bv   # C of the budget (N = 0: R = 0)
+    fit = (ws_bytes or WS_BYTES) // (max(1, size_hint(r)) * elem_bytes) // bv * bv   # C of the budget (N = 0: R = 0)
     few_steps = cdiv(cdiv(v * groups, MAX_STEPS), bv) * bv  # C of MAX_STEPS
     return min(max(min(CHUNK_V, fit), few_steps, bv), cdiv(v, bv) * bv)
 

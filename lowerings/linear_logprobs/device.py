@@ -17,6 +17,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def size_hint(n) -> int:
+    """n, or the size hint of a symbolic n (1 when unbacked): the host plans' integer view of a
+    dimension that may be symbolic under torch.compile."""
+    return n if isinstance(n, int) else (n.node.hint or 1)
+
+
 _SMS: dict = {}   # sm_count's cache
 
 

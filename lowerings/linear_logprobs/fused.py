@@ -47,8 +47,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lowerings.linear_logprobs import cpu as _cpu
-from lowerings.linear_logprobs.cpu import _hint
-from lowerings.linear_logprobs.device import cdiv, sm_count   # sm_count: wave_rows, callers
+from lowerings.linear_logprobs.device import cdiv, size_hint, sm_count   # sm_count: wave_rows, callers
 try:   # the Triton side: absent triton (a CPU-only install off Linux) the PyTorch body runs alone
     from lowerings.linear_logprobs import cuda as _dense
     from lowerings.linear_logprobs import cuda_rows as _rows
@@ -166,7 +165,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     round_logits = round_logits and _cpu.round_dtype(hidden, weight, True) is not None
     if _triton_body(hidden):   # one common dtype for the kernels, cast once (mixed heads)
         hidden, weight = _dense._prepare(hidden, weight)[:2]
-    if _hint(n) == 0:   # no row (Dynamo specializes a size of 0: no guard on N): the slots past N
+    if size_hint(n) == 0:   # no row (Dynamo specializes a size of 0: no guard on N): the slots past N
         # would read a row 0 that does not exist; the result is empty, dW and d_bias zeros
         dt = torch.float64 if ws_dtype(hidden, weight) == torch.float64 else torch.float32
         empty = hidden.new_zeros(0, dtype=dt)

@@ -61,8 +61,8 @@ from lowerings.linear_logprobs.op import linear_logprobs
 log = logging.getLogger(__name__)
 
 
-def fused_linear_logprobs(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy,
-                          logit_scale=1.0, final_logit_softcapping=None):
+def linear_logprobs_call(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy,
+                         logit_scale=1.0, final_logit_softcapping=None):
     """The call the pass inserts: a stable FX target returning (logprobs, entropy, lse) [...]."""
     out = linear_logprobs(hidden, weight, ids, bias, temperature=temperature,
                           fp32_lm_head=fp32_lm_head, with_entropy=with_entropy,
@@ -107,7 +107,7 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
             ids = graph.call_function(torch.zeros_like, (lead_ref,), {"dtype": torch.int64})
         temperature, scale, cap = wk["scaling"]
         extra = () if cap is None else (float(scale), float(cap))      # a softcap in the chain
-        out = graph.call_function(fused_linear_logprobs, (
+        out = graph.call_function(linear_logprobs_call, (
             h, w, ids, bias, float(temperature), bool(m["fp32_lm_head"]), bool(c["sums"]), *extra))
         lp, ent, lse = (graph.call_function(operator.getitem, (out, i)) for i in range(3))
         for g, _, on_logits in c["gathers"]:        # logp[t]; z[t] = logp[t] + lse
