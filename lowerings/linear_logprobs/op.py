@@ -87,8 +87,8 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optio
         return cuda_rows.forward(hidden, weight, ids, bias, row_mask, temperature, fp32_lm_head,
                                  with_entropy, wrap=declared, **scaling)
     if _on_cuda(hidden):
-        from lowerings.linear_logprobs import cuda as _triton_impl
-        out = _triton_impl.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
+        from lowerings.linear_logprobs import cuda as _dense
+        out = _dense.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
                                    with_entropy, wrap=declared, **scaling)
     else:
         out = _cpu_forward(hidden, weight, ids, bias, temperature, with_entropy, logit_scale,
@@ -138,8 +138,8 @@ def _linear_logprobs_backward_op(
     grad_logprobs, grad_entropy, grad_lse = _mask_rows(row_mask, grad_logprobs, grad_entropy,
                                                        grad_lse)
     if _on_cuda(hidden):
-        from lowerings.linear_logprobs import cuda as _triton_impl
-        return _triton_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
+        from lowerings.linear_logprobs import cuda as _dense
+        return _dense.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
                                      grad_entropy, grad_lse, temperature, fp32_lm_head,
                                      with_entropy, need_hidden, need_weight, need_bias,
                                      wrap=declared, **scaling)
