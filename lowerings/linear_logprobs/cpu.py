@@ -56,8 +56,6 @@ def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
 
 
-
-
 def _row_spans(n, v: int, dtype: torch.dtype) -> list:
     """[(r0, rows)] of G groups covering rows [0, N): G from N's size hint so that one [R, C]
     tile fits WS_BYTES; r0 and rows are `sym_min` expressions of a symbolic N (some groups may

@@ -279,8 +279,6 @@ def _tracing(*tensors: Tensor) -> bool:
     return torch._guards.detect_fake_mode(tensors) is not None
 
 
-
-
 def fwd_split_plan(v: int, bn: int, bv: int, device: torch.device) -> tuple[int, int]:
     """(S, columns per split) of every CUDA forward (recompute, row-masked, fused): balanced
     splits of whole BV tiles, fixed by (V, the tiles, the device's SM count), never by N or the

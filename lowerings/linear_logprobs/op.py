@@ -89,7 +89,7 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optio
     if _on_cuda(hidden):
         from lowerings.linear_logprobs import cuda as _dense
         out = _dense.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
-                                   with_entropy, wrap=declared, **scaling)
+                             with_entropy, wrap=declared, **scaling)
     else:
         out = _cpu_forward(hidden, weight, ids, bias, temperature, with_entropy, logit_scale,
                            final_logit_softcapping, round_logits, compute_dtype)
@@ -140,9 +140,9 @@ def _linear_logprobs_backward_op(
     if _on_cuda(hidden):
         from lowerings.linear_logprobs import cuda as _dense
         return _dense.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
-                                     grad_entropy, grad_lse, temperature, fp32_lm_head,
-                                     with_entropy, need_hidden, need_weight, need_bias,
-                                     wrap=declared, **scaling)
+                               grad_entropy, grad_lse, temperature, fp32_lm_head,
+                               with_entropy, need_hidden, need_weight, need_bias,
+                               wrap=declared, **scaling)
     return _torch_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
                                 grad_entropy, grad_lse, temperature, with_entropy, need_hidden,
                                 need_weight, need_bias, row_mask=row_mask, **scaling)
