@@ -208,9 +208,9 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
         cols = col0 + tl.arange(0, BLOCK_V)
         col_mask = cols < V
         z, _, a = _logits_tile(x_src, w_src, b_ptr, pid_n * BLOCK_N, col0, rows, cols, row_mask,
-                            col_mask, H, stride_x, stride_w, inv_temp, cap_pre, cap_post,
-                            HAS_BIAS, HAS_CAP, ROUND, x_ptr.dtype.element_ty, DOT_PREC, USE_TMA,
-                            BLOCK_N, BLOCK_V, BLOCK_K)
+                               col_mask, H, stride_x, stride_w, inv_temp, cap_pre, cap_post,
+                               HAS_BIAS, HAS_CAP, ROUND, x_ptr.dtype.element_ty, DOT_PREC, USE_TMA,
+                               BLOCK_N, BLOCK_V, BLOCK_K)
         if STORE_Z and ROUND:   # the rounded logit a itself, exact in z's dtype (RDTYPE,
             # fused_cuda._z_view), stored before the statistics so a's registers free at once
             tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
@@ -286,9 +286,9 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
     x_src, w_src = _operands(x_ptr, w_ptr, N, V, H, stride_x, stride_w, USE_TMA, BLOCK_N,
                              BLOCK_V, BLOCK_K)
     z, y, _ = _logits_tile(x_src, w_src, b_ptr, x_row_first + pid_n * BLOCK_N, v_first + pid_v * BLOCK_V,
-                        x_row_first + local_rows, cols, row_mask, col_mask, H, stride_x, stride_w, inv_temp,
-                        cap_pre, cap_post, HAS_BIAS, HAS_CAP, ROUND, x_ptr.dtype.element_ty, DOT_PREC,
-                        USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
+                           x_row_first + local_rows, cols, row_mask, col_mask, H, stride_x, stride_w, inv_temp,
+                           cap_pre, cap_post, HAS_BIAS, HAS_CAP, ROUND, x_ptr.dtype.element_ty, DOT_PREC,
+                           USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
     ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
