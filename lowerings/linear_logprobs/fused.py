@@ -52,10 +52,11 @@ try:   # the Triton side: absent triton (a CPU-only install off Linux) the PyTor
     from lowerings.linear_logprobs import cuda as _dense
     from lowerings.linear_logprobs import cuda_rows as _rows
     from lowerings.linear_logprobs import fused_cuda as _fcuda
+    from lowerings.linear_logprobs import precompile as _precompile
 except ModuleNotFoundError as e:
     if e.name != "triton":
         raise
-    _dense = _rows = _fcuda = None
+    _dense = _rows = _fcuda = _precompile = None
 from lowerings.linear_logprobs.fused_order import (next_fit_blocks, order_rows, order_rows_grouped,  # noqa: F401 (callers)
                                                    pack_sequences)
 
@@ -312,6 +313,7 @@ def _block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional
     logits (scaled: as e' = exp(z - R*) but at the targets, the references in ref),
     -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]."""
     if _triton_body(hidden):
+        _precompile.wait()   # the kernels the trace handed to the precompile workers
         return _fcuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0,
                                     rows, temperature, with_entropy, logit_scale, softcap, ref,
                                     scaled, round_logits)
@@ -333,6 +335,10 @@ fused_block_forward = torch.library.custom_op(
 @fused_block_forward.register_fake
 def _(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0, rows, temperature,
       with_entropy, logit_scale, softcap, ref, scaled, round_logits=False):
+    if hidden.device.type == "cuda" and _fcuda is not None:   # its kernels, to the workers
+        _precompile.precompile(_fcuda.block_forward, hidden, weight, ids_p, bias, perm, counts,
+                               ws, zoff, xg, b, r0, rows, temperature, with_entropy,
+                               logit_scale, softcap, ref, scaled, round_logits)
     dt = torch.float64 if ws.dtype == torch.float64 else torch.float32
     return tuple(hidden.new_empty(rows, dtype=dt) for _ in range(3))
 
@@ -350,6 +356,7 @@ def _block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor,
     scaled (Triton body): ws holds e' (fused_block_forward), xg <- c * xg, dx rows scaled by c
     (exp_scaled)."""
     if _triton_body(weight):
+        _precompile.wait()
         return _fcuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp,
                                      g_ent, dx, dxp, dw, db, b, r0, rows, temperature,
                                      with_entropy, logit_scale, softcap, need_x, need_w, need_b,
@@ -390,4 +397,9 @@ fused_block_backward = torch.library.custom_op(
 def _(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp, g_ent, dx, dxp, dw, db, b, r0,
       rows, temperature, with_entropy, logit_scale, softcap, need_x, need_w, need_b, ref,
       scaled, round_logits=False):
+    if weight.device.type == "cuda" and _fcuda is not None:
+        _precompile.precompile(_fcuda.block_backward, weight, ids_p, perm, counts, ws, zoff, xg,
+                               lse, ent, g_lp, g_ent, dx, dxp, dw, db, b, r0, rows, temperature,
+                               with_entropy, logit_scale, softcap, need_x, need_w, need_b, ref,
+                               scaled, round_logits)
     return None

@@ -44,6 +44,15 @@ from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel
 from lowerings.linear_logprobs.kernels.fused_block import (_dx_split_kernel, _dx_split_reduce_kernel,
                                                      _exp_prep_kernel, _fused_dlogits_kernel,
                                                      _target_ref_kernel)
+from lowerings.linear_logprobs.precompile import capturable
+
+# Every launch below goes through precompile.capturable (the kernel's own launch, unless the
+# steps' fake implementations are capturing it for the precompile workers: precompile.py)
+(_combine_kernel, _fwd_kernel, _dw_step_persistent_kernel, _dw_step_ws_kernel, _dx_split_kernel,
+ _dx_split_reduce_kernel, _exp_prep_kernel, _fused_dlogits_kernel, _target_ref_kernel) = map(
+    capturable, (_combine_kernel, _fwd_kernel, _dw_step_persistent_kernel, _dw_step_ws_kernel,
+                 _dx_split_kernel, _dx_split_reduce_kernel, _exp_prep_kernel,
+                 _fused_dlogits_kernel, _target_ref_kernel))
 
 # The in-place dlogits pass: an elementwise [BLOCK_N, BLOCK_V] tile a program, (BLOCK_N,
 # BLOCK_V, num_warps), set by tuning runs (bench.kernels.fused --sweep). d_bias
@@ -140,7 +149,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     v, h = w.shape
     count = counts.narrow(0, b, 1)
     perm_b, ids_b = perm.narrow(0, r0, rows), ids_p.narrow(0, r0, rows)
-    _rows._gather(lambda k: k, x, perm_b, count, 0, rows, xg)
+    _rows._gather(capturable, x, perm_b, count, 0, rows, xg)
     splits, cols = _dense.fwd_split_plan(v, bn, bv, x.device)   # fixed: batch invariance
     m, s, t, zt = (x.new_empty((splits, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
     n_blocks = cdiv(rows, bn)

@@ -27,14 +27,7 @@ import torch
 import torch._guards
 from torch import Tensor
 
-
-def writes(*always: str, **when: str):
-    """Declare the pointer parameters a @triton.jit kernel writes: `always`, plus each keyword's
-    parameter when the constexpr it names is true at the launch (`dbp_ptr="NEED_DB"`)."""
-    def mark(kernel):
-        kernel.declared_writes = (tuple(always), dict(when))
-        return kernel
-    return mark
+from lowerings.linear_logprobs.kernels.writes import writes  # noqa: F401 (the kernels' declaration)
 
 
 def _declaration(kernel) -> tuple[tuple, dict]:
@@ -133,15 +126,26 @@ def triton_launch(spec: str, grid: Sequence[int], writes: list[Tensor], reads: l
                   ints: Sequence[int], floats: Sequence[float]) -> None:
     """Launch the kernel of `spec` (module, name, where each parameter's value is, launch options)
     over `grid`; it writes the `writes` buffers (and no other)."""
-    kernel, plan, options = _plan(spec)
-    lists: dict[str, Any] = {"w": writes, "r": reads, "i": ints, "f": floats}
-    args = [v if kind == "c" else lists[kind][v] for kind, v in plan]
+    kernel, args, options = _call(spec, writes, reads, ints, floats)
     if writes and writes[0].is_cuda:
+        from lowerings.linear_logprobs import precompile
         from lowerings.linear_logprobs.cuda import _ensure_allocator
         _ensure_allocator()   # in-kernel TMA descriptors need Triton's scratch allocator
+        precompile.wait()     # the kernels the trace handed to the precompile workers
     kernel[tuple(grid)](*args, **options)
+
+
+def _call(spec: str, writes, reads, ints, floats) -> tuple:
+    """(kernel, positional arguments, launch options) of a triton_launch call."""
+    kernel, plan, options = _plan(spec)
+    lists: dict[str, Any] = {"w": writes, "r": reads, "i": ints, "f": floats}
+    return kernel, [v if kind == "c" else lists[kind][v] for kind, v in plan], options
 
 
 @triton_launch.register_fake
 def _(spec, grid, writes, reads, ints, floats):
+    if writes and writes[0].device.type == "cuda":   # its kernel, to the precompile workers
+        from lowerings.linear_logprobs import precompile
+        kernel, args, options = _call(spec, writes, reads, ints, floats)
+        precompile.precompile(lambda: precompile.capturable(kernel)[grid](*args, **options))
     return None

@@ -7,12 +7,12 @@ Legend: R' rows, S vocab splits of the forward (cuda.fwd_split_plan).
 import triton
 import triton.language as tl
 
-from lowerings.linear_logprobs.kernels.tiles import _valid_rows
-from lowerings.linear_logprobs.launch import writes
+from lowerings.linear_logprobs.kernels.tiles import VARYING_PTRS, _valid_rows
+from lowerings.linear_logprobs.kernels.writes import writes
 
 
 @writes("lp_ptr", "ent_ptr", "lse_ptr", ref_ptr="STORE_E", ws_ptr="STORE_E")
-@triton.jit(do_not_specialize=("n_rows",))
+@triton.jit(do_not_specialize=("n_rows",), do_not_specialize_on_alignment=VARYING_PTRS)
 def _combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse_ptr, n_rows,
                     n_splits, WITH_ENTROPY: tl.constexpr, HAS_COUNT: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ref_ptr, ws_ptr, zoff_ptr,

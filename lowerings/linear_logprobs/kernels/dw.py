@@ -7,12 +7,13 @@ Legend: n valid rows of the group (its K loop), C = cols vocab rows of dW, H hid
 import triton
 import triton.language as tl
 
-from lowerings.linear_logprobs.launch import writes
-from lowerings.linear_logprobs.kernels.tiles import _desc, _swizzle, _swizzle_id, _tile, _valid_rows
+from lowerings.linear_logprobs.kernels.writes import writes
+from lowerings.linear_logprobs.kernels.tiles import (DW_VARYING, VARYING_PTRS, _desc, _swizzle, _swizzle_id,
+                                                     _tile, _valid_rows)
 
 
 @writes("dw_ptr")
-@triton.jit
+@triton.jit(do_not_specialize=DW_VARYING, do_not_specialize_on_alignment=VARYING_PTRS)
 def _dw_step_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, stride_ws,
                     stride_x, stride_dw, n_cblocks, n_hblocks, n_later, final,
                     ACCUMULATE: tl.constexpr, ON_DEVICE: tl.constexpr,
@@ -135,7 +136,7 @@ def _dw_tile(a_src, b_src, dw_ptr, dw_dst, pid_c, pid_h, n_valid, v0, cols, H, s
 
 
 @writes("dw_ptr")
-@triton.jit
+@triton.jit(do_not_specialize=DW_VARYING, do_not_specialize_on_alignment=VARYING_PTRS)
 def _dw_step_persistent_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H,
                                stride_ws, stride_x, stride_dw, n_cblocks, n_hblocks, n_later,
                                final, n_programs, ACCUMULATE: tl.constexpr,

@@ -130,7 +130,7 @@ def _dw_ws_consumer(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, c_des
     tma.store_wait(0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=_k.DW_VARYING, do_not_specialize_on_alignment=_k.VARYING_PTRS)
 def _dw_step_ws_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, stride_ws,
                        stride_x, stride_dw, n_cblocks, n_hblocks, n_later, final,
                        ACCUMULATE: gl.constexpr, ON_DEVICE: gl.constexpr,

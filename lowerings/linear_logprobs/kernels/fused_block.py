@@ -9,10 +9,10 @@ import triton
 import triton.language as tl
 
 from lowerings.linear_logprobs.kernels.logits import _dz_tile, _transform
-from lowerings.linear_logprobs.kernels.tiles import _desc, _swizzle_id, _tile, _valid_rows
+from lowerings.linear_logprobs.kernels.tiles import VARYING_PTRS, _desc, _swizzle_id, _tile, _valid_rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=VARYING_PTRS)
 def _fused_dlogits_kernel(z_ptr, ws_ptr, zoff_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
                           dbp_ptr, count_ptr, n_rows, V, stride_ws, n_ztiles, inv_temp, cap_pre,
                           cap_post, HAS_CAP: tl.constexpr, ROUND: tl.constexpr,
@@ -105,7 +105,7 @@ def _dx_splits(n_valid, n_hblocks, n_sms, max_rows, S_MAX: tl.constexpr, BLOCK_M
     return best, n_pad
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=VARYING_PTRS)
 def _dx_split_kernel(ws_ptr, w_ptr, part_ptr, dx_ptr, perm_ptr, count_ptr, n_rows, V, H,
                      stride_ws, stride_w, stride_dx, n_hblocks, n_sms, max_rows,
                      S_MAX: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
@@ -151,7 +151,7 @@ def _dx_split_kernel(ws_ptr, w_ptr, part_ptr, dx_ptr, perm_ptr, count_ptr, n_row
         tl.store(part_ptr + prow[:, None] * H + hs[None, :], acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=VARYING_PTRS)
 def _dx_split_reduce_kernel(part_ptr, dx_ptr, perm_ptr, count_ptr, n_rows, H, stride_dx,
                             n_hblocks, n_sms, max_rows, S_MAX: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -195,7 +195,7 @@ def _dx_split_reduce_kernel(part_ptr, dx_ptr, perm_ptr, count_ptr, n_rows, H, st
 # backward's one extra kernel (_exp_prep_kernel) forms c and scales X's rows.
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=VARYING_PTRS)
 def _target_ref_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, count_ptr, ref_ptr, n_rows, V, H, stride_x,
                        stride_w, inv_temp, lead, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_H: tl.constexpr):
@@ -226,7 +226,7 @@ def _target_ref_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, count_ptr, ref_ptr, n_rows,
     tl.store(ref_ptr + rows, tl.where(m == m, m, float("-inf")), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=VARYING_PTRS)
 def _exp_prep_kernel(x_ptr, lse_ptr, glp_ptr, ref_ptr, count_ptr, n_rows, H, stride_x, inv_temp,
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """For the block's valid rows r < n (the block comment above): c = -g_lp e^(R* - lse) s / T

@@ -5,8 +5,8 @@ Legend: N tokens (dynamic), H hidden, V vocab (static), BN/BV/BK tile sizes.
 import triton
 import triton.language as tl
 
-from lowerings.linear_logprobs.kernels.tiles import _desc, _swizzle, _tile, _valid_rows
-from lowerings.linear_logprobs.launch import writes
+from lowerings.linear_logprobs.kernels.tiles import VARYING_PTRS, _desc, _swizzle, _tile, _valid_rows
+from lowerings.linear_logprobs.kernels.writes import writes
 
 
 @triton.jit
@@ -149,7 +149,7 @@ BATCH_ARGS = ("N", "n_blocks", "out_row0", "out_n")
 
 
 @writes("m_ptr", "s_ptr", "t_ptr", "zt_ptr", z_ptr="STORE_Z", zoff_ptr="STORE_Z")
-@triton.jit(do_not_specialize=BATCH_ARGS)
+@triton.jit(do_not_specialize=BATCH_ARGS, do_not_specialize_on_alignment=VARYING_PTRS)
 def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, N, V, H,
                 stride_x, stride_w, inv_temp, cap_pre, cap_post, cols_per_split, n_blocks,
                 n_splits, out_row0, out_n, z_ptr, zoff_ptr, stride_z, n_ztiles,
@@ -255,7 +255,7 @@ def _dz_tile(z, y, cols, ids, lse, coef, g_lp, gent_ptr, ent_ptr, rows, row_mask
 
 
 @writes("ws_ptr", dbp_ptr="NEED_DB")
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=VARYING_PTRS)
 def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, glse_ptr,
                     ws_ptr, dbp_ptr, count_ptr, N, V, H, x_row_first, row_first, n_rows, v_first,
                     stride_x, stride_w, stride_ws, inv_temp, cap_pre, cap_post, n_blocks, n_vtiles,
@@ -307,7 +307,7 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
 
 
 @writes("acc_ptr", dx_ptr="STORE")
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=VARYING_PTRS)
 def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n_rows, v0, cols,
                     V, H, stride_ws, stride_w, stride_dx, n_mblocks, n_hblocks,
                     ACCUMULATE: tl.constexpr, STORE: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -345,7 +345,7 @@ def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n
 
 
 @writes("out_ptr")
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=VARYING_PTRS)
 def _gather_rows_kernel(x_ptr, perm_ptr, count_ptr, out_ptr, row0, n_rows, H, stride_x,
                         stride_out, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[r] = x[perm[row0 + r]] for the r < clamp(count - row0, 0, n_rows) valid rows of a

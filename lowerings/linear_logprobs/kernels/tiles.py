@@ -5,6 +5,14 @@ tiles through TMA descriptors or masked pointer loads (_desc, _tile).
 import triton
 import triton.language as tl
 
+# Launch arguments that change from one row block to the next but not the code: a block's count
+# pointer (counts.narrow(0, b, 1), 16-byte aligned at every other b) and the dW steps' block
+# position (n_later, final: each 1 at one block). Specialized, they made Triton compile the fused
+# path's 9 kernels 24 times for 8 row blocks, 10 of them the Gluon dW step (counted with
+# precompile.py's capture), for nothing: count is one scalar load, the others two flags.
+VARYING_PTRS = ("count_ptr",)
+DW_VARYING = ("n_later", "final")
+
 
 @triton.jit
 def _swizzle(n_blocks, n_other, GROUP_N: tl.constexpr):

@@ -1,0 +1,204 @@
+"""The fused path's Triton kernels compiled in worker processes while torch.compile traces.
+
+Why. The fused block steps are opaque custom ops that launch their Triton kernels themselves
+(fused.py), so Inductor never sees those kernels: each is JIT-compiled at its first launch, one
+after another, inside the compiled step's first call. On one H100 that was 10 s of the
+end-to-end step's 43.6 s first call (TRL's: 33.4 s; bench/results/e2e_compile_h100_d1cb24f.txt),
+while Dynamo and Inductor took the same time for both.
+
+How. The steps' fake implementations (fused.py), which Dynamo, AOTAutograd and Inductor call
+while they trace, run each step's CUDA host code (fused_cuda.py) inside `capture()`, where a
+launch of a `capturable` kernel is not run: Triton's binder specializes its arguments as the
+real launch will (dtypes, 16-byte alignment read from the fake tensors' storage offsets, ints
+equal to 1 or divisible by 16, the constexprs), and Triton's `jit_cache_hook` hands over that
+specialization, serialized, instead of compiling it. New specializations go to at most WORKERS
+worker processes (`python -m lowerings.linear_logprobs.precompile`), which compile them for the
+parent's target (`JITFunction.preload`: no GPU needed) into Triton's on-disk cache, in parallel
+with the rest of the trace and Inductor's own compile. Before the first real launch of a step the
+parent waits for the workers (`wait`, at most WAIT_S), and Triton's compile at that launch finds
+the cache entry: a cubin load instead of a compile.
+
+The workers never change what runs: the parent compiles every kernel it launches itself, from the
+same source, and only finds the result cached. A launch whose specialization the capture missed
+(a tensor whose storage is not 16-byte aligned, say) compiles at its launch, as without workers.
+Eager calls (nothing traced) compile at the first launch as before.
+"""
+import contextlib
+import contextvars
+import functools
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+from triton.runtime.jit import MockTensor
+
+from lowerings.linear_logprobs.device import size_hint
+
+log = logging.getLogger(__name__)
+
+WORKERS = 4          # worker processes a batch of new specializations, at most; 0: none (compile
+                     # every kernel at its first launch, in this process)
+WAIT_S = 120.0       # the most the first real launch waits for the workers
+# Where the workers put what they compile: Triton's cache directory as this module found it at
+# import. Not the one current when a trace starts them: Inductor points TRITON_CACHE_DIR at a
+# temporary directory while it compiles (torch._inductor.utils.fresh_cache), and the parent's
+# launches look in the usual one, so the workers' kernels were found only now and then.
+CACHE_DIR = triton.knobs.cache.dir
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "precompile_worker.py")
+
+# the launches captured in this context: a list of (module, qualname, specialization JSON)
+_captured: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar(
+    "compiled_grpo_precompile_captured", default=None)
+_sent: set[tuple[str, str, str]] = set()     # specializations handed to workers already
+_pending: list = []      # (worker, its stderr file, its specializations), not yet adopted
+
+
+class capturable:
+    """`capturable(kernel)[grid](*args, **kwargs)` launches `kernel` as `kernel[grid]` would;
+    inside `capture()` it records the launch's specialization instead (nothing runs)."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        if _captured.get() is None:
+            return self.kernel[grid]
+        return functools.partial(_capture_launch, self.kernel)
+
+
+class _StandIn(MockTensor):
+    """A tensor at a captured launch: what Triton's binder reads of it, its dtype and its
+    address modulo 16 (the storage's base is the CUDA allocator's, 512-byte aligned)."""
+
+    def __init__(self, t: Tensor):
+        super().__init__(t.dtype)
+        self.offset = size_hint(t.storage_offset()) * t.element_size() % 16
+
+    def data_ptr(self):
+        return self.offset
+
+
+def _stand_in(a):
+    if isinstance(a, Tensor):
+        return _StandIn(a)
+    if isinstance(a, (torch.SymInt, torch.SymBool)):
+        return size_hint(a)
+    if isinstance(a, torch.SymFloat):
+        return a.node.hint
+    return a
+
+
+def _capture_launch(kernel, *args, **kwargs) -> None:
+    # warmup: specialize and look the kernel up, compile on a miss (our hook: record instead),
+    # never launch
+    kernel.warmup(*map(_stand_in, args), grid=(1,),
+                  **{k: _stand_in(v) for k, v in kwargs.items()})
+
+
+def _hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled, _prev=None):
+    found = _captured.get()
+    if found is None:   # a compile outside capture(): Triton's, or the hook installed before ours
+        return None if _prev is None else _prev(key=key, repr=repr, fn=fn, compile=compile,
+                                                is_manual_warmup=is_manual_warmup,
+                                                already_compiled=already_compiled)
+    found.append((fn.module, fn.name, compile["specialization_data"]))
+    return True   # do not compile (and, as a warmup, do not launch)
+
+
+def _install_hook() -> None:
+    rt = triton.knobs.runtime
+    current = rt.jit_cache_hook
+    if getattr(current, "func", None) is not _hook:
+        rt.jit_cache_hook = functools.partial(_hook, _prev=current)
+
+
+@contextlib.contextmanager
+def capture():
+    """Within: launches of `capturable` kernels are recorded, not run; yields the record list."""
+    _install_hook()
+    found: list = []
+    token = _captured.set(found)
+    try:
+        yield found
+    finally:
+        _captured.reset(token)
+
+
+def precompile(host_code, *args, **kwargs) -> int:
+    """Run `host_code(*args, **kwargs)` (a step's launches, on fake or real tensors) capturing
+    its launches, and hand the specializations not yet handed over to worker processes. Returns
+    how many it handed over. Never raises: a capture that fails leaves the kernels to compile
+    at their first launch."""
+    if WORKERS <= 0:
+        return 0
+    try:
+        with capture() as found:
+            host_code(*args, **kwargs)
+        new = [f for f in dict.fromkeys(found) if f not in _sent]
+        if new:
+            _start(new)
+            _sent.update(new)
+        return len(new)
+    except Exception:   # an optimization only: the launch compiles what the capture missed
+        log.debug("capturing %s's launches failed", host_code, exc_info=True)
+        return 0
+
+
+def _start(specs: list) -> None:
+    target = triton.runtime.driver.active.get_current_target()
+    job = {"target": [target.backend, target.arch, target.warp_size], "cache_dir": CACHE_DIR,
+           "root": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+    n = min(WORKERS, len(specs))
+    for i in range(n):
+        part = specs[i::n]
+        err = tempfile.TemporaryFile()   # a file, not a pipe: a worker never blocks writing
+        p = subprocess.Popen([sys.executable, _WORKER], stdin=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, stderr=err)
+        p.stdin.write(json.dumps(dict(job, specs=part)).encode())
+        p.stdin.close()
+        _pending.append((p, err, part))
+
+
+def wait(timeout: Optional[float] = None) -> None:
+    """Wait for the workers started so far (at most WAIT_S in all) and adopt what they compiled:
+    each specialization's kernel, loaded from CACHE_DIR (Triton's own compile of it, a cache
+    hit) with its launcher, goes into the kernel's in-process cache, where the launch that
+    follows finds it. A worker still running at the deadline is left to finish; its kernels
+    compile at their launch, here."""
+    if not _pending:
+        return
+    deadline = time.monotonic() + (WAIT_S if timeout is None else timeout)
+    while _pending:
+        p, err, part = _pending.pop(0)
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.debug("a precompile worker is still running after %.0f s", WAIT_S)
+            continue
+        err.seek(0)
+        log.debug("precompile worker (exit %s): %s", p.returncode,
+                  err.read()[-4000:].decode(errors="replace"))
+        err.close()
+        with triton.knobs.cache.scope():   # the workers' cache, wherever the parent's is now
+            triton.knobs.cache.dir = CACHE_DIR
+            for module, name, spec in part:
+                try:
+                    kernel = getattr(importlib.import_module(module), name).preload(spec)
+                    kernel._init_handles()   # the launcher, built by the worker, and the cubin
+                except Exception:
+                    log.debug("adopting %s.%s failed", module, name, exc_info=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit("run precompile_worker.py")

@@ -1,0 +1,106 @@
+"""The fused path's kernels precompiled while a trace runs (lowerings/linear_logprobs/
+precompile.py), on a CPU machine: fake CUDA tensors, Triton's driver replaced by one that names
+an sm_90 target. The capture records one specialization a kernel for 8 row blocks (the
+block-varying arguments are not specialized on) and launches nothing; the workers compile them
+with triton alone; the parent adopts each without compiling it. Each script runs in a subprocess
+(the driver is process-wide)."""
+import pytest
+
+from tests.test_cuda_trace import _run_trace
+
+_PRELUDE = r'''
+import collections, json, os, tempfile
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
+import torch, triton
+from triton.backends.compiler import GPUTarget
+
+class FakeDriver:   # the target alone: nothing here can launch
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+    def get_current_device(self):
+        return 0
+    def get_current_stream(self, device=None):
+        return 0
+
+triton.runtime.driver.set_active(FakeDriver())
+from torch._subclasses.fake_tensor import FakeTensorMode
+from lowerings.linear_logprobs import device, fused, fused_cuda, precompile
+device._SMS[0] = device._SMS[None] = 132
+fused_cuda._hopper = lambda index: True          # the Gluon dW step, as on an H100
+G, R, H, V, N = 8, 256, 512, 5000, 1900
+with FakeTensorMode():
+    bf, f32 = torch.bfloat16, torch.float32
+    cuda = lambda *shape, dtype=f32: torch.empty(*shape, device="cuda", dtype=dtype)
+    x, w = cuda(N, H, dtype=bf), cuda(V, H, dtype=bf)
+    ids_p, perm = cuda(G * R, dtype=torch.int64), cuda(G * R, dtype=torch.int64)
+    counts = cuda(G, dtype=torch.int32)
+    ws, zoff = cuda(R, fused.ws_cols(x, V), dtype=bf), cuda(R, 20)
+    xg, ref = cuda(R, H, dtype=bf), cuda(3 * R)
+    dx, dw, db = cuda(N, H, dtype=bf), cuda(V, H, dtype=bf), cuda(0)
+    dxp = cuda(fused_cuda.dx_split_rows(R, H, 2), H)
+
+    def steps(scaled):   # every block's launches, last block first (as fused.py runs them)
+        for b in reversed(range(G)):
+            fused_cuda.block_forward(x, w, ids_p, None, perm, counts, ws, zoff, xg, b, b * R, R,
+                                     0.7, False, 1.0, None, ref, scaled)
+            fused_cuda.block_backward(w, ids_p, perm, counts, ws, zoff, xg, cuda(R), cuda(R),
+                                      cuda(R), cuda(R), dx, dxp, dw, db, b, b * R, R, 0.7, False,
+                                      1.0, None, True, True, False, ref, scaled)
+'''
+
+_CAPTURE = _PRELUDE + r'''
+    with precompile.capture() as found:   # fake tensors: a launch that ran would raise
+        steps(True)
+        steps(False)
+per_kernel = collections.Counter(name for _, name, _ in dict.fromkeys(found))
+assert per_kernel == {"_gather_rows_kernel": 1, "_target_ref_kernel": 1, "_fwd_kernel": 2,
+                      "_combine_kernel": 2, "_exp_prep_kernel": 1, "_fused_dlogits_kernel": 1,
+                      "_dw_step_ws_kernel": 2, "_dx_split_kernel": 2,
+                      "_dx_split_reduce_kernel": 2}, per_kernel
+# no compile happened: the capture's hook handed the specializations over instead
+import importlib
+for module, name, _ in found:
+    kernel = getattr(importlib.import_module(module), name)
+    assert all(not cache[0] for cache in kernel.device_caches.values()), name
+print("OK")
+'''
+
+_WORKERS = _PRELUDE + r'''
+    precompile.WORKERS = 2
+    handed = precompile.precompile(steps, True)
+assert handed == 9 and len(precompile._pending) == 2, (handed, precompile._pending)
+# the parent's compiles from here on: each adoption must find the workers' kernel
+from triton.compiler import compiler
+from triton.experimental.gluon._runtime import GluonASTSource
+built = []
+for cls in (compiler.ASTSource, GluonASTSource):
+    make_ir = cls.make_ir
+    cls.make_ir = lambda self, *a, _f=make_ir, **k: built.append(self.fn.__name__) or _f(self, *a, **k)
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()   # as Inductor's fresh_cache does meanwhile
+precompile.wait()
+assert not precompile._pending and not built, built
+import importlib
+adopted = collections.Counter()
+for module, name, _ in precompile._sent:
+    kernel = getattr(importlib.import_module(module), name)
+    adopted[name] = sum(len(c[0]) for c in kernel.device_caches.values())
+assert adopted == {"_gather_rows_kernel": 1, "_target_ref_kernel": 1, "_fwd_kernel": 1,
+                   "_combine_kernel": 1, "_exp_prep_kernel": 1, "_dw_step_ws_kernel": 2,
+                   "_dx_split_kernel": 1, "_dx_split_reduce_kernel": 1}, adopted
+print("OK")
+'''
+
+
+def test_capture_records_one_specialization_a_kernel_and_launches_nothing():
+    """8 row blocks, exp-scaled and not: one specialization of each kernel (two of the dW step:
+    storing and adding), whatever the block's count pointer alignment or position; before the
+    block-varying arguments were left unspecialized it was 24 for the scaled blocks alone."""
+    _run_trace(_CAPTURE)
+
+
+def test_workers_compile_and_the_parent_adopts_without_compiling():
+    """Two worker processes compile the 9 specializations (triton alone; here without the CUDA
+    launcher, which needs libcuda); wait() loads each from the workers' cache directory into the
+    kernel's in-process cache, compiling none itself, though TRITON_CACHE_DIR moved meanwhile."""
+    pytest.importorskip("triton")
+    _run_trace(_WORKERS)
