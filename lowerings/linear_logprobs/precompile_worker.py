@@ -5,7 +5,7 @@ Triton cache directory, with triton alone. Run as a script, not a module:
 
 Why a script with triton alone: on a host busy with Inductor's compile, a worker that imported
 torch and this package took 7-10 s to start (one H100 host, bench/results/
-e2e_first_call_h100.txt); triton alone takes ~0.1 s. So the package's `__init__`s, which import
+e2e_first_call_h100_410cb80.txt); triton alone takes ~0.1 s. So the package's `__init__`s, which import
 torch, are skipped: the kernel modules (kernels/, torch-free) load under their own names, which
 their specializations' cache keys hold.
 """
