@@ -91,6 +91,38 @@ print("OK")
 '''
 
 
+_EAGER = _PRELUDE + r'''
+    precompile.WORKERS = 2
+    scal = dict(temperature=0.7, with_entropy=False, logit_scale=1.0, softcap=None,
+                round_logits=False)
+    args = (x, w, ids_p, None, perm, counts, ws, zoff, xg, dx, dxp, dw, db, G, R, ref, True, scal,
+            True, True, False)
+    fused._precompile_eager(*args)          # one block's launches, captured: all 9 kernels
+    assert len(precompile._sent) == 9 and len(precompile._pending) == 2
+    fused._precompile_eager(*args)          # the same configuration: nothing more
+    assert len(precompile._sent) == 9 and len(precompile._pending) == 2
+precompile.wait()
+print("OK")
+'''
+
+
+def test_eager_call_hands_one_block_over_once():
+    """An eager fused call (nothing traces it) captures one block's launches, which specialize
+    as every block's, and only once for a launch configuration."""
+    _run_trace(_EAGER)
+
+
+def test_workers_share_the_cpus_among_local_ranks(monkeypatch):
+    pytest.importorskip("triton")
+    from lowerings.linear_logprobs import precompile
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = precompile._cpus_per_rank()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert precompile._cpus_per_rank() == max(1, alone // 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")   # not a count: as one rank
+    assert precompile._cpus_per_rank() == alone
+
+
 def test_capture_records_one_specialization_a_kernel_and_launches_nothing():
     """8 row blocks, exp-scaled and not: one specialization of each kernel (two of the dW step:
     storing and adding), whatever the block's count pointer alignment or position; before the

@@ -205,6 +205,9 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                                                   combine, round_logits)
     ref = hidden.new_empty(3 * r, dtype=torch.float32)                        # [3 R] (scaled)
     step_fwd, step_bwd = block_steps(hidden)
+    if hidden.is_cuda and step_fwd is _block_forward:   # eager: the kernels compiled in parallel
+        _precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, dx, dxp, dw,
+                          db, blocks, r, ref, scaled, scal, need_x, need_w, need_b)
     lps, ents, lses = [], [], []
     # last block first: with the global order the blocks past the last valid row are empty and
     # the last one with valid rows is partial, so that one runs first and its dW step stores
@@ -237,6 +240,39 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         dx = reduce_dx(dx)
     return FusedResult(lp, ent, lse, dx if need_x else None,
                        dw if need_w else None, db.to(b_dtype) if need_b else None)
+
+
+_EAGER_SEEN: set = set()   # the eager calls' launch configurations precompiled already
+
+
+def _precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, dx, dxp, dw, db,
+                      blocks, r, ref, scaled, scal, need_x, need_w, need_b) -> None:
+    """An eager call's kernels, compiled by the precompile workers in parallel before the first
+    block runs (a trace hands them over from the steps' fake implementations instead): one
+    block's launches, captured, specialize as every block's do. Once a launch configuration (the
+    buffers' shapes, strides and dtypes, the step's flags)."""
+    if _precompile.WORKERS <= 0:
+        return
+    tensors = (hidden, weight, bias, ws, xg, dx, dxp, dw, db)
+    key = (tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.storage_offset())
+                 for t in tensors), hidden.device, blocks, r, scaled, need_x, need_w, need_b,
+           tuple(sorted((k, v if isinstance(v, bool) or v is None else 0)
+                        for k, v in scal.items())))
+    if key in _EAGER_SEEN:
+        return
+    _EAGER_SEEN.add(key)
+    b, vec = blocks - 1, lambda: hidden.new_empty(r, dtype=torch.float32)   # [R] stand-ins
+
+    def launches():   # host code only: no kernel runs inside precompile's capture
+        _fcuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, b * r, r,
+                             ref=ref, scaled=scaled, **scal)
+        # a d_bias stand-in: the step's host code adds its (here unwritten) partial sums to db
+        _fcuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, vec(), vec(), vec(),
+                              vec(), dx, dxp, dw, torch.empty_like(db), b, b * r, r,
+                              need_x=need_x, need_w=need_w, need_b=need_b, ref=ref,
+                              scaled=scaled, **scal)
+
+    _precompile.precompile(launches)
 
 
 def block_steps(hidden: Tensor) -> tuple[Callable, Callable]:

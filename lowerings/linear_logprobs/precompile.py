@@ -1,27 +1,30 @@
 """The fused path's Triton kernels compiled in worker processes while torch.compile traces.
 
 Why. The fused block steps are opaque custom ops that launch their Triton kernels themselves
-(fused.py), so Inductor never sees those kernels: each is JIT-compiled at its first launch, one
-after another, inside the compiled step's first call. On one H100 that was 10 s of the
-end-to-end step's 43.6 s first call (TRL's: 33.4 s; bench/results/e2e_compile_h100_d1cb24f.txt),
-while Dynamo and Inductor took the same time for both.
+(fused.py), so Inductor never sees those kernels: each was compiled at its first launch, one
+after another, inside the compiled step's first call, with its launcher (a C module a
+signature, built with gcc). On one H100 that was 9.4 s of the end-to-end step's first call
+(47.3 s against TRL's 38.7 s; bench/results/e2e_first_call_h100_410cb80.txt), while Dynamo and
+Inductor took the same time for both.
 
-How. The steps' fake implementations (fused.py), which Dynamo, AOTAutograd and Inductor call
-while they trace, run each step's CUDA host code (fused_cuda.py) inside `capture()`, where a
+How. The steps' fake implementations (fused.py; and launch.py's triton_launch for the recompute
+path), which the trace calls anyway, run each step's CUDA host code inside `capture()`, where a
 launch of a `capturable` kernel is not run: Triton's binder specializes its arguments as the
-real launch will (dtypes, 16-byte alignment read from the fake tensors' storage offsets, ints
-equal to 1 or divisible by 16, the constexprs), and Triton's `jit_cache_hook` hands over that
+real launch will (dtypes, 16-byte alignment read from the tensors' storage offsets, ints equal
+to 1 or divisible by 16, the constexprs), and Triton's `jit_cache_hook` hands over that
 specialization, serialized, instead of compiling it. New specializations go to at most WORKERS
-worker processes (`python -m lowerings.linear_logprobs.precompile`), which compile them for the
-parent's target (`JITFunction.preload`: no GPU needed) into Triton's on-disk cache, in parallel
-with the rest of the trace and Inductor's own compile. Before the first real launch of a step the
-parent waits for the workers (`wait`, at most WAIT_S), and Triton's compile at that launch finds
-the cache entry: a cubin load instead of a compile.
+worker processes (precompile_worker.py: triton alone, no GPU), which compile them and build
+their launchers into CACHE_DIR while Dynamo and Inductor compile the rest. Before the first
+real launch of a step, `wait` adopts each: Triton's own compile of the specialization
+(`JITFunction.preload`) finds it in CACHE_DIR, and the kernel goes into the kernel's in-process
+cache with its launcher, where the launch finds it (H100: 38.5 s to the first result).
 
-The workers never change what runs: the parent compiles every kernel it launches itself, from the
-same source, and only finds the result cached. A launch whose specialization the capture missed
-(a tensor whose storage is not 16-byte aligned, say) compiles at its launch, as without workers.
-Eager calls (nothing traced) compile at the first launch as before.
+The workers never change what runs: the parent compiles every kernel it launches from the same
+source and only finds the result cached; a specialization the capture missed (a tensor whose
+storage is not 16-byte aligned, say) compiles at its launch, as without workers. An eager call
+(nothing traced) captures one block's launches before its first block (fused.py
+_precompile_eager) and waits for the workers at once: they compile in parallel, not one after
+another.
 """
 import contextlib
 import contextvars
@@ -45,8 +48,9 @@ from lowerings.linear_logprobs.device import size_hint
 
 log = logging.getLogger(__name__)
 
-WORKERS = 4          # worker processes a batch of new specializations, at most; 0: none (compile
-                     # every kernel at its first launch, in this process)
+WORKERS = 8          # worker processes a batch of new specializations, at most (and no more than
+                     # this process's CPUs shared among torchrun's LOCAL_WORLD_SIZE ranks); 0: none
+                     # (every kernel compiles at its first launch, in this process)
 WAIT_S = 120.0       # the most the first real launch waits for the workers
 # Where the workers put what they compile: Triton's cache directory as this module found it at
 # import. Not the one current when a trace starts them: Inductor points TRITON_CACHE_DIR at a
@@ -159,7 +163,7 @@ def _start(specs: list) -> None:
     target = triton.runtime.driver.active.get_current_target()
     job = {"target": [target.backend, target.arch, target.warp_size], "cache_dir": CACHE_DIR,
            "root": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
-    n = min(WORKERS, len(specs))
+    n = min(WORKERS, len(specs), _cpus_per_rank())
     for i in range(n):
         part = specs[i::n]
         err = tempfile.TemporaryFile()   # a file, not a pipe: a worker never blocks writing
@@ -168,6 +172,14 @@ def _start(specs: list) -> None:
         p.stdin.write(json.dumps(dict(job, specs=part)).encode())
         p.stdin.close()
         _pending.append((p, err, part))
+
+
+def _cpus_per_rank() -> int:
+    """This process's CPUs over the ranks torchrun started on this host (each rank's trace
+    starts its own workers, for the same kernels)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return max(1, (cpus or 1) // (int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1))
 
 
 def wait(timeout: Optional[float] = None) -> None:
