@@ -106,6 +106,24 @@ print("OK")
 '''
 
 
+_RECOMPUTE = _PRELUDE + r'''
+    precompile.WORKERS = 1
+    from lowerings.linear_logprobs import _linear_logprobs_op
+    ids = cuda(N, dtype=torch.int64)
+    _linear_logprobs_op(x, w, ids, None, 0.7, False, True)   # traced: triton_launch's fake
+names = sorted(name for _, name, _ in precompile._sent)
+assert names == ["_combine_kernel", "_fwd_kernel"], names
+precompile.wait()
+print("OK")
+'''
+
+
+def test_recompute_launches_are_handed_over_from_the_trace():
+    """The recompute op's launches (launch.py's triton_launch, under a trace) are captured from
+    its fake implementation like the fused steps'."""
+    _run_trace(_RECOMPUTE)
+
+
 def test_eager_call_hands_one_block_over_once():
     """An eager fused call (nothing traces it) captures one block's launches, which specialize
     as every block's, and only once for a launch configuration."""

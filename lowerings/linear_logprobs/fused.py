@@ -38,7 +38,9 @@ Triton kernels themselves on CUDA and run PyTorch on CPU); ``grad_fn`` between t
 torch code that Dynamo traces (compiled_grpo uses torch.func.grad of the loss functions). The
 ops mutate the workspace and the gradient buffers in place, so under torch.compile they become
 auto_functionalized nodes that Inductor reinplaces (as gemms.py). Plain eager calls run the ops'
-bodies directly (block_steps: the same code, without the op layers' host time).
+bodies directly (block_steps: the same code, without the op layers' host time). The ops' fake
+implementations, which a trace calls, also hand the steps' kernels to precompile.py's workers, so
+they compile while the rest of the step does (an eager call hands one block's over first).
 """
 from typing import Callable, NamedTuple, Optional
 
