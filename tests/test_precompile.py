@@ -101,6 +101,10 @@ _EAGER = _PRELUDE + r'''
     assert len(precompile._sent) == 9 and len(precompile._pending) == 2
     fused._precompile_eager(*args)          # the same configuration: nothing more
     assert len(precompile._sent) == 9 and len(precompile._pending) == 2
+    longer = (cuda(N + 37, H, dtype=bf),) + args[1:9] + (cuda(N + 37, H, dtype=bf),) + args[10:13] \
+        + (G + 1,) + args[14:]             # another batch length: not captured again
+    fused._precompile_eager(*longer)
+    assert len(fused._EAGER_SEEN) == 1 and len(precompile._sent) == 9
 precompile.wait()
 print("OK")
 '''

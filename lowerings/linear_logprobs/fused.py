@@ -251,13 +251,20 @@ def _precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, d
                       blocks, r, ref, scaled, scal, need_x, need_w, need_b) -> None:
     """An eager call's kernels, compiled by the precompile workers in parallel before the first
     block runs (a trace hands them over from the steps' fake implementations instead): one
-    block's launches, captured, specialize as every block's do. Once a launch configuration (the
-    buffers' shapes, strides and dtypes, the step's flags)."""
+    block's launches, captured, specialize as every block's do. Once a launch configuration:
+    what the launches specialize on (the buffers' dtypes, strides and 16-byte alignment, R, the
+    step's flags), not N or G, so a trainer whose batches change length every step captures
+    once (the capture costs host time a small policy's eager step cannot spare)."""
     if _precompile.WORKERS <= 0:
         return
-    tensors = (hidden, weight, bias, ws, xg, dx, dxp, dw, db)
-    key = (tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.storage_offset())
-                 for t in tensors), hidden.device, blocks, r, scaled, need_x, need_w, need_b,
+
+    def spec(t):
+        if t is None:
+            return None
+        return t.dtype, t.stride(), t.storage_offset() * t.element_size() % 16
+
+    key = (hidden.device, r, dxp.shape[0], scaled, need_x, need_w, need_b,
+           tuple(map(spec, (hidden, weight, bias, ws, xg, dx, dxp, dw, db))),
            tuple(sorted((k, v if isinstance(v, bool) or v is None else 0)
                         for k, v in scal.items())))
     if key in _EAGER_SEEN:
