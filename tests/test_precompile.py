@@ -122,6 +122,33 @@ print("OK")
 '''
 
 
+_SYMBOLIC = _PRELUDE.replace("with FakeTensorMode():", """from torch._dynamo.source import ConstantSource
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+env = ShapeEnv()
+with FakeTensorMode(shape_env=env):
+    N = env.create_symintnode(env.create_symbol(1900, source=ConstantSource("N")), hint=1900)""") + r'''
+    precompile.WORKERS = 1
+    scal = dict(temperature=0.7, with_entropy=False, logit_scale=1.0, softcap=None,
+                round_logits=False)
+    for b in reversed(range(G)):   # the ops themselves: their fake implementations capture
+        fused.fused_block_forward(x, w, ids_p, None, perm, counts, ws, zoff, xg, b, b * R, R,
+                                  ref=ref, scaled=True, **scal)
+        fused.fused_block_backward(w, ids_p, perm, counts, ws, zoff, xg, cuda(R), cuda(R),
+                                   cuda(R), cuda(R), dx, dxp, dw, db, b, b * R, R, need_x=True,
+                                   need_w=True, need_b=False, ref=ref, scaled=True, **scal)
+assert len(precompile._sent) == 9, precompile._sent
+assert not env.guards and not env.replacements, (env.guards, env.replacements)   # N symbolic
+precompile.wait()
+print("OK")
+'''
+
+
+def test_capture_under_a_symbolic_batch_adds_no_guard():
+    """The steps' fake implementations capture with N symbolic (hidden and dX [N, H]) and add
+    no guard on it: a trace that precompiles still compiles once for every batch length."""
+    _run_trace(_SYMBOLIC)
+
+
 def test_recompute_launches_are_handed_over_from_the_trace():
     """The recompute op's launches (launch.py's triton_launch, under a trace) are captured from
     its fake implementation like the fused steps'."""
