@@ -28,6 +28,12 @@ import torch._guards
 from torch import Tensor
 
 from lowerings.linear_logprobs.kernels.writes import writes  # noqa: F401 (the kernels' declaration)
+try:   # a CPU-only install without triton launches nothing here
+    from lowerings.linear_logprobs import precompile as _precompile
+except ModuleNotFoundError as e:
+    if e.name != "triton":
+        raise
+    _precompile = None
 
 
 def _declaration(kernel) -> tuple[tuple, dict]:
@@ -128,10 +134,9 @@ def triton_launch(spec: str, grid: Sequence[int], writes: list[Tensor], reads: l
     over `grid`; it writes the `writes` buffers (and no other)."""
     kernel, args, options = _call(spec, writes, reads, ints, floats)
     if writes and writes[0].is_cuda:
-        from lowerings.linear_logprobs import precompile
         from lowerings.linear_logprobs.cuda import _ensure_allocator
         _ensure_allocator()   # in-kernel TMA descriptors need Triton's scratch allocator
-        precompile.wait()     # the kernels the trace handed to the precompile workers
+        _precompile.wait()    # the kernels the trace handed to the precompile workers
     kernel[tuple(grid)](*args, **options)
 
 
@@ -145,7 +150,6 @@ def _call(spec: str, writes, reads, ints, floats) -> tuple:
 @triton_launch.register_fake
 def _(spec, grid, writes, reads, ints, floats):
     if writes and writes[0].device.type == "cuda":   # its kernel, to the precompile workers
-        from lowerings.linear_logprobs import precompile
         kernel, args, options = _call(spec, writes, reads, ints, floats)
-        precompile.precompile(lambda: precompile.capturable(kernel)[grid](*args, **options))
+        _precompile.precompile(lambda: _precompile.capturable(kernel)[grid](*args, **options))
     return None
