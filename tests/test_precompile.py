@@ -97,14 +97,14 @@ _EAGER = _PRELUDE + r'''
                 round_logits=False)
     args = (x, w, ids_p, None, perm, counts, ws, zoff, xg, dx, dxp, dw, db, G, R, ref, True, scal,
             True, True, False)
-    fused._precompile_eager(*args)          # one block's launches, captured: all 9 kernels
+    fused_cuda.precompile_eager(*args)          # one block's launches, captured: all 9 kernels
     assert len(precompile._sent) == 9 and len(precompile._pending) == 2
-    fused._precompile_eager(*args)          # the same configuration: nothing more
+    fused_cuda.precompile_eager(*args)          # the same configuration: nothing more
     assert len(precompile._sent) == 9 and len(precompile._pending) == 2
     longer = (cuda(N + 37, H, dtype=bf),) + args[1:9] + (cuda(N + 37, H, dtype=bf),) + args[10:13] \
         + (G + 1,) + args[14:]             # another batch length: not captured again
-    fused._precompile_eager(*longer)
-    assert len(fused._EAGER_SEEN) == 1 and len(precompile._sent) == 9
+    fused_cuda.precompile_eager(*longer)
+    assert len(fused_cuda._EAGER_SEEN) == 1 and len(precompile._sent) == 9
 precompile.wait()
 print("OK")
 '''

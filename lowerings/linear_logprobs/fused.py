@@ -208,8 +208,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     ref = hidden.new_empty(3 * r, dtype=torch.float32)                        # [3 R] (scaled)
     step_fwd, step_bwd = block_steps(hidden)
     if hidden.is_cuda and step_fwd is _block_forward:   # eager: the kernels compiled in parallel
-        _precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, dx, dxp, dw,
-                          db, blocks, r, ref, scaled, scal, need_x, need_w, need_b)
+        _fcuda.precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, dx, dxp,
+                                dw, db, blocks, r, ref, scaled, scal, need_x, need_w, need_b)
     lps, ents, lses = [], [], []
     # last block first: with the global order the blocks past the last valid row are empty and
     # the last one with valid rows is partial, so that one runs first and its dW step stores
@@ -242,46 +242,6 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         dx = reduce_dx(dx)
     return FusedResult(lp, ent, lse, dx if need_x else None,
                        dw if need_w else None, db.to(b_dtype) if need_b else None)
-
-
-_EAGER_SEEN: set = set()   # the eager calls' launch configurations precompiled already
-
-
-def _precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, dx, dxp, dw, db,
-                      blocks, r, ref, scaled, scal, need_x, need_w, need_b) -> None:
-    """An eager call's kernels, compiled by the precompile workers in parallel before the first
-    block runs (a trace hands them over from the steps' fake implementations instead): one
-    block's launches, captured, specialize as every block's do. Once a launch configuration:
-    what the launches specialize on (the buffers' dtypes, strides and 16-byte alignment, R, the
-    step's flags), not N or G, so a trainer whose batches change length every step captures
-    once (the capture costs host time a small policy's eager step cannot spare)."""
-    if _precompile.WORKERS <= 0:
-        return
-
-    def spec(t):
-        if t is None:
-            return None
-        return t.dtype, t.stride(), t.storage_offset() * t.element_size() % 16
-
-    key = (hidden.device, r, dxp.shape[0], scaled, need_x, need_w, need_b,
-           tuple(map(spec, (hidden, weight, bias, ws, xg, dx, dxp, dw, db))),
-           tuple(sorted((k, v if isinstance(v, bool) or v is None else 0)
-                        for k, v in scal.items())))
-    if key in _EAGER_SEEN:
-        return
-    _EAGER_SEEN.add(key)
-    b, vec = blocks - 1, lambda: hidden.new_empty(r, dtype=torch.float32)   # [R] stand-ins
-
-    def launches():   # host code only: no kernel runs inside precompile's capture
-        _fcuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, b * r, r,
-                             ref=ref, scaled=scaled, **scal)
-        # a d_bias stand-in: the step's host code adds its (here unwritten) partial sums to db
-        _fcuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, vec(), vec(), vec(),
-                              vec(), dx, dxp, dw, torch.empty_like(db), b, b * r, r,
-                              need_x=need_x, need_w=need_w, need_b=need_b, ref=ref,
-                              scaled=scaled, **scal)
-
-    _precompile.precompile(launches)
 
 
 def block_steps(hidden: Tensor) -> tuple[Callable, Callable]:

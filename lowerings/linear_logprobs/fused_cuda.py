@@ -27,6 +27,8 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
                    (sm_90: the dW step is kernels.dw_gluon._dw_step_ws_kernel, same contract)
 
 Every kernel stops at n, so a block's cost is that of its valid rows (2 + 4 = 6 n H V FLOPs).
+Every launch goes through precompile.capturable; precompile_eager hands an eager call's kernels
+to precompile.py's workers before its first block (a trace does it from the steps' fakes).
 """
 import functools
 from typing import Optional
@@ -44,10 +46,10 @@ from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel
 from lowerings.linear_logprobs.kernels.fused_block import (_dx_split_kernel, _dx_split_reduce_kernel,
                                                      _exp_prep_kernel, _fused_dlogits_kernel,
                                                      _target_ref_kernel)
+from lowerings.linear_logprobs import precompile as _precompile
 from lowerings.linear_logprobs.precompile import capturable
 
-# Every launch below goes through precompile.capturable (the kernel's own launch, unless the
-# steps' fake implementations are capturing it for the precompile workers: precompile.py)
+# the kernels as launched below: their own launch, unless precompile.py is capturing it
 (_combine_kernel, _fwd_kernel, _dw_step_persistent_kernel, _dw_step_ws_kernel, _dx_split_kernel,
  _dx_split_reduce_kernel, _exp_prep_kernel, _fused_dlogits_kernel, _target_ref_kernel) = map(
     capturable, (_combine_kernel, _fwd_kernel, _dw_step_persistent_kernel, _dw_step_ws_kernel,
@@ -269,3 +271,42 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                 BLOCK_R=rr, BLOCK_H=rh, scale_ptr=c, ROW_SCALE=scaled, num_warps=rwarps)
     if need_b:
         db.add_(dbp.sum(0))
+
+
+_EAGER_SEEN: set = set()   # the eager calls' launch configurations precompiled already
+
+
+def precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, dx, dxp, dw, db,
+                     blocks, r, ref, scaled, scal, need_x, need_w, need_b) -> None:
+    """An eager call's kernels, compiled by the precompile workers in parallel before the first
+    block runs (a trace hands them over from the steps' fake implementations instead): one
+    block's launches, captured, specialize as every block's do. Once a launch configuration:
+    what the launches specialize on (the buffers' dtypes, strides and 16-byte alignment, R, the
+    step's flags), not N or G, so a trainer whose batches change length every step captures
+    once (the capture costs host time a small policy's eager step cannot spare)."""
+    if _precompile.WORKERS <= 0:
+        return
+
+    def spec(t):
+        if t is None:
+            return None
+        return t.dtype, t.stride(), t.storage_offset() * t.element_size() % 16
+
+    key = (hidden.device, r, dxp.shape[0], scaled, need_x, need_w, need_b,
+           tuple(map(spec, (hidden, weight, bias, ws, xg, dx, dxp, dw, db))),
+           tuple(sorted((k, v if isinstance(v, bool) or v is None else 0)
+                        for k, v in scal.items())))
+    if key in _EAGER_SEEN:
+        return
+    _EAGER_SEEN.add(key)
+    b, vec = blocks - 1, lambda: hidden.new_empty(r, dtype=torch.float32)   # [R] stand-ins
+
+    def launches():   # host code only: no kernel runs inside precompile's capture
+        block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, b * r, r, ref=ref,
+                      scaled=scaled, **scal)
+        # a d_bias stand-in: the step's host code adds its (here unwritten) partial sums to db
+        block_backward(weight, ids_p, perm, counts, ws, zoff, xg, vec(), vec(), vec(), vec(), dx,
+                       dxp, dw, torch.empty_like(db), b, b * r, r, need_x=need_x, need_w=need_w,
+                       need_b=need_b, ref=ref, scaled=scaled, **scal)
+
+    _precompile.precompile(launches)

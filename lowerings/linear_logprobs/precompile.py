@@ -22,8 +22,8 @@ cache with its launcher, where the launch finds it (H100: 38.5 s to the first re
 The workers never change what runs: the parent compiles every kernel it launches from the same
 source and only finds the result cached; a specialization the capture missed (a tensor whose
 storage is not 16-byte aligned, say) compiles at its launch, as without workers. An eager call
-(nothing traced) captures one block's launches before its first block (fused.py
-_precompile_eager) and waits for the workers at once: they compile in parallel, not one after
+(nothing traced) captures one block's launches before its first block (fused_cuda.py
+precompile_eager) and waits for the workers at once: they compile in parallel, not one after
 another.
 """
 import contextlib
