@@ -115,7 +115,7 @@ def test_row_masked_path(monkeypatch, kind, group_rows):
     float64 golden on the valid rows; padded rows give 0 outputs, 0 dX rows and nothing in
     dW / d_bias, whatever their incoming grads. group_rows=16: 3 row groups, so the count
     ends inside a group and later groups are empty."""
-    monkeypatch.setattr(rk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     monkeypatch.setattr(tk, "DX_GROUP_BYTES", group_rows * 24 * 4)
     mask = MASKS[kind]
     x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=3)
@@ -137,7 +137,7 @@ def test_row_masked_path(monkeypatch, kind, group_rows):
 
 
 def test_row_masked_half_no_weight_grad(monkeypatch):
-    monkeypatch.setattr(rk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     mask = MASKS["scattered"]
     x, w, ids, b = make(40, 32, 75, DTYPE_16, False)
     lp, ent, lse = rk.forward(x, w, ids, None, mask, 1.0, False, True)
@@ -160,7 +160,7 @@ def test_row_masked_half_no_weight_grad(monkeypatch):
 @pytest.mark.parametrize("scale,cap,bias,rows", [(0.5, None, True, False), (0.5, 3.0, True, False),
                                                  (1.0, 30.0, False, False), (1.7, 3.0, True, True)])
 def test_scale_and_softcap(monkeypatch, scale, cap, bias, rows):
-    monkeypatch.setattr(rk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     x, w, ids, b = make(40, 24, 75, torch.float32, bias, seed=6)
     mask = MASKS["scattered"] if rows else torch.ones(40, dtype=torch.bool)
     kw = dict(logit_scale=scale, softcap=cap)
@@ -239,7 +239,7 @@ def test_round_logits_kernels_match_cpu_body(monkeypatch, rows, bias):
     round the same fp32 values: values agree to fp32 transcendental rounding and grads to the
     16-bit rounding of the dlogits, while the rounding moves the log-probs by far more."""
     from lowerings.linear_logprobs import cpu
-    monkeypatch.setattr(rk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     g = torch.Generator().manual_seed(11)
     n, h, v = 40, 24, 75
     x = torch.randint(-64, 65, (n, h), generator=g).to(DTYPE_16)

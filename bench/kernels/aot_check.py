@@ -78,7 +78,7 @@ def _signature(fn, consts: dict, ptrs: Optional[dict] = None) -> tuple[dict, dic
 def cases():
     """(label, kernel, constexprs, num_warps, num_stages) of each launch configuration."""
     bn, bv, bk, warps, stages = dense.TILES
-    gemm, dw = rows.step_tiles(2)
+    gemm, dw = dense.step_tiles(2)
     logit = dict(HAS_BIAS=False, HAS_CAP=False, ROUND=False, WITH_ENTROPY=True, DOT_PREC="tf32", USE_TMA=True,
                  BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=dense.GROUP_N, STORE_E=False,
                  E_HEADROOM=fc.E_HEADROOM)
@@ -129,7 +129,7 @@ def cases():
     # an fp32 dW of bf16 operands (lm_head_dtype: an fp32 lm_head multiplied in bf16): the fused
     # path takes the 4-byte dW tiles for it (fused_cuda.block_backward; the 2-byte ones need
     # 272 KiB of shared memory with an fp32 dW tile)
-    fc_, fh_, fk_, fwarps_, fstages_ = rows.step_tiles(4)[1]
+    fc_, fh_, fk_, fwarps_, fstages_ = dense.step_tiles(4)[1]
     for acc in (False, True):
         yield (f"dW step, persistent, fused, fp32 dW, ACCUMULATE={acc}", kdw._dw_step_persistent_kernel,
                dict(ACCUMULATE=acc, ON_DEVICE=True, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=False,
@@ -162,7 +162,7 @@ def cases():
     yield ("whole sequences first-fit", kf._first_fit_kernel,
            dict(BLOCK_G=64, CHUNK=fused_order.FIRST_FIT_CHUNK), 4, 1)
     # fp32 operands (fp32 inputs, fp32_lm_head): FP32_DOT products through pointers (TMA takes
-    # 16-bit operands only), the 4-byte tiles (cuda.tiles, cuda_rows.step_tiles(4))
+    # 16-bit operands only), the 4-byte tiles (cuda.tiles, cuda.step_tiles(4))
     f32 = {n: "*fp32" for n in ("x_ptr", "w_ptr", "b_ptr", "ws_ptr", "dw_ptr", "dx_ptr")}
     bn4, bv4, bk4, warps4, stages4 = dense.tiles(torch.empty(0))
     logit4 = dict(logit, DOT_PREC=dense.FP32_DOT, USE_TMA=False, BLOCK_K=bk4)
@@ -175,7 +175,7 @@ def cases():
     yield ("fp32, dlogits, recompute", k._dlogits_kernel,
            dict({k: c for k, c in logit4.items() if k not in ("STORE_E", "E_HEADROOM")},
                 NEED_DB=False, HAS_COUNT=True, _ptrs=f32), warps4, stages4)
-    gm4, gh4, gk4, gwarps4, gstages4 = rows.step_tiles(4)[0]
+    gm4, gh4, gk4, gwarps4, gstages4 = dense.step_tiles(4)[0]
     tiles4 = dict(DOT_PREC=dense.FP32_DOT, USE_TMA=False, BLOCK_M=gm4, BLOCK_H=gh4, BLOCK_K=gk4)
     yield ("fp32, dX step, split over V", kf._dx_split_kernel,
            dict(tiles4, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M, ROW_SCALE=False,
@@ -183,7 +183,7 @@ def cases():
     yield ("fp32, dX step, recompute", k._dx_step_kernel,
            dict(tiles4, ACCUMULATE=True, STORE=True, GROUP_M=rows.GROUP_M, _ptrs=f32),
            gwarps4, gstages4)
-    fc_, fh_, fk_, fwarps_, fstages_ = rows.step_tiles(4)[1]
+    fc_, fh_, fk_, fwarps_, fstages_ = dense.step_tiles(4)[1]
     yield ("fp32, dW step, persistent, fused", kdw._dw_step_persistent_kernel,
            dict(ACCUMULATE=True, ON_DEVICE=True, DOT_PREC=dense.FP32_DOT, USE_TMA=False,
                 TMA_OUT=False, BLOCK_C=fc_, BLOCK_H=fh_, BLOCK_K=fk_, GROUP_C=rows.GROUP_M,

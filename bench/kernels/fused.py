@@ -20,7 +20,7 @@ there; "reduce-overhead": Inductor's CUDA graphs). --sweep:
 the same for variants of one step or all (fwd: a 4-stage tile; dlogits
 tiles; dw: the load-add-store epilogue, tiles; dx: DX_SPLITS=1, tiles), then the default
 again (the drift of the GPU's clock over the sweep). The tiles and switches are module
-attributes of the plan (cuda.py, cuda_rows.py, fused_cuda.py), which the sweep patches.
+attributes of the plan (cuda.py, fused_cuda.py), which the sweep patches.
 --recompute: the same profile of gradient_mode="recompute" (its _fwd_kernel stores no logits:
 the forward's cost of keeping them). --cublas: what cuBLAS takes for one full block's three
 GEMMs (logits, dX, dW with beta = 1 as the fused dW step accumulates), scaled to the valid rows:
@@ -68,7 +68,7 @@ from bench.measure import WARMUP_S, keep_busy
 from bench.shapes import SHAPES, TARGETS, _chunked_logprobs, make_inputs
 from compiled_grpo import fused as cg_fused
 from lowerings.linear_logprobs import cuda as dense
-from lowerings.linear_logprobs import cuda_rows, fused_cuda
+from lowerings.linear_logprobs import fused_cuda
 
 
 PROFILE_STEPS = 3   # the per-kernel times are a mean over this many steps
@@ -312,12 +312,12 @@ def main():
             variant(fused_cuda, "DLOGITS_TILE", tile, f"DLOGITS_TILE={tile}")
         for tiles in [(128, 256, 64, 8, 4), (128, 256, 128, 8, 2), (256, 128, 64, 8, 3),
                       (128, 128, 64, 4, 3)] * want("dw"):
-            variant(cuda_rows, "DW_TILES", {**cuda_rows.DW_TILES, 2: tiles},
+            variant(dense, "DW_TILES", {**dense.DW_TILES, 2: tiles},
                     f"DW_TILES[bf16]={tiles}")
         if want("dx"):
             variant(fused_cuda, "DX_SPLITS", 1, "DX_SPLITS=1")
         for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3)] * want("dx"):
-            variant(cuda_rows, "GEMM_TILES", {**cuda_rows.GEMM_TILES, 2: tiles},
+            variant(dense, "GEMM_TILES", {**dense.GEMM_TILES, 2: tiles},
                     f"GEMM_TILES[bf16]={tiles}")
         measure("default again (drift over the sweep)")
 

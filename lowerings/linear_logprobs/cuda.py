@@ -74,6 +74,11 @@ from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc
 # Tiles of the logits GEMM: (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages). Overridable for
 # the interpreter tests (tiles of 16) and for tuning runs (set the attribute, as the sweeps do).
 TILES = (128, 256, 64, 8, 3)
+# Tiles of the masked and fused paths' two GEMM steps (dX, dW: cuda_rows.py, fused_cuda.py),
+# (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages) by operand size in bytes (tuning runs set
+# the attributes, as bench.kernels.rows --sweep; the interpreter tests patch them).
+GEMM_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3), 8: (64, 64, 32, 4, 2)}  # dX step
+DW_TILES = dict(GEMM_TILES)                                                             # dW step
 # fp32 operands (fp32 inputs, fp32_lm_head): the products in 3xTF32 (each operand split into a
 # tf32 head and tail, three tensor-core products: fp32-accurate to a few ulp), not IEEE fp32
 # FMAs (20.0 s a qwen3-8b step on H200, bench/results/lm_head_precision_h200.txt). Their tiles
@@ -116,6 +121,12 @@ def tiles(x: Tensor) -> tuple:
     if x.element_size() == 4:
         bk = max(16, bk // 2)
     return bn, bv, bk, warps, stages
+
+
+def step_tiles(itemsize: int) -> tuple[tuple, tuple]:
+    """(GEMM_TILES, DW_TILES) entries of the dX / dW steps for operands of `itemsize` bytes."""
+    size = min(8, max(2, itemsize))
+    return GEMM_TILES[size], DW_TILES[size]
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -37,20 +37,9 @@ from lowerings.linear_logprobs.kernels.logits import (_dlogits_kernel, _dx_step_
                                                _gather_rows_kernel)
 from lowerings.linear_logprobs.kernels.dw import _dw_step_kernel
 
-# Tiles of the two GEMM steps, (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages) by operand
-# size in bytes: the plan's values (tuning runs set the attributes, as bench.kernels.rows --sweep, and
-# the interpreter tests patch GEMM_TILES).
-GEMM_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3), 8: (64, 64, 32, 4, 2)}  # dX step
-DW_TILES = dict(GEMM_TILES)                                                             # dW step
 # The dlogits workspace [R, C] of this path. H100, qwen3-8b shape, 67% valid (bench.kernels.rows
 # --sweep): 16 MiB (C = 4096) 102.1 ms, 24 MiB 97.6 ms, 32 MiB 97.7 ms, peaks within 5 MiB.
 WS_BYTES = 24 << 20
-
-
-def step_tiles(itemsize: int) -> tuple[tuple, tuple]:
-    """(GEMM_TILES, DW_TILES) entries of the dX / dW steps for operands of `itemsize` bytes."""
-    size = min(8, max(2, itemsize))
-    return GEMM_TILES[size], DW_TILES[size]
 
 
 GROUP_M = 8       # row (or vocab) blocks a program group shares in L2 (see kernels.tiles._swizzle)
@@ -136,7 +125,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
              softcap: Optional[float] = None, round_logits: bool = False,
              compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes, from the valid rows only."""
-    (gm, gh, gk, gwarps, gstages), (wc, wh, wk, wwarps, wstages) = step_tiles(hidden.element_size())
+    (gm, gh, gk, gwarps, gstages), (wc, wh, wk, wwarps, wstages) = _dense.step_tiles(hidden.element_size())
     b_dtype = None if bias is None else bias.dtype                         # d_bias's dtype
     x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, compute_dtype)
     bn, bv, bk, warps, stages = _dense.tiles(x)

@@ -108,7 +108,7 @@ def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:
     blocks). None off CUDA."""
     if hidden.device.type != "cuda":
         return None
-    bm, bh = _rows.step_tiles(ws_dtype(hidden, weight).itemsize)[0][:2]
+    bm, bh = _dense.step_tiles(ws_dtype(hidden, weight).itemsize)[0][:2]
     return max(1, sm_count(hidden.device.index) // cdiv(hidden.shape[-1], bh)) * bm
 
 

@@ -109,7 +109,7 @@ def dx_split_rows(rows, h: int, itemsize: int) -> int:
     padded to the dX step's BLOCK_M, as _dx_splits pads them); 0 without splitting."""
     if DX_SPLITS <= 1:
         return 0
-    bm = _rows.step_tiles(itemsize)[0][0]
+    bm = _dense.step_tiles(itemsize)[0][0]
     return min(DX_SPLIT_BYTES // (4 * h), DX_SPLITS * (cdiv(rows, bm) * bm))
 
 
@@ -221,10 +221,10 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
             ws.stride(0), zoff.stride(0), inv_temp, cap_pre, cap_post, HAS_CAP=softcap is not None,
             ROUND=rounds, WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_dense.TILES[1],
             BLOCK_N=en, BLOCK_V=ev, num_warps=ewarps)
-    gemm_tiles = _rows.step_tiles(ws.element_size())[0]
+    gemm_tiles = _dense.step_tiles(ws.element_size())[0]
     # an fp32 dW of 16-bit operands (lm_head_dtype): the fp32 epilogue tile needs the 4-byte
     # tiles (the 2-byte ones with an fp32 dW tile overflow shared memory: 272 KiB, H200)
-    dw_tiles = _rows.step_tiles(max(ws.element_size(), dw.element_size()))[1]
+    dw_tiles = _dense.step_tiles(max(ws.element_size(), dw.element_size()))[1]
     if need_w:
         wc, wh, wk, wwarps, wstages = dw_tiles
         n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
