@@ -291,7 +291,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             blocks = by_seq if by_rows is None else by_rows if by_seq is None else min(by_seq, by_rows)
         if blocks is None:
             blocks = _op.next_fit_blocks(size_hint(s_num), size_hint(n), block_rows, size_hint(max_seqlen))
-    else:   # several blocks: whole dX waves where the budget holds one (see wave_rows)
+    else:   # several blocks: whole dX waves where the budget holds one, else whole forward waves
         if not _auto_device_ok(hidden):
             # The CPU body computes every row of a block, valid or not (the Triton kernels stop at
             # the device count), and a compiled graph's blocks have the budget's R rows (static
@@ -299,9 +299,9 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             # V = 128: 7 s a call). CPU_BLOCK_ROWS bounds R there; N plays no part (no guard).
             budget = min(budget, CPU_BLOCK_ROWS)
         align = ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS
-        wave = _op.wave_rows(hidden, weight)
-        if wave is not None and budget >= wave and size_hint(n) > budget:
-            align = wave
+        plan = _op.block_align(hidden, weight, budget // align * align)   # None off CUDA
+        if plan is not None and size_hint(n) > budget:   # (block_align's docstring)
+            align = plan
         budget = budget // align * align
         blocks = _compiled_blocks(n, budget) if compiling else None
         if blocks is not None:   # static R and G: static block shapes under dynamic N

@@ -89,8 +89,9 @@ def test_block_plan(mib, blocks, monkeypatch):
 
 
 def test_block_plan_whole_waves(monkeypatch):
-    """With several blocks, block rows are whole dX waves (fused.wave_rows, CUDA only: faked
-    here as 24 rows) where the budget (32 rows) holds one; the result is unchanged."""
+    """With several blocks, block rows are a multiple of the plan's rows (fused.block_align: whole
+    dX waves or whole forward waves, CUDA only: faked here as 24 rows) where the budget (32 rows)
+    holds them; the result is unchanged."""
     seen = []
     real = F._op.fused_linear_logprobs
     monkeypatch.setattr(F._op, "fused_linear_logprobs",
@@ -98,7 +99,7 @@ def test_block_plan_whole_waves(monkeypatch):
     inp = make_inputs(B=5, T=9, seed=9)
     cfg = dict(fused_workspace_mib=_mib(40), beta=0.04)
     want = cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="recompute", **cfg)).loss
-    monkeypatch.setattr(F._op, "wave_rows", lambda h, w: 24)
+    monkeypatch.setattr(F._op, "block_align", lambda h, w, budget: 24)
     got = cg.grpo_loss(**inp, config=cg.GRPOConfig(gradient_mode="fused", **cfg)).loss
     assert seen == [(2, 24)]
     torch.testing.assert_close(got, want)

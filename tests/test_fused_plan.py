@@ -1,9 +1,11 @@
 """The forward's vocab split plan (lowerings/linear_logprobs/cuda.fwd_split_plan), shared by the
-recompute, row-masked and fused CUDA paths: fixed by (V, tiles, SM count), never by N or the valid
-rows (batch invariance: tests/test_batch_invariance_gpu.py checks the bits on the GPU). Pure host
-arithmetic: no GPU, no interpreter.
+recompute, row-masked and fused CUDA paths: fixed by the head (V, H, itemsize), the tiles and the
+SM count, never by N or the valid rows (batch invariance: tests/test_batch_invariance_gpu.py checks
+the bits on the GPU), and chosen with the fused path's block rows (cuda.block_plan) so that a
+block's forward grid fills its last wave. Pure host arithmetic: no GPU, no interpreter.
 
-Legend: V vocab, BN/BV the row / vocab tiles, S splits, S0 = cdiv(V, 8192)."""
+Legend: V vocab, H hidden, R block rows, BN/BV the row / vocab tiles, S splits,
+S0 = cdiv(V, 8192)."""
 import inspect
 
 import pytest
@@ -13,39 +15,89 @@ import triton
 import lowerings.linear_logprobs.cuda as tk
 
 
-def _plan(monkeypatch, v, sms, bn=128, bv=256):
+def _plan(monkeypatch, v, sms, h=4096, bn=128, bv=256):
     monkeypatch.setattr(tk, "FWD_COLS_PER_SPLIT", 8192)   # the GPU's (another test may patch it)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tk, "sm_count", lambda index: sms)
-    return tk.fwd_split_plan(v, bn, bv, torch.device("cuda", 0))
+    return tk.fwd_split_plan(v, h, 2, bn, bv, torch.device("cuda", 0))
 
 
-@pytest.mark.parametrize("v,sms,want", [
-    (151936, 132, (33, 4608)),   # qwen: 16 row blocks x 33 = 4 full waves of 132 SMs
-    (128256, 132, (24, 5376)),   # llama3: 3 waves of 5376 columns, not 2 of 8192
-])
-def test_split_plan(monkeypatch, v, sms, want):
-    assert _plan(monkeypatch, v, sms) == want
+# (V, H) -> (S, columns a split, the default block's R), bf16, 132 SMs (H100 / H200)
+PLANS = {
+    (151936, 4096): (33, 4608, 2048),   # qwen3-8b: 16 row tiles x 33 = 4 full waves
+    (128256, 4096): (24, 5376, 2048),   # llama3-8b: 3 waves of 5376 columns, not 2 of 8192
+    (151936, 2560): (20, 7680, 1664),   # qwen3-4b: whole dX waves (13 row tiles x 10 H blocks);
+                                        # 13 x 20 = 260 of 264 slots where S = 33 filled 429 of 528
+    (151936, 896): (33, 4608, 2048),    # qwen2.5-0.5b: 2048 of the budget's 2176 rows (17 x 33
+                                        # programs ran 4.25 waves in 5)
+    (256000, 2304): (44, 5888, 1152),   # gemma2-2b: 9 row tiles x 44 = 3 full waves
+}
+
+
+@pytest.mark.parametrize("v,h", list(PLANS))
+def test_split_plan(monkeypatch, v, h):
+    s, cols, r = PLANS[v, h]
+    assert _plan(monkeypatch, v, 132, h=h) == (s, cols)
+    assert tk.block_plan(v, h, 2, 128, 256, 132) == (s, cols, r)
+
+
+@pytest.mark.parametrize("v,h", list(PLANS))
+def test_default_blocks_fill_forward_waves(v, h):
+    """The default block's forward grid, cdiv(R, BN) x S programs, wastes under 4% of its waves
+    (2.7% at qwen3-4b, whose R is whole dX waves; 0.1% at qwen)."""
+    s, cols, r = tk.block_plan(v, h, 2, 128, 256, 132)
+    waves = triton.cdiv(triton.cdiv(r, 128) * s, 132)
+    assert waves * 132 * cols <= 1.04 * triton.cdiv(r, 128) * v
+
+
+def test_plan_workspace_is_grpo_configs_default():
+    """The plan is made for the fused path's default workspace."""
+    import compiled_grpo as cg
+    assert tk.PLAN_WS_BYTES == int(cg.GRPOConfig().fused_workspace_mib * 2**20)
+
+
+@pytest.mark.parametrize("budget", [1280, 2176, 2560, 4096])
+@pytest.mark.parametrize("v,h", list(PLANS))
+def test_block_rows_fit_the_budget(v, h, budget):
+    """Any workspace budget (a multiple of 128): R <= budget, a multiple of 128, more than half
+    of it unless whole dX waves (a multiple of the wave) take it."""
+    splits = tk.block_plan(v, h, 2, 128, 256, 132)[:2]
+    r = tk.block_rows(budget, v, h, 2, 128, 256, 132, splits)
+    wave = tk.dx_wave_rows(h, 2, 132)
+    assert r <= budget and r % 128 == 0
+    assert r % wave == 0 if budget >= wave else 2 * r > budget
+
+
+def test_plan_is_a_constant_inside_a_compiled_step(monkeypatch):
+    """compiled_grpo's block planning runs inside a user's torch.compile: the planner is called,
+    not traced (its search would not trace), and adds no graph break."""
+    monkeypatch.setattr(tk, "_SPLIT_PLANS", {})
+    fn = torch.compile(lambda x: x * tk.block_plan(151936, 2560, 2, 128, 256, 132)[2]
+                       + tk.block_rows(1280, 256000, 2304, 2, 128, 256, 132, (44, 5888)),
+                       fullgraph=True, backend="eager")
+    assert fn(torch.ones(2)).tolist() == [1664.0 + 1152.0] * 2
 
 
 @pytest.mark.parametrize("v", [75, 32000, 151936, 256000, 262144, 600000])
 @pytest.mark.parametrize("sms", [4, 78, 132])
-def test_split_plan_covers_vocab(monkeypatch, v, sms):
+@pytest.mark.parametrize("h", [64, 896, 4096, 8192])
+def test_split_plan_covers_vocab(monkeypatch, v, sms, h):
     """S splits of whole BV tiles cover V once, the last one starting before V (each split's first
     tile has a valid column), S0 <= S <= 2 S0."""
-    s, cols = _plan(monkeypatch, v, sms)
+    s, cols = _plan(monkeypatch, v, sms, h=h)
     s0 = triton.cdiv(v, 8192)
     assert cols % 256 == 0 and (s - 1) * cols < v <= s * cols
     assert triton.cdiv(v, triton.cdiv(triton.cdiv(v, s0), 256) * 256) <= s <= 2 * s0
 
 
 def test_split_plan_takes_no_batch_size():
-    """Nothing about the batch reaches the plan: its arguments are the shape's and the device's."""
-    assert list(inspect.signature(tk.fwd_split_plan).parameters) == ["v", "bn", "bv", "device"]
+    """Nothing about the batch reaches the plan: its arguments are the head's and the device's."""
+    assert list(inspect.signature(tk.fwd_split_plan).parameters) == ["v", "h", "itemsize", "bn", "bv",
+                                                                     "device"]
 
 
 def test_split_plan_off_cuda():
     """The interpreter tests (CPU tensors) take S0 splits."""
-    s, cols = tk.fwd_split_plan(75, 16, 16, torch.device("cpu"))
+    s, cols = tk.fwd_split_plan(75, 32, 2, 16, 16, torch.device("cpu"))
     s0 = triton.cdiv(75, tk.FWD_COLS_PER_SPLIT)
     assert s == triton.cdiv(75, cols) and s <= s0

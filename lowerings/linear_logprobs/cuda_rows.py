@@ -95,7 +95,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     v = w.shape[0]
     ids_p = ids.index_select(0, perm)                                      # [N] permuted
     groups, r = _groups(n, h, bn)
-    splits, cols = _dense.fwd_split_plan(v, bn, bv, x.device)   # fixed: batch invariance
+    splits, cols = _dense.fwd_split_plan(v, h, x.element_size(), bn, bv, x.device)  # invariant
     m, s, t, zt = (x.new_empty((splits, n), dtype=torch.float32) for _ in range(4))  # [S, N]
     xg = x.new_empty((r, h))                                               # [R, H]
     for g in range(groups):

@@ -101,15 +101,32 @@ def ws_row_bytes(hidden: Tensor, weight: Tensor, v: Optional[int] = None) -> int
 
 
 def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:
-    """Rows whose dX step fills whole waves of the GPU: floor(SMs / H blocks) row tiles of the
-    step's BLOCK_M (H100 / H200, H = 4096, bf16: 8 x 128 = 1024). A block of R rows runs
-    cdiv((R / BLOCK_M) * H blocks, SMs) waves of K = V long programs, so R = 2176 costs 3 waves
-    where 2048 costs 2 (H100, qwen3-8b packed: 42.1 ms against 39.5 for the padded twin's 2048-row
-    blocks). None off CUDA."""
+    """Rows whose dX step fills whole waves of the GPU (cuda.dx_wave_rows: H100 / H200, H = 4096,
+    bf16: 1024). A block of R rows runs cdiv((R / BLOCK_M) * H blocks, SMs) waves of K = V long
+    programs, so R = 2176 costs 3 waves where 2048 costs 2 (H100, qwen3-8b packed: 42.1 ms
+    against 39.5 for the padded twin's 2048-row blocks). None off CUDA."""
     if hidden.device.type != "cuda":
         return None
-    bm, bh = _dense.step_tiles(ws_dtype(hidden, weight).itemsize)[0][:2]
-    return max(1, sm_count(hidden.device.index) // cdiv(hidden.shape[-1], bh)) * bm
+    return _dense.dx_wave_rows(hidden.shape[-1], ws_dtype(hidden, weight).itemsize,
+                               sm_count(hidden.device.index))
+
+
+def block_align(hidden: Tensor, weight: Tensor, budget: int) -> Optional[int]:
+    """What the rows of a batch's blocks are a multiple of when it is longer than one block of
+    `budget` rows (a multiple of 128): whole dX waves where the budget holds one (wave_rows),
+    else the rows in (budget / 2, budget] whose forward grid wastes least of its last wave under
+    the head's split plan (cuda.block_rows; qwen2.5-0.5b at the default budget: 2048 rows, 16
+    row tiles x 33 splits = 4 full waves, where 2176 rows ran 4.25 waves in 5). None off CUDA."""
+    if hidden.device.type != "cuda":
+        return None
+    x = ws_dtype(hidden, weight)   # (a symbolic H: its hint; R only has to fit the budget)
+    h, v, sms = size_hint(hidden.shape[-1]), size_hint(weight.shape[0]), sm_count(hidden.device.index)
+    bn, bv = _dense.TILES[:2]
+    wave = wave_rows(hidden, weight)
+    if budget >= wave:
+        return wave
+    splits = _dense.fwd_split_plan(v, h, x.itemsize, bn, bv, hidden.device)
+    return _dense.block_rows(budget, v, h, x.itemsize, bn, bv, sms, splits)
 
 
 def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],

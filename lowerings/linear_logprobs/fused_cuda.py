@@ -152,7 +152,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     count = counts.narrow(0, b, 1)
     perm_b, ids_b = perm.narrow(0, r0, rows), ids_p.narrow(0, r0, rows)
     _rows._gather(capturable, x, perm_b, count, 0, rows, xg)
-    splits, cols = _dense.fwd_split_plan(v, bn, bv, x.device)   # fixed: batch invariance
+    splits, cols = _dense.fwd_split_plan(v, h, x.element_size(), bn, bv, x.device)  # invariant
     m, s, t, zt = (x.new_empty((splits, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
     n_blocks = cdiv(rows, bn)
     scal = _dense._scalars(temperature, logit_scale, softcap)
