@@ -76,6 +76,29 @@ def test_three_way_gpu(level, entropy_coef, scaled):
         assert e["fused"] <= 2 * e["recompute"] + 1e-5, (what, e)
 
 
+def test_three_way_gpu_narrow_h():
+    """H = 896 (qwen2.5-0.5b), whose dW step takes 128-wide H tiles (fused_cuda.dw_ws_tiles):
+    within 2x of eager bf16's error and of the recompute path's, and the dW bits of the 256-wide
+    tiles (each element's K sum is the same MMAs in the same order)."""
+    import lowerings.linear_logprobs.fused_cuda as fc
+    assert fc.dw_ws_tiles(896) == fc.DW_WS_TILES_NARROW and fc.dw_ws_tiles(4096) == fc.DW_WS_TILES
+    inp = _gpu_inputs(Hd=896)
+    errs = _three_way(inp, loss_type="grpo", beta=0.04, fused_workspace_mib=400.0)
+    print(errs)
+    for what, e in errs.items():
+        assert e["fused"] <= 2 * e["pt"] + 1e-5, (what, e)
+        assert e["fused"] <= 2 * e["recompute"] + 1e-5, (what, e)
+
+    def dw(tiles):
+        w = inp["weight"].clone().requires_grad_()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fc, "dw_ws_tiles", lambda h: tiles)
+            cg.grpo_loss(**dict(inp, weight=w), config=cg.GRPOConfig(
+                gradient_mode="fused", fused_workspace_mib=100.0)).loss.backward()   # 3 blocks
+        return w.grad
+    assert torch.equal(dw(fc.DW_WS_TILES_NARROW), dw(fc.DW_WS_TILES))
+
+
 def test_three_way_gpu_far_targets():
     """The exp-scaled backward where rows are stored against their own maxima: logits ~N(0, 400)
     and half the targets the least likely token (logp ~ -180: far past the target + E_LEAD +

@@ -77,6 +77,18 @@ DLOGITS_TILE = (32, 256, 8)
 # 2 consumers on each tile's vocab halves, or 1 on the whole tile: "128,256,64,3,8,168,1").
 DW_WS = True
 DW_WS_TILES = (128, 256, 64, 3, 4, 168, 2)
+# ... and where H is an odd multiple of 128 (qwen2.5-0.5b's 896: 256-wide H tiles leave the last
+# half empty, 12.5% of the step's MMAs), 128-wide H tiles on 256 vocab rows (the same smem a
+# stage, 128 x 128 a consumer): H100, qwen2.5-0.5b step's dW 4.57-4.59 -> 3.85-3.89 ms, the same
+# bits (bench/results/dw_narrow_h100_*.txt). dw_ws_tiles picks.
+DW_WS_TILES_NARROW = (256, 128, 64, 3, 4, 168, 2)
+
+
+def dw_ws_tiles(h: int) -> tuple:
+    """The Gluon dW step's tiles for hidden size h: DW_WS_TILES, or DW_WS_TILES_NARROW where its
+    H tiles cover h with fewer padded columns."""
+    pad = lambda t: cdiv(h, t[1]) * t[1]  # noqa: E731
+    return DW_WS_TILES_NARROW if pad(DW_WS_TILES_NARROW) < pad(DW_WS_TILES) else DW_WS_TILES
 # The dX step's most splits over V (kernels.fused_block._dx_splits picks S <= DX_SPLITS on the
 # device from the block's valid rows, for a grid of few programs: a block's short tail, or few
 # H blocks); 1 turns splitting off. The fp32 partials take at most DX_SPLIT_MIB
@@ -240,7 +252,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                 xg.stride(0), dw.stride(0), n_cblocks, n_hblocks, g - 1 - b, int(b == 0))
         ws_step = _dw_ws_ok(ws, tiles["TMA_OUT"])
         if ws_step:
-            wc, wh, wk, wstages, wwarps, wregs, wnc = DW_WS_TILES
+            wc, wh, wk, wstages, wwarps, wregs, wnc = dw_ws_tiles(h)
             n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
             args = args[:12] + (n_cblocks, n_hblocks) + args[14:]
         for acc in (False, True):
