@@ -80,7 +80,7 @@ DW_WS_TILES = (128, 256, 64, 3, 4, 168, 2)
 # ... and where H is an odd multiple of 128 (qwen2.5-0.5b's 896: 256-wide H tiles leave the last
 # half empty, 12.5% of the step's MMAs), 128-wide H tiles on 256 vocab rows (the same smem a
 # stage, 128 x 128 a consumer): H100, qwen2.5-0.5b step's dW 4.57-4.59 -> 3.85-3.89 ms, the same
-# bits (bench/results/dw_narrow_h100_*.txt). dw_ws_tiles picks.
+# bits (bench/results/dw_narrow_h100_ed00f21.txt). dw_ws_tiles picks.
 DW_WS_TILES_NARROW = (256, 128, 64, 3, 4, 168, 2)
 
 
