@@ -44,6 +44,7 @@ import triton
 from torch import Tensor
 from triton.runtime.jit import MockTensor
 
+from lowerings.linear_logprobs import fast_launch as _fast
 from lowerings.linear_logprobs.device import size_hint
 
 log = logging.getLogger(__name__)
@@ -67,17 +68,19 @@ _pending: list = []      # (worker, its stderr file, its specializations), not y
 
 
 class capturable:
-    """`capturable(kernel)[grid](*args, **kwargs)` launches `kernel` as `kernel[grid]` would;
-    inside `capture()` it records the launch's specialization instead (nothing runs)."""
+    """`capturable(kernel)[grid](*args, **kwargs)` launches `kernel` as `kernel[grid]` would
+    (through fast_launch: its compiled launcher after a key's first launch); inside `capture()`
+    it records the launch's specialization instead (nothing runs)."""
 
-    __slots__ = ("kernel",)
+    __slots__ = ("kernel", "launcher")
 
     def __init__(self, kernel):
         self.kernel = kernel
+        self.launcher = _fast.launcher(kernel)
 
     def __getitem__(self, grid):
         if _captured.get() is None:
-            return self.kernel[grid]
+            return self.launcher[grid]
         return functools.partial(_capture_launch, self.kernel)
 
 

@@ -1,0 +1,112 @@
+"""fast_launch (lowerings/linear_logprobs/fast_launch.py): a launch's key splits at least what
+Triton's specialization splits, the first launch of a key goes through JITFunction.run, later
+ones call the compiled kernel's launcher with the arguments in parameter order. On CPU: the
+kernel's run and the driver are stand-ins (the GPU tests launch the real ones: test_fused_gpu,
+test_compile_grads_gpu)."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from lowerings.linear_logprobs import fast_launch as fl
+from lowerings.linear_logprobs import precompile
+
+
+def _body(x_ptr, n, scale, flag, A: tl.constexpr, B: tl.constexpr = 3):
+    pass
+
+
+# a JITFunction whatever TRITON_INTERPRET says (the test session's conftest sets it: triton.jit
+# would make an InterpretedFunction, which fast_launch leaves alone)
+_kernel = JITFunction(_body)
+
+
+class _Driver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 1234
+
+
+class _Compiled:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, *args):
+        self.log.append(("launcher",) + args)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """(launcher, log): Triton's run and the compiled launcher record their calls."""
+    log = []
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Driver())
+    monkeypatch.setattr(_kernel, "run", lambda *args, grid, warmup, **kw: (
+        log.append(("triton", grid, args, kw)) or _Compiled(log)))
+    monkeypatch.setattr(fl, "_LAUNCHERS", {})
+    return fl.launcher(_kernel), log
+
+
+def test_second_launch_takes_the_launcher(launches):
+    launch, log = launches
+    x = torch.zeros(64)
+    launch[(3,)](x, 7, 0.5, True, A=2, num_warps=4)
+    launch[(5, 2)](x, 9, 1.5, False, A=2, num_warps=4)
+    assert [e[0] for e in log] == ["triton", "launcher"]
+    # grid, stream, function, metadata, no launch metadata / enter hook, exit hook, then every
+    # parameter in order, the default B filled in
+    assert log[1][1:] == (5, 2, 1, 1234, "function", "metadata", None, None, None,
+                          x, 9, 1.5, False, 2, 3)
+
+
+@pytest.mark.parametrize("change", [
+    lambda x: ((x[1:], 7, 0.5, True), dict(A=2)),              # a pointer not 16-byte aligned
+    lambda x: ((x.double(), 7, 0.5, True), dict(A=2)),         # another dtype
+    lambda x: ((x, 1, 0.5, True), dict(A=2)),                  # an int equal to 1
+    lambda x: ((x, 16, 0.5, True), dict(A=2)),                 # an int divisible by 16
+    lambda x: ((x, 1 << 40, 0.5, True), dict(A=2)),            # an int past int32
+    lambda x: ((x, 7, 0.5, True), dict(A=4)),                  # a constexpr's value
+    lambda x: ((x, 7, 0.5, True), dict(A=2, num_warps=8)),     # an option
+    lambda x: ((x, 7, 0.5, True), dict(A=2, B=3)),             # a default given by keyword
+    lambda x: ((x, 7, 0.5, None), dict(A=2)),                  # None (a constexpr to Triton)
+])
+def test_what_triton_specializes_takes_its_path(launches, change):
+    launch, log = launches
+    x = torch.zeros(64)
+    launch[(1,)](x, 7, 0.5, True, A=2)
+    args, kw = change(x)
+    launch[(1,)](*args, **kw)
+    assert [e[0] for e in log] == ["triton", "triton"]
+    launch[(1,)](*args, **kw)   # and then the launcher for it
+    assert log[-1][0] == "launcher"
+
+
+def test_launch_hook_and_switch_take_tritons_path(launches, monkeypatch):
+    launch, log = launches
+    x = torch.zeros(64)
+    launch[(1,)](x, 7, 0.5, True, A=2)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    launch[(1,)](x, 7, 0.5, True, A=2)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(fl, "ENABLED", False)
+    launch[(1,)](x, 7, 0.5, True, A=2)
+    assert [e[0] for e in log] == ["triton"] * 3
+
+
+def test_one_launcher_a_kernel_and_capturable_uses_it(launches):
+    launch, log = launches
+    assert fl.launcher(_kernel) is launch
+    x = torch.zeros(64)
+    precompile.capturable(_kernel)[(1,)](x, 7, 0.5, True, A=2)
+    precompile.capturable(_kernel)[(1,)](x, 7, 0.5, True, A=2)
+    assert [e[0] for e in log] == ["triton", "launcher"]
+
+
+def test_interpreted_kernels_launch_as_they_are():
+    def not_jit():
+        pass
+    assert fl.launcher(not_jit) is not_jit
