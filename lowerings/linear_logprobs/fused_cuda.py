@@ -27,8 +27,9 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
                    (sm_90: the dW step is kernels.dw_gluon._dw_step_ws_kernel, same contract)
 
 Every kernel stops at n, so a block's cost is that of its valid rows (2 + 4 = 6 n H V FLOPs).
-Every launch goes through precompile.capturable; precompile_eager hands an eager call's kernels
-to precompile.py's workers before its first block (a trace does it from the steps' fakes).
+Every launch goes through precompile.capturable (and so fast_launch: the compiled launcher after
+a key's first launch); precompile_eager hands an eager call's kernels to precompile.py's workers
+before its first block (a trace does it from the steps' fakes).
 """
 import functools
 from typing import Optional
