@@ -101,3 +101,24 @@ def test_split_plan_off_cuda():
     s, cols = tk.fwd_split_plan(75, 32, 2, 16, 16, torch.device("cpu"))
     s0 = triton.cdiv(75, tk.FWD_COLS_PER_SPLIT)
     assert s == triton.cdiv(75, cols) and s <= s0
+
+
+def test_block_align_eager_and_traced(monkeypatch):
+    """fused.block_align on (fake) CUDA heads: whole dX waves where the budget holds one, eager
+    or traced; else the forward's fullest waves in eager calls, and the budget's rows (None) in a
+    trace, whose shapes may be symbolic."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import lowerings.linear_logprobs.fused as lf
+    from lowerings.linear_logprobs import device
+    monkeypatch.setitem(device._SMS, 0, 132)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tk, "FWD_COLS_PER_SPLIT", 8192)
+    with FakeTensorMode():
+        head = lambda h: (torch.empty(64, h, device="cuda:0", dtype=torch.bfloat16),  # noqa: E731
+                          torch.empty(151936, h, device="cuda:0", dtype=torch.bfloat16))
+        small, wide = head(896), head(2560)
+    assert lf.block_align(*small, 2176) == 2048
+    assert lf.block_align(*wide, 2176) == 1664
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert lf.block_align(*small, 2176) is None
+    assert lf.block_align(*wide, 2176) == 1664

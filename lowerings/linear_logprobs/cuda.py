@@ -303,6 +303,7 @@ def fwd_split_plan(v: int, h: int, itemsize: int, bn: int, bv: int,
     H = 4096, R = 2048: S = 33, 4 full waves of 4608-column programs; qwen3-4b (H = 2560:
     1664-row blocks, whole dX waves) S = 20, 2 waves of 260 programs where S = 33 ran 3.25 waves
     in 4. Off CUDA (the interpreter tests, fake-target traces) S0."""
+    v, h = size_hint(v), size_hint(h)   # a fake tensor's symbolic sizes (traced host code): hints
     sms = sm_count(device.index) if device.type == "cuda" and torch.cuda.is_available() else None
     if not sms:
         s0 = cdiv(v, FWD_COLS_PER_SPLIT)

@@ -116,15 +116,20 @@ def block_align(hidden: Tensor, weight: Tensor, budget: int) -> Optional[int]:
     `budget` rows (a multiple of 128): whole dX waves where the budget holds one (wave_rows),
     else the rows in (budget / 2, budget] whose forward grid wastes least of its last wave under
     the head's split plan (cuda.block_rows; qwen2.5-0.5b at the default budget: 2048 rows, 16
-    row tiles x 33 splits = 4 full waves, where 2176 rows ran 4.25 waves in 5). None off CUDA."""
+    row tiles x 33 splits = 4 full waves, where 2176 rows ran 4.25 waves in 5). None off CUDA,
+    and in a trace where no whole dX wave fits: the search is host code over ints, which Dynamo
+    cannot take from shapes it may hold symbolic (dynamic=True); a compiled graph's blocks keep
+    the budget's rows there."""
     if hidden.device.type != "cuda":
         return None
-    x = ws_dtype(hidden, weight)   # (a symbolic H: its hint; R only has to fit the budget)
-    h, v, sms = size_hint(hidden.shape[-1]), size_hint(weight.shape[0]), sm_count(hidden.device.index)
-    bn, bv = _dense.TILES[:2]
     wave = wave_rows(hidden, weight)
     if budget >= wave:
         return wave
+    if torch.compiler.is_compiling():
+        return None
+    x = ws_dtype(hidden, weight)
+    h, v, sms = hidden.shape[-1], weight.shape[0], sm_count(hidden.device.index)
+    bn, bv = _dense.TILES[:2]
     splits = _dense.fwd_split_plan(v, h, x.itemsize, bn, bv, hidden.device)
     return _dense.block_rows(budget, v, h, x.itemsize, bn, bv, sms, splits)
 
