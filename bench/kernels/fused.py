@@ -17,9 +17,9 @@ can exceed the timed step. --trace DIR: the profiled steps' chrome trace (DIR/<t
 where the GPU waits. --all-valid: every position valid (the all-positions target). --compile [MODE]:
 the loss under torch.compile(fullgraph=True, mode=MODE) (what the loss's own kernels add
 there; "reduce-overhead": Inductor's CUDA graphs). --sweep:
-the same for variants of one step or all (fwd: a 4-stage tile; dlogits
-tiles; dw: the load-add-store epilogue, tiles; dx: DX_SPLITS=1, tiles), then the default
-again (the drift of the GPU's clock over the sweep). The tiles and switches are module
+the same for variants of one step or all (fwd: a 4-stage tile; dlogits tiles; dw: the
+load-add-store epilogue, tiles, the Gluon step's two tile shapes; dx: DX_SPLITS=1, tiles), then
+the default again (the drift of the GPU's clock over the sweep). The tiles and switches are module
 attributes of the plan (cuda.py, fused_cuda.py), which the sweep patches.
 --recompute: the same profile of gradient_mode="recompute" (its _fwd_kernel stores no logits:
 the forward's cost of keeping them). --cublas: what cuBLAS takes for one full block's three
@@ -314,6 +314,9 @@ def main():
                       (128, 128, 64, 4, 3)] * want("dw"):
             variant(dense, "DW_TILES", {**dense.DW_TILES, 2: tiles},
                     f"DW_TILES[bf16]={tiles}")
+        for tiles in [fused_cuda.DW_WS_TILES, fused_cuda.DW_WS_TILES_NARROW] * want("dw"):
+            # the Gluon dW step's two tile shapes, whatever H picks (fused_cuda.dw_ws_tiles)
+            variant(fused_cuda, "dw_ws_tiles", lambda h, t=tiles: t, f"dw_ws_tiles -> {tiles}")
         if want("dx"):
             variant(fused_cuda, "DX_SPLITS", 1, "DX_SPLITS=1")
         for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3)] * want("dx"):
