@@ -68,16 +68,6 @@ def test_block_rows_fit_the_budget(v, h, budget):
     assert r % wave == 0 if budget >= wave else 2 * r > budget
 
 
-def test_plan_is_a_constant_inside_a_compiled_step(monkeypatch):
-    """compiled_grpo's block planning runs inside a user's torch.compile: the planner is called,
-    not traced (its search would not trace), and adds no graph break."""
-    monkeypatch.setattr(tk, "_SPLIT_PLANS", {})
-    fn = torch.compile(lambda x: x * tk.block_plan(151936, 2560, 2, 128, 256, 132)[2]
-                       + tk.block_rows(1280, 256000, 2304, 2, 128, 256, 132, (44, 5888)),
-                       fullgraph=True, backend="eager")
-    assert fn(torch.ones(2)).tolist() == [1664.0 + 1152.0] * 2
-
-
 @pytest.mark.parametrize("v", [75, 32000, 151936, 256000, 262144, 600000])
 @pytest.mark.parametrize("sms", [4, 78, 132])
 @pytest.mark.parametrize("h", [64, 896, 4096, 8192])

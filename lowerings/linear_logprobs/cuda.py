@@ -333,19 +333,18 @@ def _fwd_cost(rows: int, v: int, s: int, bn: int, bv: int, sms: int) -> tuple[fl
     spread evenly, plus BLOCK_COST_ROWS / rows."""
     cols = cdiv(cdiv(v, s), bv) * bv
     s_eff = cdiv(v, cols)
-    tiles = cdiv(rows, bn)
-    makespan = cdiv(tiles * s_eff, sms) * cols
-    return makespan * sms / (tiles * v) + BLOCK_COST_ROWS / rows, s_eff, cols
+    row_tiles = cdiv(rows, bn)
+    makespan = cdiv(row_tiles * s_eff, sms) * cols
+    return makespan * sms / (row_tiles * v) + BLOCK_COST_ROWS / rows, s_eff, cols
 
 
-@torch.compiler.assume_constant_result
 def block_rows(budget: int, v: int, h: int, itemsize: int, bn: int, bv: int, sms: int,
                splits: Optional[tuple[int, int]] = None) -> int:
     """The rows R <= budget (a multiple of BN, budget >= BN) of the fused path's blocks when the
     batch is longer than one block: whole dX waves where the budget holds one (dx_wave_rows);
     else the multiple of BN in (budget / 2, budget] costing least a row (_fwd_cost) under the
     split plan `splits` (S, cols), or jointly with S when None (block_plan). Host arithmetic on
-    ints, a constant to Dynamo (compiled_grpo's block planning calls it inside a trace)."""
+    ints: eager calls only (fused.block_align keeps it out of traces)."""
     wave = dx_wave_rows(h, itemsize, sms)
     if budget >= wave:
         return budget // wave * wave
@@ -357,11 +356,9 @@ def block_rows(budget: int, v: int, h: int, itemsize: int, bn: int, bv: int, sms
     return -best[1]
 
 
-@torch.compiler.assume_constant_result
 def block_plan(v: int, h: int, itemsize: int, bn: int, bv: int, sms: int) -> tuple[int, int, int]:
     """(S, columns a split, R): the split plan and the rows of the fused path's default blocks
-    (PLAN_WS_BYTES of [R, V] workspace), chosen together (block_rows, _fwd_cost). Memoized; a
-    constant to Dynamo, as block_rows."""
+    (PLAN_WS_BYTES of [R, V] workspace), chosen together (block_rows, _fwd_cost). Memoized."""
     key = (v, h, itemsize, bn, bv, sms, FWD_COLS_PER_SPLIT, PLAN_WS_BYTES, BLOCK_COST_ROWS)
     if key not in _SPLIT_PLANS:
         budget = max(bn, PLAN_WS_BYTES // (cdiv(v, 64) * 64 * itemsize) // bn * bn)
@@ -372,8 +369,7 @@ def block_plan(v: int, h: int, itemsize: int, bn: int, bv: int, sms: int) -> tup
     return _SPLIT_PLANS[key]
 
 
-_SPLIT_PLANS: dict[tuple, tuple[int, int, int]] = {}   # (a dict, as device.sm_count: Dynamo calls it)
-
+_SPLIT_PLANS: dict[tuple, tuple[int, int, int]] = {}
 
 
 def _row_groups(n, h: int, budget: int = 0) -> int:
