@@ -99,6 +99,29 @@ def test_three_way_gpu_narrow_h():
     assert torch.equal(dw(fc.DW_WS_TILES_NARROW), dw(fc.DW_WS_TILES))
 
 
+def test_fast_launch_is_bitwise_tritons():
+    """fast_launch (the compiled launcher after a key's first launch) against Triton's own launch
+    path: loss and grads bitwise equal, H = 896 and 4096, 3 blocks, the second call of each on
+    the launcher throughout."""
+    import lowerings.linear_logprobs.fast_launch as fl
+    for hd in (896, 4096):
+        inp = _gpu_inputs(Hd=hd)
+        got = []
+        for on in (True, False):
+            h, w = inp["hidden"].clone().requires_grad_(), inp["weight"].clone().requires_grad_()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fl, "ENABLED", on)
+                for _ in range(2):
+                    h.grad = w.grad = None
+                    out = cg.grpo_loss(**dict(inp, hidden=h, weight=w), config=cg.GRPOConfig(
+                        gradient_mode="fused", fused_workspace_mib=100.0, beta=0.04))
+                    out.loss.backward()
+            got.append((out.loss.detach(), h.grad, w.grad))
+        assert any(launcher.compiled for launcher in fl._LAUNCHERS.values())
+        for a, b in zip(*got):
+            assert torch.equal(a, b), hd
+
+
 def test_three_way_gpu_far_targets():
     """The exp-scaled backward where rows are stored against their own maxima: logits ~N(0, 400)
     and half the targets the least likely token (logp ~ -180: far past the target + E_LEAD +
