@@ -291,7 +291,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             blocks = by_seq if by_rows is None else by_rows if by_seq is None else min(by_seq, by_rows)
         if blocks is None:
             blocks = _op.next_fit_blocks(size_hint(s_num), size_hint(n), block_rows, size_hint(max_seqlen))
-    else:   # several blocks: whole dX waves where the budget holds one, else (eager) forward waves
+    else:   # several blocks: whole dX waves where the budget holds one, else forward waves
         if not _auto_device_ok(hidden):
             # The CPU body computes every row of a block, valid or not (the Triton kernels stop at
             # the device count), and a compiled graph's blocks have the budget's R rows (static

@@ -94,9 +94,8 @@ def test_split_plan_off_cuda():
 
 
 def test_block_align_eager_and_traced(monkeypatch):
-    """fused.block_align on (fake) CUDA heads: whole dX waves where the budget holds one, eager
-    or traced; else the forward's fullest waves in eager calls, and the budget's rows (None) in a
-    trace, whose shapes may be symbolic."""
+    """fused.block_align on (fake) CUDA heads: whole dX waves where the budget holds one, else
+    the forward's fullest waves, eager or traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     import lowerings.linear_logprobs.fused as lf
     from lowerings.linear_logprobs import device
@@ -110,5 +109,37 @@ def test_block_align_eager_and_traced(monkeypatch):
     assert lf.block_align(*small, 2176) == 2048
     assert lf.block_align(*wide, 2176) == 1664
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert lf.block_align(*small, 2176) is None
+    assert lf.block_align(*small, 2176) == 2048
     assert lf.block_align(*wide, 2176) == 1664
+
+
+def test_aligned_rows_in_a_dynamic_trace(monkeypatch):
+    """The search inside torch.compile(fullgraph=True, dynamic=True), where H, V and the budget
+    are symbolic: the eager rows (qwen2.5-0.5b: 2048 of 2176), no graph break, and another head
+    recompiles (the sizes are specialized) instead of reusing rows chosen for the first."""
+    import lowerings.linear_logprobs.fused as lf
+    from lowerings.linear_logprobs import device
+    monkeypatch.setitem(device._SMS, 0, 132)
+    monkeypatch.setattr(tk, "FWD_COLS_PER_SPLIT", 8192)
+    heads = [(896, 151936, 2176), (896, 4 * 151936, 512)]
+    with monkeypatch.context() as m:   # the eager answers; Dynamo itself needs a CUDA-less torch.cuda
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        want = [lf.aligned_rows(h, v, b, 2, 132, 0) for h, v, b in heads]
+        plans = {(v, h): tk.fwd_split_plan(v, h, 2, 128, 256, torch.device("cuda", 0)) for h, v, _ in heads}
+    monkeypatch.setattr(tk, "fwd_split_plan", lambda v, h, *args: plans[(v, h)])
+    frames = []
+
+    def count(gm, example_inputs):
+        frames.append(gm)
+        return gm
+
+    @torch.compile(fullgraph=True, dynamic=True, backend=count)
+    def rows(x, w):
+        budget = (640 << 20) // (w.shape[0] * 2) // 128 * 128   # [R, V] bf16 in 640 MiB
+        r = lf.aligned_rows(x.shape[-1], w.shape[0], budget, 2, 132, 0)
+        return x.new_zeros(budget // r * r)
+
+    x, w = torch.empty(4, 896), torch.empty(151936, 1)
+    assert want[0] == 2048 and rows(x, w).shape[0] == 2048 and rows(torch.empty(9, 896), w).shape[0] == 2048
+    assert len(frames) == 1
+    assert rows(x, torch.empty(4 * 151936, 1)).shape[0] == want[1] and len(frames) == 2

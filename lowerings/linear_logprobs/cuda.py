@@ -344,7 +344,7 @@ def block_rows(budget: int, v: int, h: int, itemsize: int, bn: int, bv: int, sms
     batch is longer than one block: whole dX waves where the budget holds one (dx_wave_rows);
     else the multiple of BN in (budget / 2, budget] costing least a row (_fwd_cost) under the
     split plan `splits` (S, cols), or jointly with S when None (block_plan). Host arithmetic on
-    ints: eager calls only (fused.block_align keeps it out of traces)."""
+    ints: a trace calls it as a constant of specialized sizes (fused.aligned_rows)."""
     wave = dx_wave_rows(h, itemsize, sms)
     if budget >= wave:
         return budget // wave * wave

@@ -23,6 +23,15 @@ def size_hint(n) -> int:
     return n if isinstance(n, int) else (n.node.hint or 1)
 
 
+def static_int(n) -> int:
+    """n >= 0 as a Python int; a symbolic n (a Dynamo trace under dynamic=True, a fake-tensor trace)
+    is specialized to its value: the graph gets a guard on it and recompiles when it changes.
+    For sizes a training run does not vary (the head's H and V), where a host plan needs ints.
+    len(range(n)) is the spelling Dynamo evaluates to a constant (int(n) stays symbolic, and
+    guard_int is not traceable; Dynamo answers type(n) is int for a symbol too)."""
+    return len(range(n))
+
+
 _SMS: dict = {}   # sm_count's cache
 
 

@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lowerings.linear_logprobs import cpu as _cpu
-from lowerings.linear_logprobs.device import cdiv, size_hint, sm_count   # sm_count: wave_rows, callers
+from lowerings.linear_logprobs.device import cdiv, size_hint, sm_count, static_int   # sm_count: wave_rows, callers
 try:   # the Triton side: absent triton (a CPU-only install off Linux) the PyTorch body runs alone
     from lowerings.linear_logprobs import cuda as _dense
     from lowerings.linear_logprobs import cuda_rows as _rows
@@ -116,22 +116,31 @@ def block_align(hidden: Tensor, weight: Tensor, budget: int) -> Optional[int]:
     `budget` rows (a multiple of 128): whole dX waves where the budget holds one (wave_rows),
     else the rows in (budget / 2, budget] whose forward grid wastes least of its last wave under
     the head's split plan (cuda.block_rows; qwen2.5-0.5b at the default budget: 2048 rows, 16
-    row tiles x 33 splits = 4 full waves, where 2176 rows ran 4.25 waves in 5). None off CUDA,
-    and in a trace where no whole dX wave fits: the search is host code over ints, which Dynamo
-    cannot take from shapes it may hold symbolic (dynamic=True); a compiled graph's blocks keep
-    the budget's rows there."""
+    row tiles x 33 splits = 4 full waves, where 2176 rows ran 4.25 waves in 5). None off CUDA.
+    In a trace H, V and the budget are specialized (device.static_int: under dynamic=True the
+    graph recompiles for another head, as it would for another dtype), so a compiled graph's
+    blocks take the eager call's rows."""
     if hidden.device.type != "cuda":
         return None
     wave = wave_rows(hidden, weight)
     if budget >= wave:
         return wave
-    if torch.compiler.is_compiling():
-        return None
-    x = ws_dtype(hidden, weight)
-    h, v, sms = hidden.shape[-1], weight.shape[0], sm_count(hidden.device.index)
+    return aligned_rows(hidden.shape[-1], weight.shape[0], budget, ws_dtype(hidden, weight).itemsize,
+                        sm_count(hidden.device.index), hidden.device.index)
+
+
+def aligned_rows(h, v, budget, itemsize: int, sms: int, index: Optional[int]) -> int:
+    """block_align's search for a CUDA head of (h, v): ints, or symbols specialized here."""
+    return _search_rows(static_int(budget), static_int(v), static_int(h), itemsize, sms, index)
+
+
+@torch.compiler.assume_constant_result
+def _search_rows(budget: int, v: int, h: int, itemsize: int, sms: int, index: Optional[int]) -> int:
+    """cuda.block_rows under the head's split plan: host arithmetic on ints, a constant to
+    Dynamo (called, not traced: its loops would otherwise unroll into the trace)."""
     bn, bv = _dense.TILES[:2]
-    splits = _dense.fwd_split_plan(v, h, x.itemsize, bn, bv, hidden.device)
-    return _dense.block_rows(budget, v, h, x.itemsize, bn, bv, sms, splits)
+    splits = _dense.fwd_split_plan(v, h, itemsize, bn, bv, torch.device("cuda", index))
+    return _dense.block_rows(budget, v, h, itemsize, bn, bv, sms, splits)
 
 
 def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
