@@ -100,16 +100,12 @@ def cases():
            warps, stages)
     yield ("forward, softcapped", k._fwd_kernel,
            dict(logit, **fused_fwd, HAS_CAP=True, HAS_COUNT=True, STORE_Z=True), warps, stages)
-    yield ("forward, softcapped, STORE_E (gemma2's exp-scaled backward)", k._fwd_kernel,
-           dict(logit, **fused_fwd, HAS_CAP=True, WITH_ENTROPY=False, HAS_COUNT=True, STORE_Z=True,
-                STORE_E=True), warps, stages)
     yield ("dlogits, recompute", k._dlogits_kernel,
            dict({k: c for k, c in logit.items() if k not in ("STORE_E", "E_HEADROOM")},
                 NEED_DB=False, HAS_COUNT=True), warps, stages)
     rr, rh, rwarps = fc.REF_TILE
-    for cap in (False, True):
-        yield (f"target logit reference, HAS_CAP={cap}", kf._target_ref_kernel,
-               dict(HAS_BIAS=False, HAS_CAP=cap, BLOCK_R=rr, BLOCK_H=rh), rwarps, 1)
+    yield ("target logit reference", kf._target_ref_kernel,
+           dict(HAS_BIAS=False, BLOCK_R=rr, BLOCK_H=rh), rwarps, 1)
     pr, ph, pwarps = fc.PREP_TILE
     yield ("exp-scaled c, c * X", kf._exp_prep_kernel, dict(BLOCK_R=pr, BLOCK_H=ph),
            pwarps, 1)
@@ -193,10 +189,10 @@ def cases():
                 TMA_OUT=False, BLOCK_C=fc_, BLOCK_H=fh_, BLOCK_K=fk_, GROUP_C=rows.GROUP_M,
                 _ptrs=f32), fwarps_, fstages_)
     cr, cwarps = dense.COMBINE_TILE
-    for ent, cap in ((False, False), (True, False), (False, True)):   # S = 64: 2 S0 at V = 262144
-        yield (f"forward splits' combine, WITH_ENTROPY={ent}, HAS_CAP={cap}", kc._combine_kernel,
+    for ent in (False, True):   # S = 64 splits: 2 S0 at a 262144 vocab
+        yield (f"forward splits' combine, WITH_ENTROPY={ent}", kc._combine_kernel,
                dict(WITH_ENTROPY=ent, HAS_COUNT=True, BLOCK_R=cr, BLOCK_S=64, STORE_E=True,
-                    E_HEADROOM=fc.E_HEADROOM, TILE_V=bv, HAS_CAP=cap), cwarps, 1)
+                    E_HEADROOM=fc.E_HEADROOM, TILE_V=bv), cwarps, 1)
 
 
 def _ptxas_usage(ptx: str) -> str:

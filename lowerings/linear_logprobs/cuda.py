@@ -281,8 +281,7 @@ def combine(wrap: Callable, m: Tensor, s: Tensor, t: Tensor, zt: Tensor, ids: Te
         m, s, t, zt, count if count is not None else ids, lp, ent, lse, n, splits,
         WITH_ENTROPY=with_entropy, HAS_COUNT=count is not None, BLOCK_R=cr,
         BLOCK_S=next_power_of_2(splits), ref_ptr=m, ws_ptr=m, zoff_ptr=m, ids_ptr=ids, V=0,
-        stride_ws=0, n_ztiles=0, STORE_E=False, E_HEADROOM=0.0, TILE_V=16, cap_post=1.0,
-        HAS_CAP=False, num_warps=cwarps)
+        stride_ws=0, n_ztiles=0, STORE_E=False, E_HEADROOM=0.0, TILE_V=16, num_warps=cwarps)
     return lp, ent, lse
 
 

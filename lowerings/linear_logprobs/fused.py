@@ -26,8 +26,8 @@ SMs idle: a short last block, or few H blocks; fused_cuda.DX_SPLITS). On CUDA z 
 d = z - (running row max) in fp16 with the max per (row, 256-column tile) in fp32, which keeps
 z exact where p is large (fp16's 11 bits where bf16 would have 8); the dlogits are then
 formed in place in the input dtype (kernels.logits._fused_dlogits_kernel). Or, where exact (exp_scaled:
-no entropy gradient, no d_bias, no shards, bf16 / fp32), the exp-scaled backward: z
-stored as e = exp(z - R*) (times 1 - y^2 with a softcap) in the input dtype, the dlogits c * e' applied as a scale of dX's rows
+no entropy gradient, no softcap, no d_bias, no shards, bf16 / fp32), the exp-scaled backward: z
+stored as e = exp(z - R*) in the input dtype, the dlogits c * e' applied as a scale of dX's rows
 and of X's rows before dW, no pass between the GEMMs (kernels/fused_block.py). dW is rounded to its dtype
 once per block (G roundings, as the recompute path's row groups); dX rows once. No atomics:
 bitwise deterministic.
@@ -292,17 +292,14 @@ def exp_scaled(ws_dtype: torch.dtype, entropy_grad: bool, softcap: Optional[floa
     """Whether the Triton body's blocks take the exp-scaled backward (kernels.fused_block's block
     comment): the forward stores e = exp(z - R*) and the dlogits are one per-row scale of it,
     applied to dX rows as they are stored and to X's rows before the dW step, with no pass over
-    the [R, V] tile between the GEMMs. Exact where every dlogit is g_lp (1[v = y] - p) s / T
-    times a factor the forward knows: 1, or a softcap's 1 - y^2 (stored with e:
-    kernels.logits._tile_out; the combine kernel puts it on the target's entry). Not with an
-    entropy gradient (its p log p term is not a per-row scale of p); d_bias (a column sum of
-    the dlogits) and vocab shards (no target logit on the ranks that do not own it) keep the
-    dlogits pass, and so do fp16 operands: e spans e^-87..e^32, fp32's exponent range, which
-    bf16 has and fp16 has not. round_logits keeps the pass too: its contract (and TRL's head)
-    rounds the logits gradient g_lp (1[v = y] - p) s / T to 16 bits before the GEMMs, where this
-    backward rounds e and c X."""
+    the [R, V] tile between the GEMMs. Exact only where every dlogit is g_lp (1[v = y] - p) s / T
+    (no entropy gradient, no softcap's (1 - y^2)); d_bias (a column sum of the dlogits) and vocab
+    shards (no target logit on the ranks that do not own it) keep the dlogits pass, and so do
+    fp16 operands: e spans e^-87..e^32, fp32's exponent range, which bf16 has and fp16 has not.
+    round_logits keeps the pass too: its contract (and TRL's head) rounds the logits gradient
+    g_lp (1[v = y] - p) s / T to 16 bits before the GEMMs, where this backward rounds e and c X."""
     return (ws_dtype in (torch.bfloat16, torch.float32) and not round_logits
-            and not entropy_grad and not need_b and combine is None)
+            and not entropy_grad and softcap is None and not need_b and combine is None)
 
 
 SCALE_BLOCK = 4096

@@ -97,8 +97,8 @@ def dw_ws_tiles(h: int) -> tuple:
 DX_SPLITS = 8
 DX_SPLIT_BYTES = 48 << 20
 REDUCE_TILE = (32, 256, 4)   # the partials' sum: (BLOCK_R, BLOCK_H, num_warps)
-# The exp-scaled backward (kernels.fused_block's block comment): taken where it is exact (no
-# entropy gradient, no d_bias, no vocab shards; fused.exp_scaled) unless
+# The exp-scaled backward (kernels.fused_block's block comment): taken where it is exact (no softcap,
+# no entropy gradient, no d_bias, no vocab shards; fused.exp_scaled) unless
 # GRPOConfig.fused_scaled_backward is False. E_LEAD: M = target logit + E_LEAD;
 # E_HEADROOM: the largest stored e is e^E_HEADROOM (bf16 / fp32 range: |log| < 88 both ways).
 E_LEAD, E_HEADROOM = 16.0, 32.0
@@ -173,8 +173,8 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
         rr, rh, rwarps = REF_TILE
         _target_ref_kernel[(cdiv(rows, rr),)](
             xg, w, bias if bias is not None else x, ids_b, count, ref, rows, v, h, xg.stride(0),
-            w.stride(0), scal[0], E_LEAD, *scal[1:], HAS_BIAS=bias is not None,
-            HAS_CAP=softcap is not None, BLOCK_R=rr, BLOCK_H=rh, num_warps=rwarps)
+            w.stride(0), scal[0], E_LEAD, HAS_BIAS=bias is not None, BLOCK_R=rr, BLOCK_H=rh,
+            num_warps=rwarps)
     _fwd_kernel[(n_blocks * splits,)](
         xg, w, bias if bias is not None else x, ids_b, m, s, t, zt, count, rows, v, h,
         xg.stride(0), w.stride(0), *scal, cols, n_blocks, splits, 0, rows,
@@ -193,8 +193,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
         m, s, t, zt, count, lp, ent, lse, rows, splits, WITH_ENTROPY=with_entropy,
         HAS_COUNT=True, BLOCK_R=cr, BLOCK_S=next_power_of_2(splits), ref_ptr=ref, ws_ptr=ws,
         zoff_ptr=zoff, ids_ptr=ids_b, V=v, stride_ws=ws.stride(0), n_ztiles=zoff.stride(0),
-        STORE_E=scaled, E_HEADROOM=E_HEADROOM, TILE_V=bv, cap_post=scal[2],
-        HAS_CAP=scaled and softcap is not None, num_warps=cwarps)
+        STORE_E=scaled, E_HEADROOM=E_HEADROOM, TILE_V=bv, num_warps=cwarps)
     return lp, ent, lse
 
 
@@ -220,7 +219,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     rounds = _dense.rounds(w, round_logits)
     ids_b = ids_p.narrow(0, r0, rows)
     if scaled:   # ws holds e' already (block_forward): c, and X's rows times c for the dW step
-        assert not need_b
+        assert not need_b and softcap is None
         pr, ph, pwarps = PREP_TILE
         _exp_prep_kernel[(cdiv(rows, pr), cdiv(h, ph))](
             xg, lse, g_lp, ref, count, rows, h, xg.stride(0), inv_temp, BLOCK_R=pr, BLOCK_H=ph,

@@ -17,8 +17,7 @@ def _combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse
                     n_splits, WITH_ENTROPY: tl.constexpr, HAS_COUNT: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ref_ptr, ws_ptr, zoff_ptr,
                     ids_ptr, V, stride_ws, n_ztiles, STORE_E: tl.constexpr,
-                    E_HEADROOM: tl.constexpr, TILE_V: tl.constexpr, cap_post,
-                    HAS_CAP: tl.constexpr):
+                    E_HEADROOM: tl.constexpr, TILE_V: tl.constexpr):
     """(logprobs, entropy, lse) [R'] from the forward splits' statistics m, s, t, zt [S, R']
     (row stride R'), in one launch (by the programs with program_id(1) = 0), 0 at rows past the
     count (HAS_COUNT; their statistics were never written). The one merge of every CUDA path
@@ -37,9 +36,7 @@ def _combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse
         such row skip it after one reduction; H200, every row re-referenced: bench.kernels.fused
         --targets least, README);
       - every valid row's target entry: e'[y] = (p[y] - 1) e^(lse - R*), p[y] from the fp32
-        logprob (the loop above leaves that column to this store: no two threads write it);
-        with a softcap (HAS_CAP) times 1 - (z[y] / cap_post)^2, as the forward's tiles
-        (kernels.logits._tile_out).
+        logprob (the loop above leaves that column to this store: no two threads write it).
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n_valid = _valid_rows(count_ptr, 0, n_rows, HAS_COUNT)
@@ -73,8 +70,7 @@ def _combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse
         s_all = tl.sum(s * scale, 0)
         log_s = tl.log(s_all)
         lse = m_all + log_s
-        z_y = tl.sum(tl.load(zt_ptr + offs, mask=mask, other=0.0), 0)   # the target logit
-        lp = z_y - lse
+        lp = tl.sum(tl.load(zt_ptr + offs, mask=mask, other=0.0), 0) - lse
         if WITH_ENTROPY:
             t = tl.load(t_ptr + offs, mask=mask, other=0.0)
             shift = tl.where(s > 0, d * s, 0.0)
@@ -88,7 +84,4 @@ def _combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse
         if STORE_E:
             tl.store(ref_ptr + n_rows + rows, r_star, mask=valid)
             e_y = (tl.exp(lp) - 1.0) * tl.exp(lse - r_star)
-            if HAS_CAP:
-                y_y = z_y / tl.cast(cap_post, tl.float32)
-                e_y = e_y * (1.0 - y_y * y_y)
             tl.store(ws_rows + ids, e_y.to(ws_ptr.dtype.element_ty), mask=valid)

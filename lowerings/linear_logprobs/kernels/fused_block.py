@@ -179,12 +179,11 @@ def _dx_split_reduce_kernel(part_ptr, dx_ptr, perm_ptr, count_ptr, n_rows, H, st
 
 # --- the exp-scaled backward (fused_cuda.py; GRPOConfig.fused_scaled_backward) ------------------
 #
-# Without an entropy gradient, a row's dlogits are
-#     dz[v] = (g_lp (1[v = y] - p[v])) s / T f[v],   p[v] = e^(z[v] - lse)
-# with f = 1, or f[v] = 1 - y[v]^2 under a softcap (y = z / cap_post: dz/da's own factor), and
-# with e[v] = e^(z[v] - R*) f[v] stored by the forward (R* one per-row reference), that is
+# Without an entropy gradient or a softcap, a row's dlogits are
+#     dz[v] = (g_lp (1[v = y] - p[v])) s / T,   p[v] = e^(z[v] - lse)
+# and with e[v] = e^(z[v] - R*) stored by the forward (R* one per-row reference), that is
 #     dz[v] = c e'[v],   c = -g_lp e^(R* - lse) s / T,   e'[v] = e[v] except
-#     e'[y] = (p[y] - 1) e^(lse - R*) f[y]                      (p[y] from the fp32 logprob)
+#     e'[y] = (p[y] - 1) e^(lse - R*)                           (p[y] from the fp32 logprob)
 # so dX rows = c * (e' @ W) (a scale as they are stored) and dW = e'.T @ (c * X) (X's rows
 # scaled once, [R, H]): no pass over the [R, V] tile between the GEMMs.
 # The reference: M = z[y] + E_LEAD (the target logit, from one dot product a row), so that
@@ -198,11 +197,11 @@ def _dx_split_reduce_kernel(part_ptr, dx_ptr, perm_ptr, count_ptr, n_rows, H, st
 
 @triton.jit(do_not_specialize_on_alignment=VARYING_PTRS)
 def _target_ref_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, count_ptr, ref_ptr, n_rows, V, H, stride_x,
-                       stride_w, inv_temp, lead, cap_pre, cap_post, HAS_BIAS: tl.constexpr,
-                       HAS_CAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """ref[r] = M = z(x[r] . w[ids[r]] + b[ids[r]]) + lead (fp32) for the block's valid rows
-    r < n, z the scale, cap and temperature (_transform): the target logit as the forward
-    computes it (any rounding will do: M is only the reference e is stored against)."""
+                       stride_w, inv_temp, lead, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+    """ref[r] = M = (x[r] . w[ids[r]] + b[ids[r]]) s / T + lead (fp32) for the block's valid rows
+    r < n: the target logit as the forward computes it (any rounding will do: M is only the
+    reference e is stored against)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n_valid = _valid_rows(count_ptr, 0, n_rows, True)
     if tl.program_id(0) * BLOCK_R >= n_valid:
@@ -220,7 +219,7 @@ def _target_ref_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, count_ptr, ref_ptr, n_rows,
         acc += tl.sum(x * w, 1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + ids, mask=row_mask, other=0.0).to(tl.float32)
-    m = _transform(acc, inv_temp, cap_pre, cap_post, HAS_CAP)[0] + lead
+    m = acc * tl.cast(inv_temp, tl.float32) + lead
     # a NaN target logit (0 * inf in a banned token's row) would make max(M, .) differ between
     # the GPU (fmax: the other operand) and the interpreter (NaN); -inf stores every tile
     # against its own max and re-references the row

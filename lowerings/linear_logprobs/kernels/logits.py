@@ -129,23 +129,13 @@ def _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def _tile_out(d, e, m_sh, ref, cap_post, HAS_CAP: tl.constexpr, STORE_E: tl.constexpr,
-              E_HEADROOM: tl.constexpr):
+def _tile_out(d, e, m_sh, ref, STORE_E: tl.constexpr, E_HEADROOM: tl.constexpr):
     """(value, reference) of a tile the fused forward stores (_fwd_kernel's STORE_Z): d, whose
     reference is m_sh, or (STORE_E) e^(z - R) = e^d e^(m_sh - R) with R = max(ref,
-    m_sh - E_HEADROOM), so the stored value is at most e^E_HEADROOM; with a softcap times
-    dz/da's own factor 1 - y^2 (y = z / cap_post, z = m_sh + log e), so the dlogits stay one
-    per-row scale of the stored tile."""
+    m_sh - E_HEADROOM), so the stored value is at most e^E_HEADROOM."""
     if STORE_E:
         r_t = tl.maximum(ref, m_sh - E_HEADROOM)
-        val = e * tl.exp(m_sh - r_t)[:, None]
-        if HAS_CAP:
-            # z = m_sh + log e, not d + m_sh: d would stay live beside e through the tile's
-            # sums (ptxas, sm_90: 680 B of spills a thread and a 20% slower forward, gemma2-2b).
-            # e = 0 (masked columns, underflow) takes a finite z, so 0 * (1 - y^2) stays 0.
-            y = (m_sh[:, None] + tl.log(tl.maximum(e, 1e-30))) * (1.0 / tl.cast(cap_post, tl.float32))
-            val = val * (1.0 - y * y)
-        return val, r_t
+        return e * tl.exp(m_sh - r_t)[:, None], r_t
     else:
         return d, m_sh
 
@@ -189,8 +179,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     (No parameter has a default: the recompute op's traced launches (launch.py) name
     every one.) STORE_E (with STORE_Z; the exp-scaled backward, fused_cuda.py): the tile goes to
     z in z's dtype as e = exp(z - R) with R = max(M, m_sh - E_HEADROOM), M = ref[row] a per-row
-    reference (the target logit plus a lead; with a softcap, e (1 - y^2): _tile_out), and R to
-    zoff[row, tile]: e <= e^E_HEADROOM, and
+    reference (the target logit plus a lead), and R to zoff[row, tile]: e <= e^E_HEADROOM, and
     R = M in every tile of a row whose max stays under M + E_HEADROOM, so such a row's dlogits
     are one per-row scale of its stored e (no separate pass; kernels.fused_block's block comment).
     The split plan (S splits of cols_per_split columns, cuda.fwd_split_plan) is fixed by the
@@ -230,7 +219,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
         m, s, t, zt, m_sh, d, e = _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY)
         if STORE_Z and not ROUND:
             zmask = row_mask[:, None] & col_mask[None, :]
-            val, r_t = _tile_out(d, e, m_sh, ref, cap_post, HAS_CAP, STORE_E, E_HEADROOM)
+            val, r_t = _tile_out(d, e, m_sh, ref, STORE_E, E_HEADROOM)
             tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
                      val.to(z_ptr.dtype.element_ty), mask=zmask)
             # (a tile wholly past V, in the last split, has no slot: its index is n_ztiles)
