@@ -15,12 +15,14 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("shape,precision", [
     ((16, 1024, 4096, 151936), {}), ((8, 300, 896, 151936), {}),
     # the TRL drop-in's setting under bf16: fp32 leaves multiplied in bf16, logits rounded
-    ((8, 300, 896, 151936), dict(round_logits=True, lm_head_dtype=torch.bfloat16))],
-    ids=["qwen3-8b", "qwen2.5-0.5b", "qwen2.5-0.5b-round-logits"])
+    ((8, 300, 896, 151936), dict(round_logits=True, lm_head_dtype=torch.bfloat16)),
+    # gemma2's softcap: the fused path's exp-scaled forward stores e (1 - y^2), its own variant
+    ((8, 300, 2304, 256000), dict(final_logit_softcapping=30.0))],
+    ids=["qwen3-8b", "qwen2.5-0.5b", "qwen2.5-0.5b-round-logits", "gemma2-2b-softcap"])
 def test_rows_bitwise_independent_of_the_batch_gpu(shape, precision):
     b, t, h, v = shape
     torch._dynamo.reset()
-    batch = make_batch(b, t, h, v, torch.float32 if precision else torch.bfloat16, "cuda")
+    batch = make_batch(b, t, h, v, torch.float32 if "lm_head_dtype" in precision else torch.bfloat16, "cuda")
     out = mismatches(*batch, **precision)
     assert out and all(n == 0 for n in out.values()), {k: n for k, n in out.items() if n}
 
