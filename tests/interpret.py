@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import lowerings.linear_logprobs.cuda as tk  # noqa: E402
+import lowerings.linear_logprobs.split_plan as split_plan  # noqa: E402
 
 if not isinstance(tk._fwd_kernel, InterpretedFunction):
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
@@ -46,7 +47,7 @@ _interp._patch_lang_tensor = _patch_lang_tensor
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     monkeypatch.setattr(tk, "TILES", (16, 16, 16, 1, 1))
-    monkeypatch.setattr(tk, "FWD_COLS_PER_SPLIT", 48)
+    monkeypatch.setattr(split_plan, "FWD_COLS_PER_SPLIT", 48)
     monkeypatch.setattr(tk, "CHUNK_V", 32)
     monkeypatch.setattr(tk, "GROUP_N", 2)    # 2 row blocks: the last group is partial
 

@@ -1,7 +1,7 @@
-"""The forward's vocab split plan (lowerings/linear_logprobs/cuda.fwd_split_plan), shared by the
+"""The forward's vocab split plan (lowerings/linear_logprobs/split_plan.fwd_split_plan), shared by the
 recompute, row-masked and fused CUDA paths: fixed by the head (V, H, itemsize), the tiles and the
 SM count, never by N or the valid rows (batch invariance: tests/test_batch_invariance_gpu.py checks
-the bits on the GPU), and chosen with the fused path's block rows (cuda.block_plan) so that a
+the bits on the GPU), and chosen with the fused path's block rows (split_plan.block_plan) so that a
 block's forward grid fills its last wave. Pure host arithmetic: no GPU, no interpreter.
 
 Legend: V vocab, H hidden, R block rows, BN/BV the row / vocab tiles, S splits,
@@ -12,14 +12,14 @@ import pytest
 import torch
 import triton
 
-import lowerings.linear_logprobs.cuda as tk
+import lowerings.linear_logprobs.split_plan as sp
 
 
 def _plan(monkeypatch, v, sms, h=4096, bn=128, bv=256):
-    monkeypatch.setattr(tk, "FWD_COLS_PER_SPLIT", 8192)   # the GPU's (another test may patch it)
+    monkeypatch.setattr(sp, "FWD_COLS_PER_SPLIT", 8192)   # the GPU's (another test may patch it)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(tk, "sm_count", lambda index: sms)
-    return tk.fwd_split_plan(v, h, 2, bn, bv, torch.device("cuda", 0))
+    monkeypatch.setattr(sp, "sm_count", lambda index: sms)
+    return sp.fwd_split_plan(v, h, 2, bn, bv, torch.device("cuda", 0))
 
 
 # (V, H) -> (S, columns a split, the default block's R), bf16, 132 SMs (H100 / H200)
@@ -38,14 +38,14 @@ PLANS = {
 def test_split_plan(monkeypatch, v, h):
     s, cols, r = PLANS[v, h]
     assert _plan(monkeypatch, v, 132, h=h) == (s, cols)
-    assert tk.block_plan(v, h, 2, 128, 256, 132) == (s, cols, r)
+    assert sp.block_plan(v, h, 2, 128, 256, 132) == (s, cols, r)
 
 
 @pytest.mark.parametrize("v,h", list(PLANS))
 def test_default_blocks_fill_forward_waves(v, h):
     """The default block's forward grid, cdiv(R, BN) x S programs, wastes under 4% of its waves
     (2.7% at qwen3-4b, whose R is whole dX waves; 0.1% at qwen)."""
-    s, cols, r = tk.block_plan(v, h, 2, 128, 256, 132)
+    s, cols, r = sp.block_plan(v, h, 2, 128, 256, 132)
     waves = triton.cdiv(triton.cdiv(r, 128) * s, 132)
     assert waves * 132 * cols <= 1.04 * triton.cdiv(r, 128) * v
 
@@ -53,7 +53,7 @@ def test_default_blocks_fill_forward_waves(v, h):
 def test_plan_workspace_is_grpo_configs_default():
     """The plan is made for the fused path's default workspace."""
     import compiled_grpo as cg
-    assert tk.PLAN_WS_BYTES == int(cg.GRPOConfig().fused_workspace_mib * 2**20)
+    assert sp.PLAN_WS_BYTES == int(cg.GRPOConfig().fused_workspace_mib * 2**20)
 
 
 @pytest.mark.parametrize("budget", [1280, 2176, 2560, 4096])
@@ -61,9 +61,9 @@ def test_plan_workspace_is_grpo_configs_default():
 def test_block_rows_fit_the_budget(v, h, budget):
     """Any workspace budget (a multiple of 128): R <= budget, a multiple of 128, more than half
     of it unless whole dX waves (a multiple of the wave) take it."""
-    splits = tk.block_plan(v, h, 2, 128, 256, 132)[:2]
-    r = tk.block_rows(budget, v, h, 2, 128, 256, 132, splits)
-    wave = tk.dx_wave_rows(h, 2, 132)
+    splits = sp.block_plan(v, h, 2, 128, 256, 132)[:2]
+    r = sp.block_rows(budget, v, h, 2, 128, 256, 132, splits)
+    wave = sp.dx_wave_rows(h, 2, 132)
     assert r <= budget and r % 128 == 0
     assert r % wave == 0 if budget >= wave else 2 * r > budget
 
@@ -82,14 +82,14 @@ def test_split_plan_covers_vocab(monkeypatch, v, sms, h):
 
 def test_split_plan_takes_no_batch_size():
     """Nothing about the batch reaches the plan: its arguments are the head's and the device's."""
-    assert list(inspect.signature(tk.fwd_split_plan).parameters) == ["v", "h", "itemsize", "bn", "bv",
+    assert list(inspect.signature(sp.fwd_split_plan).parameters) == ["v", "h", "itemsize", "bn", "bv",
                                                                      "device"]
 
 
 def test_split_plan_off_cuda():
     """The interpreter tests (CPU tensors) take S0 splits."""
-    s, cols = tk.fwd_split_plan(75, 32, 2, 16, 16, torch.device("cpu"))
-    s0 = triton.cdiv(75, tk.FWD_COLS_PER_SPLIT)
+    s, cols = sp.fwd_split_plan(75, 32, 2, 16, 16, torch.device("cpu"))
+    s0 = triton.cdiv(75, sp.FWD_COLS_PER_SPLIT)
     assert s == triton.cdiv(75, cols) and s <= s0
 
 
@@ -101,7 +101,7 @@ def test_block_align_eager_and_traced(monkeypatch):
     from lowerings.linear_logprobs import device
     monkeypatch.setitem(device._SMS, 0, 132)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(tk, "FWD_COLS_PER_SPLIT", 8192)
+    monkeypatch.setattr(sp, "FWD_COLS_PER_SPLIT", 8192)
     with FakeTensorMode():
         head = lambda h: (torch.empty(64, h, device="cuda:0", dtype=torch.bfloat16),  # noqa: E731
                           torch.empty(151936, h, device="cuda:0", dtype=torch.bfloat16))
@@ -120,13 +120,13 @@ def test_aligned_rows_in_a_dynamic_trace(monkeypatch):
     import lowerings.linear_logprobs.fused as lf
     from lowerings.linear_logprobs import device
     monkeypatch.setitem(device._SMS, 0, 132)
-    monkeypatch.setattr(tk, "FWD_COLS_PER_SPLIT", 8192)
+    monkeypatch.setattr(sp, "FWD_COLS_PER_SPLIT", 8192)
     heads = [(896, 151936, 2176), (896, 4 * 151936, 512)]
     with monkeypatch.context() as m:   # the eager answers; Dynamo itself needs a CUDA-less torch.cuda
         m.setattr(torch.cuda, "is_available", lambda: True)
         want = [lf.aligned_rows(h, v, b, 2, 132, 0) for h, v, b in heads]
-        plans = {(v, h): tk.fwd_split_plan(v, h, 2, 128, 256, torch.device("cuda", 0)) for h, v, _ in heads}
-    monkeypatch.setattr(tk, "fwd_split_plan", lambda v, h, *args: plans[(v, h)])
+        plans = {(v, h): sp.fwd_split_plan(v, h, 2, 128, 256, torch.device("cuda", 0)) for h, v, _ in heads}
+    monkeypatch.setattr(sp, "fwd_split_plan", lambda v, h, *args: plans[(v, h)])
     frames = []
 
     def count(gm, example_inputs):

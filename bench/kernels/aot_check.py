@@ -82,7 +82,7 @@ def cases():
     logit = dict(HAS_BIAS=False, HAS_CAP=False, ROUND=False, WITH_ENTROPY=True, DOT_PREC="tf32", USE_TMA=True,
                  BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=dense.GROUP_N, STORE_E=False,
                  E_HEADROOM=fc.E_HEADROOM)
-    fused_fwd = recompute = {}   # one forward kernel, one split plan (cuda.fwd_split_plan)
+    fused_fwd = recompute = {}   # one forward kernel, one split plan (split_plan.fwd_split_plan)
     yield ("forward, fused (STORE_Z)", k._fwd_kernel,
            dict(logit, **fused_fwd, HAS_COUNT=True, STORE_Z=True), warps,
            stages)

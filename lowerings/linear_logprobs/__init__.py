@@ -3,6 +3,7 @@ the [N, V] logits.
 
     op.py      the triton_op pair, its autograd and the public `linear_logprobs` (start here)
     cuda.py    CUDA launchers: the forward and the row-grouped backward loop
+    split_plan.py  the forward's vocab splits and the fused blocks' rows, fixed by the head
     kernels/   the @triton.jit and Gluon kernels, a module by what each computes (its __init__)
     gemms.py   the backward's GEMM steps as mutable custom ops (in-place under torch.compile)
     cpu.py     the chunked pure-PyTorch body of every other device

@@ -8,7 +8,7 @@ tile GEMM (fp32 accumulator, K loop over H) for each vocab tile of its split and
 online fp32 statistics per row: max m, sum exp(z - m), sum exp(z - m) * z (only when entropy is
 asked: a constexpr), and the target logit. The S partial statistics ([S, N] fp32, 16 bytes a
 row and split) are merged by one small kernel (_combine_kernel, shared by every CUDA path), in
-a fixed order, no atomics. The split plan is fixed by the head's shape, tiles and SM count (fwd_split_plan):
+a fixed order, no atomics. The split plan is fixed by the head's shape, tiles and SM count (split_plan.py):
 a row's log-prob, entropy and lse are bitwise the same whatever N, mask, packing, path or
 torch.compile (batch invariance; tests/test_batch_invariance_gpu.py).
 
@@ -67,6 +67,7 @@ from torch import Tensor
 from lowerings.linear_logprobs.cpu import round_dtype
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
 from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
+from lowerings.linear_logprobs import split_plan as _plan
 from lowerings.linear_logprobs.device import cdiv, next_power_of_2, size_hint, sm_count  # noqa: F401 (callers)
 from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
                                               _dx_acc_op, _dx_store_impl, _dx_store_op)
@@ -85,7 +86,6 @@ DW_TILES = dict(GEMM_TILES)                                                     
 # take half the BLOCK_K (see tiles()); "ieee" restores the FMA products.
 FP32_DOT = "tf32x3"
 GROUP_N = 16                # row blocks per program group (L2 reuse, see kernels.tiles._swizzle)
-FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see fwd_split_plan for the pick
 COMBINE_TILE = (32, 4)      # the splits' merge (_combine_kernel): (BLOCK_R, num_warps), fixed
 CHUNK_V = 6144              # backward vocab columns a step: workspace R * CHUNK_V elements
 # Budget of the backward's fp32 dX accumulator, one row group of R = cdiv(N, G) rows (see
@@ -255,7 +255,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     bias = _bias(bias, compute_dtype)
     n, h = x.shape
     v = w.shape[0]
-    splits, cols = fwd_split_plan(v, h, x.element_size(), bn, bv, x.device)
+    splits, cols = _plan.fwd_split_plan(v, h, x.element_size(), bn, bv, x.device)
     m, s, t, zt = (x.new_empty((splits, n), dtype=torch.float32) for _ in range(4))  # [S, N]
     n_blocks = cdiv(n, bn)
     wrap(_fwd_kernel)[(n_blocks * splits,)](
@@ -287,89 +287,6 @@ def combine(wrap: Callable, m: Tensor, s: Tensor, t: Tensor, zt: Tensor, ids: Te
 
 def _tracing(*tensors: Tensor) -> bool:
     return torch._guards.detect_fake_mode(tensors) is not None
-
-
-def fwd_split_plan(v: int, h: int, itemsize: int, bn: int, bv: int,
-                   device: torch.device) -> tuple[int, int]:
-    """(S, columns per split) of every CUDA forward (recompute, row-masked, fused): balanced
-    splits of whole BV tiles, fixed by the model's head (V, H, the operands' itemsize), the tiles
-    and the device's SM count, never by N or the valid rows. That is batch invariance: a row's
-    statistics are the same S partial sums merged in one order (_combine_kernel) whatever batch,
-    mask, packing or path it came with, so old log-probs from a separate call give an
-    on-policy ratio of exactly 1.
-    The S, of S0 = cdiv(V, FWD_COLS_PER_SPLIT) .. 2 S0, is the one whose forward grid best fills
-    its last wave for the fused path's default blocks (block_plan): a grid of cdiv(R, BN) x S
-    programs of equal length on one program a SM. H100 / H200 (132 SMs), V = 151936:
-    H = 4096, R = 2048: S = 33, 4 full waves of 4608-column programs; qwen3-4b (H = 2560:
-    1664-row blocks, whole dX waves) S = 20, 2 waves of 260 programs where S = 33 ran 3.25 waves
-    in 4. Off CUDA (the interpreter tests, fake-target traces) S0."""
-    v, h = size_hint(v), size_hint(h)   # a fake tensor's symbolic sizes (traced host code): hints
-    sms = sm_count(device.index) if device.type == "cuda" and torch.cuda.is_available() else None
-    if not sms:
-        s0 = cdiv(v, FWD_COLS_PER_SPLIT)
-        cols = cdiv(cdiv(v, s0), bv) * bv
-        return cdiv(v, cols), cols
-    return block_plan(v, h, itemsize, bn, bv, sms)[:2]
-
-
-# The fused path's blocks the split plan is made for: GRPOConfig.fused_workspace_mib's default
-# workspace (a test ties the two), at a batch longer than one block.
-PLAN_WS_BYTES = 640 << 20
-# A block's fixed cost in rows' worth (its dW read-modify-write, its launches, its partial row
-# tiles): the plan's tie-break between fuller last waves and fewer, larger blocks.
-BLOCK_COST_ROWS = 128
-
-
-def dx_wave_rows(h: int, itemsize: int, sms: int) -> int:
-    """Rows whose fused dX step fills whole waves: floor(SMs / H blocks) row tiles of the step's
-    BLOCK_M (H100 / H200, H = 4096, bf16: 8 x 128 = 1024)."""
-    bm, bh = step_tiles(itemsize)[0][:2]
-    return max(1, sms // cdiv(h, bh)) * bm
-
-
-def _fwd_cost(rows: int, v: int, s: int, bn: int, bv: int, sms: int) -> tuple[float, int, int]:
-    """(cost a row, S, columns a split) of a block of `rows` rows with S vocab splits: the
-    forward grid's makespan (waves of equal programs, one a SM) over the ideal of its programs
-    spread evenly, plus BLOCK_COST_ROWS / rows."""
-    cols = cdiv(cdiv(v, s), bv) * bv
-    s_eff = cdiv(v, cols)
-    row_tiles = cdiv(rows, bn)
-    makespan = cdiv(row_tiles * s_eff, sms) * cols
-    return makespan * sms / (row_tiles * v) + BLOCK_COST_ROWS / rows, s_eff, cols
-
-
-def block_rows(budget: int, v: int, h: int, itemsize: int, bn: int, bv: int, sms: int,
-               splits: Optional[tuple[int, int]] = None) -> int:
-    """The rows R <= budget (a multiple of BN, budget >= BN) of the fused path's blocks when the
-    batch is longer than one block: whole dX waves where the budget holds one (dx_wave_rows);
-    else the multiple of BN in (budget / 2, budget] costing least a row (_fwd_cost) under the
-    split plan `splits` (S, cols), or jointly with S when None (block_plan). Host arithmetic on
-    ints: a trace calls it as a constant of specialized sizes (fused.aligned_rows)."""
-    wave = dx_wave_rows(h, itemsize, sms)
-    if budget >= wave:
-        return budget // wave * wave
-    s_range = range(splits[0], splits[0] + 1) if splits else \
-        range(cdiv(v, FWD_COLS_PER_SPLIT), 2 * cdiv(v, FWD_COLS_PER_SPLIT) + 1)
-    # least cost, then the most rows
-    best = min((_fwd_cost(r, v, s, bn, bv, sms)[0], -r) for r in range(budget, budget // 2, -bn)
-               for s in s_range)
-    return -best[1]
-
-
-def block_plan(v: int, h: int, itemsize: int, bn: int, bv: int, sms: int) -> tuple[int, int, int]:
-    """(S, columns a split, R): the split plan and the rows of the fused path's default blocks
-    (PLAN_WS_BYTES of [R, V] workspace), chosen together (block_rows, _fwd_cost). Memoized."""
-    key = (v, h, itemsize, bn, bv, sms, FWD_COLS_PER_SPLIT, PLAN_WS_BYTES, BLOCK_COST_ROWS)
-    if key not in _SPLIT_PLANS:
-        budget = max(bn, PLAN_WS_BYTES // (cdiv(v, 64) * 64 * itemsize) // bn * bn)
-        r = block_rows(budget, v, h, itemsize, bn, bv, sms)
-        s0 = cdiv(v, FWD_COLS_PER_SPLIT)
-        _, s, cols = min(_fwd_cost(r, v, s, bn, bv, sms) for s in range(s0, 2 * s0 + 1))
-        _SPLIT_PLANS[key] = (s, cols, r)
-    return _SPLIT_PLANS[key]
-
-
-_SPLIT_PLANS: dict[tuple, tuple[int, int, int]] = {}
 
 
 def _row_groups(n, h: int, budget: int = 0) -> int:

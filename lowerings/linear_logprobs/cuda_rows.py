@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from lowerings.linear_logprobs import cuda as _dense
+from lowerings.linear_logprobs import split_plan as _plan
 from lowerings.linear_logprobs.cuda import cdiv
 from lowerings.linear_logprobs.fused_order import valid_rows_first
 from lowerings.linear_logprobs.kernels.logits import (_dlogits_kernel, _dx_step_kernel, _fwd_kernel,
@@ -95,7 +96,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     v = w.shape[0]
     ids_p = ids.index_select(0, perm)                                      # [N] permuted
     groups, r = _groups(n, h, bn)
-    splits, cols = _dense.fwd_split_plan(v, h, x.element_size(), bn, bv, x.device)  # invariant
+    splits, cols = _plan.fwd_split_plan(v, h, x.element_size(), bn, bv, x.device)  # invariant
     m, s, t, zt = (x.new_empty((splits, n), dtype=torch.float32) for _ in range(4))  # [S, N]
     xg = x.new_empty((r, h))                                               # [R, H]
     for g in range(groups):

@@ -52,13 +52,14 @@ from lowerings.linear_logprobs import cpu as _cpu
 from lowerings.linear_logprobs.device import cdiv, size_hint, sm_count, static_int   # sm_count: wave_rows, callers
 try:   # the Triton side: absent triton (a CPU-only install off Linux) the PyTorch body runs alone
     from lowerings.linear_logprobs import cuda as _dense
+    from lowerings.linear_logprobs import split_plan as _plan
     from lowerings.linear_logprobs import cuda_rows as _rows
     from lowerings.linear_logprobs import fused_cuda as _fcuda
     from lowerings.linear_logprobs import precompile as _precompile
 except ModuleNotFoundError as e:
     if e.name != "triton":
         raise
-    _dense = _rows = _fcuda = _precompile = None
+    _dense = _plan = _rows = _fcuda = _precompile = None
 from lowerings.linear_logprobs.fused_order import (next_fit_blocks, order_rows, order_rows_grouped,  # noqa: F401 (callers)
                                                    pack_sequences)
 
@@ -101,13 +102,13 @@ def ws_row_bytes(hidden: Tensor, weight: Tensor, v: Optional[int] = None) -> int
 
 
 def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:
-    """Rows whose dX step fills whole waves of the GPU (cuda.dx_wave_rows: H100 / H200, H = 4096,
+    """Rows whose dX step fills whole waves of the GPU (split_plan.dx_wave_rows: H100 / H200, H = 4096,
     bf16: 1024). A block of R rows runs cdiv((R / BLOCK_M) * H blocks, SMs) waves of K = V long
     programs, so R = 2176 costs 3 waves where 2048 costs 2 (H100, qwen3-8b packed: 42.1 ms
     against 39.5 for the padded twin's 2048-row blocks). None off CUDA."""
     if hidden.device.type != "cuda":
         return None
-    return _dense.dx_wave_rows(hidden.shape[-1], ws_dtype(hidden, weight).itemsize,
+    return _plan.dx_wave_rows(hidden.shape[-1], ws_dtype(hidden, weight).itemsize,
                                sm_count(hidden.device.index))
 
 
@@ -115,7 +116,7 @@ def block_align(hidden: Tensor, weight: Tensor, budget: int) -> Optional[int]:
     """What the rows of a batch's blocks are a multiple of when it is longer than one block of
     `budget` rows (a multiple of 128): whole dX waves where the budget holds one (wave_rows),
     else the rows in (budget / 2, budget] whose forward grid wastes least of its last wave under
-    the head's split plan (cuda.block_rows; qwen2.5-0.5b at the default budget: 2048 rows, 16
+    the head's split plan (split_plan.block_rows; qwen2.5-0.5b at the default budget: 2048 rows, 16
     row tiles x 33 splits = 4 full waves, where 2176 rows ran 4.25 waves in 5). None off CUDA.
     In a trace H, V and the budget are specialized (device.static_int: under dynamic=True the
     graph recompiles for another head, as it would for another dtype), so a compiled graph's
@@ -136,11 +137,11 @@ def aligned_rows(h, v, budget, itemsize: int, sms: int, index: Optional[int]) ->
 
 @torch.compiler.assume_constant_result
 def _search_rows(budget: int, v: int, h: int, itemsize: int, sms: int, index: Optional[int]) -> int:
-    """cuda.block_rows under the head's split plan: host arithmetic on ints, a constant to
+    """split_plan.block_rows under the head's split plan: host arithmetic on ints, a constant to
     Dynamo (called, not traced: its loops would otherwise unroll into the trace)."""
     bn, bv = _dense.TILES[:2]
-    splits = _dense.fwd_split_plan(v, h, itemsize, bn, bv, torch.device("cuda", index))
-    return _dense.block_rows(budget, v, h, itemsize, bn, bv, sms, splits)
+    splits = _plan.fwd_split_plan(v, h, itemsize, bn, bv, torch.device("cuda", index))
+    return _plan.block_rows(budget, v, h, itemsize, bn, bv, sms, splits)
 
 
 def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],

@@ -8,7 +8,7 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
   block_forward    _gather_rows_kernel  xg[:n] = X[perm[r0 : r0 + n]]
                    (scaled) _target_ref_kernel  ref[:n] = M, the rows' target logits + E_LEAD
                    _fwd_kernel (STORE_Z) statistics of xg's n rows over the fixed vocab
-                                        splits (cuda.fwd_split_plan: batch invariance),
+                                        splits (split_plan.fwd_split_plan: batch invariance),
                                         and d = z - running max into
                                         ws (fp16 view) with the max per 256-column tile in zoff;
                                         scaled (STORE_E): e = exp(z - R) in ws's dtype, R per tile
@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from lowerings.linear_logprobs import cuda as _dense
+from lowerings.linear_logprobs import split_plan as _plan
 from lowerings.linear_logprobs.cuda import cdiv, next_power_of_2
 from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
@@ -165,7 +166,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
     count = counts.narrow(0, b, 1)
     perm_b, ids_b = perm.narrow(0, r0, rows), ids_p.narrow(0, r0, rows)
     _rows._gather(capturable, x, perm_b, count, 0, rows, xg)
-    splits, cols = _dense.fwd_split_plan(v, h, x.element_size(), bn, bv, x.device)  # invariant
+    splits, cols = _plan.fwd_split_plan(v, h, x.element_size(), bn, bv, x.device)  # invariant
     m, s, t, zt = (x.new_empty((splits, rows), dtype=torch.float32) for _ in range(4))  # [S, R']
     n_blocks = cdiv(rows, bn)
     scal = _dense._scalars(temperature, logit_scale, softcap)

@@ -2,7 +2,7 @@
 fused): one kernel in one fixed order, so a row's values do not depend on the path or the batch
 (launchers: cuda.combine, fused_cuda.block_forward).
 
-Legend: R' rows, S vocab splits of the forward (cuda.fwd_split_plan).
+Legend: R' rows, S vocab splits of the forward (split_plan.fwd_split_plan).
 """
 import triton
 import triton.language as tl

@@ -182,7 +182,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     reference (the target logit plus a lead), and R to zoff[row, tile]: e <= e^E_HEADROOM, and
     R = M in every tile of a row whose max stays under M + E_HEADROOM, so such a row's dlogits
     are one per-row scale of its stored e (no separate pass; kernels.fused_block's block comment).
-    The split plan (S splits of cols_per_split columns, cuda.fwd_split_plan) is fixed by the
+    The split plan (S splits of cols_per_split columns, split_plan.fwd_split_plan) is fixed by the
     shape and the device, never by N or the valid rows, and a row's statistics come from its
     own tiles in one fixed order: a row's values do not depend on the batch around it."""
     n_valid = _valid_rows(count_ptr, out_row0, N, HAS_COUNT)

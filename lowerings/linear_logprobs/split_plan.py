@@ -1,0 +1,101 @@
+"""The forward's vocab split plan and the fused path's block rows, for every CUDA path
+(recompute, row-masked, fused): host arithmetic on ints, fixed by the head (V, H, the operands'
+itemsize), the tiles and the SM count, never by N (batch invariance).
+
+Legend: V vocab, H hidden, R block rows, S vocab splits, BN / BV the forward's row / vocab
+tiles, S0 = cdiv(V, FWD_COLS_PER_SPLIT).
+
+cuda.py imports this module and this module reads cuda.step_tiles (the dX step's tiles) at call
+time: both import orders work.
+"""
+from typing import Optional
+
+import torch
+
+from lowerings.linear_logprobs import cuda as _cuda
+from lowerings.linear_logprobs.device import cdiv, size_hint, sm_count
+
+FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see fwd_split_plan for the pick
+
+
+def fwd_split_plan(v: int, h: int, itemsize: int, bn: int, bv: int,
+                   device: torch.device) -> tuple[int, int]:
+    """(S, columns per split) of every CUDA forward (recompute, row-masked, fused): balanced
+    splits of whole BV tiles, fixed by the model's head (V, H, the operands' itemsize), the tiles
+    and the device's SM count, never by N or the valid rows. That is batch invariance: a row's
+    statistics are the same S partial sums merged in one order (_combine_kernel) whatever batch,
+    mask, packing or path it came with, so old log-probs from a separate call give an
+    on-policy ratio of exactly 1.
+    The S, of S0 = cdiv(V, FWD_COLS_PER_SPLIT) .. 2 S0, is the one whose forward grid best fills
+    its last wave for the fused path's default blocks (block_plan): a grid of cdiv(R, BN) x S
+    programs of equal length on one program a SM. H100 / H200 (132 SMs), V = 151936:
+    H = 4096, R = 2048: S = 33, 4 full waves of 4608-column programs; qwen3-4b (H = 2560:
+    1664-row blocks, whole dX waves) S = 20, 2 waves of 260 programs where S = 33 ran 3.25 waves
+    in 4. Off CUDA (the interpreter tests, fake-target traces) S0."""
+    v, h = size_hint(v), size_hint(h)   # a fake tensor's symbolic sizes (traced host code): hints
+    sms = sm_count(device.index) if device.type == "cuda" and torch.cuda.is_available() else None
+    if not sms:
+        s0 = cdiv(v, FWD_COLS_PER_SPLIT)
+        cols = cdiv(cdiv(v, s0), bv) * bv
+        return cdiv(v, cols), cols
+    return block_plan(v, h, itemsize, bn, bv, sms)[:2]
+
+
+# The fused path's blocks the split plan is made for: GRPOConfig.fused_workspace_mib's default
+# workspace (a test ties the two), at a batch longer than one block.
+PLAN_WS_BYTES = 640 << 20
+# A block's fixed cost in rows' worth (its dW read-modify-write, its launches, its partial row
+# tiles): the plan's tie-break between fuller last waves and fewer, larger blocks.
+BLOCK_COST_ROWS = 128
+
+
+def dx_wave_rows(h: int, itemsize: int, sms: int) -> int:
+    """Rows whose fused dX step fills whole waves: floor(SMs / H blocks) row tiles of the step's
+    BLOCK_M (H100 / H200, H = 4096, bf16: 8 x 128 = 1024)."""
+    bm, bh = _cuda.step_tiles(itemsize)[0][:2]
+    return max(1, sms // cdiv(h, bh)) * bm
+
+
+def _fwd_cost(rows: int, v: int, s: int, bn: int, bv: int, sms: int) -> tuple[float, int, int]:
+    """(cost a row, S, columns a split) of a block of `rows` rows with S vocab splits: the
+    forward grid's makespan (waves of equal programs, one a SM) over the ideal of its programs
+    spread evenly, plus BLOCK_COST_ROWS / rows."""
+    cols = cdiv(cdiv(v, s), bv) * bv
+    s_eff = cdiv(v, cols)
+    row_tiles = cdiv(rows, bn)
+    makespan = cdiv(row_tiles * s_eff, sms) * cols
+    return makespan * sms / (row_tiles * v) + BLOCK_COST_ROWS / rows, s_eff, cols
+
+
+def block_rows(budget: int, v: int, h: int, itemsize: int, bn: int, bv: int, sms: int,
+               splits: Optional[tuple[int, int]] = None) -> int:
+    """The rows R <= budget (a multiple of BN, budget >= BN) of the fused path's blocks when the
+    batch is longer than one block: whole dX waves where the budget holds one (dx_wave_rows);
+    else the multiple of BN in (budget / 2, budget] costing least a row (_fwd_cost) under the
+    split plan `splits` (S, cols), or jointly with S when None (block_plan). Host arithmetic on
+    ints: a trace calls it as a constant of specialized sizes (fused.aligned_rows)."""
+    wave = dx_wave_rows(h, itemsize, sms)
+    if budget >= wave:
+        return budget // wave * wave
+    s_range = range(splits[0], splits[0] + 1) if splits else \
+        range(cdiv(v, FWD_COLS_PER_SPLIT), 2 * cdiv(v, FWD_COLS_PER_SPLIT) + 1)
+    # least cost, then the most rows
+    best = min((_fwd_cost(r, v, s, bn, bv, sms)[0], -r) for r in range(budget, budget // 2, -bn)
+               for s in s_range)
+    return -best[1]
+
+
+def block_plan(v: int, h: int, itemsize: int, bn: int, bv: int, sms: int) -> tuple[int, int, int]:
+    """(S, columns a split, R): the split plan and the rows of the fused path's default blocks
+    (PLAN_WS_BYTES of [R, V] workspace), chosen together (block_rows, _fwd_cost). Memoized."""
+    key = (v, h, itemsize, bn, bv, sms, FWD_COLS_PER_SPLIT, PLAN_WS_BYTES, BLOCK_COST_ROWS)
+    if key not in _SPLIT_PLANS:
+        budget = max(bn, PLAN_WS_BYTES // (cdiv(v, 64) * 64 * itemsize) // bn * bn)
+        r = block_rows(budget, v, h, itemsize, bn, bv, sms)
+        s0 = cdiv(v, FWD_COLS_PER_SPLIT)
+        _, s, cols = min(_fwd_cost(r, v, s, bn, bv, sms) for s in range(s0, 2 * s0 + 1))
+        _SPLIT_PLANS[key] = (s, cols, r)
+    return _SPLIT_PLANS[key]
+
+
+_SPLIT_PLANS: dict[tuple, tuple[int, int, int]] = {}
