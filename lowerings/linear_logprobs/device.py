@@ -19,7 +19,10 @@ def next_power_of_2(n: int) -> int:
 
 def size_hint(n) -> int:
     """n, or the size hint of a symbolic n (1 when unbacked): the host plans' integer view of a
-    dimension that may be symbolic under torch.compile."""
+    dimension that may be symbolic under torch.compile. In fake-tensor traces (make_fx, the
+    custom ops' fake kernels) that is the hint; in a Dynamo trace n comes back as the symbol
+    itself (Dynamo answers isinstance(n, int) for a SymInt), so a comparison on it guards
+    there: static_int is the way to a Python int inside Dynamo."""
     return n if isinstance(n, int) else (n.node.hint or 1)
 
 
