@@ -99,6 +99,22 @@ def test_three_way_gpu_narrow_h():
     assert torch.equal(dw(fc.DW_WS_TILES_NARROW), dw(fc.DW_WS_TILES))
 
 
+def _fused_grads(inp: dict, fast_launch: bool) -> tuple:
+    """(loss, dX, dW) of grpo_loss's fused step (3 blocks: a 100 MiB workspace), the second of
+    two calls, with fast_launch.ENABLED set to `fast_launch` (on: the second call's launches all
+    take the compiled launcher). Also bench/probes/fast_launch.py's check."""
+    import lowerings.linear_logprobs.fast_launch as fl
+    h, w = inp["hidden"].clone().requires_grad_(), inp["weight"].clone().requires_grad_()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fl, "ENABLED", fast_launch)
+        for _ in range(2):
+            h.grad = w.grad = None
+            out = cg.grpo_loss(**dict(inp, hidden=h, weight=w), config=cg.GRPOConfig(
+                gradient_mode="fused", fused_workspace_mib=100.0, beta=0.04))
+            out.loss.backward()
+    return out.loss.detach(), h.grad, w.grad
+
+
 def test_fast_launch_is_bitwise_tritons():
     """fast_launch (the compiled launcher after a key's first launch) against Triton's own launch
     path: loss and grads bitwise equal, H = 896 and 4096, 3 blocks, the second call of each on
@@ -106,17 +122,7 @@ def test_fast_launch_is_bitwise_tritons():
     import lowerings.linear_logprobs.fast_launch as fl
     for hd in (896, 4096):
         inp = _gpu_inputs(Hd=hd)
-        got = []
-        for on in (True, False):
-            h, w = inp["hidden"].clone().requires_grad_(), inp["weight"].clone().requires_grad_()
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(fl, "ENABLED", on)
-                for _ in range(2):
-                    h.grad = w.grad = None
-                    out = cg.grpo_loss(**dict(inp, hidden=h, weight=w), config=cg.GRPOConfig(
-                        gradient_mode="fused", fused_workspace_mib=100.0, beta=0.04))
-                    out.loss.backward()
-            got.append((out.loss.detach(), h.grad, w.grad))
+        got = [_fused_grads(inp, on) for on in (True, False)]
         assert any(launcher.compiled for launcher in fl._LAUNCHERS.values())
         for a, b in zip(*got):
             assert torch.equal(a, b), hd

@@ -15,25 +15,15 @@ import sys
 
 import torch
 
-import compiled_grpo as cg
 import lowerings.linear_logprobs.fast_launch as fl
 
 
 def grads_equal() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-    from test_fused_gpu import _gpu_inputs
+    from test_fused_gpu import _fused_grads, _gpu_inputs
     for hd in (896, 4096):
         inp = _gpu_inputs(Hd=hd)
-        grads = []
-        for on in (True, False, True):
-            fl.ENABLED = on
-            h, w = inp["hidden"].clone().requires_grad_(), inp["weight"].clone().requires_grad_()
-            for _ in range(2):
-                h.grad = w.grad = None
-                out = cg.grpo_loss(**dict(inp, hidden=h, weight=w), config=cg.GRPOConfig(
-                    gradient_mode="fused", fused_workspace_mib=100.0, beta=0.04))
-                out.loss.backward()
-            grads.append((out.loss.detach(), h.grad, w.grad))
+        grads = [_fused_grads(inp, on) for on in (True, False, True)]
         same = [all(torch.equal(a, b) for a, b in zip(grads[i], grads[1])) for i in (0, 2)]
         print(f"H {hd} launches cached: {sum(len(x.compiled) for x in fl._LAUNCHERS.values())} "
               f"bitwise on == off: {same[0]} {same[1]}", flush=True)
