@@ -166,9 +166,9 @@ with mode:
     counts = reinplaced_counts(graphs[1])
 # per row group: gather, then dlogits, dW and dX steps for each of 3 chunks; nothing copied
 assert counts["auto_functionalized_v2"] == 2 * (1 + 3 * 3), counts
-assert counts["_dw_step_kernel"] == 6 and counts["_gather_rows_kernel"] == 2, counts
+assert counts["_dw_step_persistent_kernel"] == 6 and counts["_gather_rows_kernel"] == 2, counts
 assert not any("clone" in k or "copy_" in k for k in counts), counts
-assert check_declared() == {"_gather_rows_kernel", "_fwd_kernel", "_combine_kernel", "_dlogits_kernel", "_dw_step_kernel",
+assert check_declared() == {"_gather_rows_kernel", "_fwd_kernel", "_combine_kernel", "_dlogits_kernel", "_dw_step_persistent_kernel",
                             "_dx_step_kernel"}
 print("OK")
 '''

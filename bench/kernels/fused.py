@@ -1,7 +1,7 @@
 """GPU profile of grpo_loss's fused-gradient path (fused.py, fused_cuda.py) on the bench's inputs.
 
     python -m bench.kernels.fused [--shape qwen3-8b] [--all-valid]
-        [--sweep [{all,fwd,dlogits,dw,dx}]] [--compile [MODE]] [--recompute] [--cublas]
+        [--sweep [{all,fwd,dlogits,dw,dx,rows}]] [--compile [MODE]] [--recompute] [--cublas]
         [--workspace-mib MIB ...] [--trace DIR] [--host-profile]
         [--targets {random,sampled,least}] [--logit-std S] [--cuda-graph] [--clocks] [--gspo]
         [--counters [R ...]] [--precisions {dlogits,round} ...]
@@ -18,7 +18,8 @@ where the GPU waits. --all-valid: every position valid (the all-positions target
 the loss under torch.compile(fullgraph=True, mode=MODE) (what the loss's own kernels add
 there; "reduce-overhead": Inductor's CUDA graphs). --sweep:
 the same for variants of one step or all (fwd: a 4-stage tile; dlogits tiles; dw: the
-load-add-store epilogue, tiles, the Gluon step's two tile shapes; dx: DX_SPLITS=1, tiles), then
+load-add-store epilogue, tiles, the Gluon step's two tile shapes; dx: DX_SPLITS=1, tiles; rows,
+only when named: the recompute path's row groups and dlogits workspace, cuda_rows.py), then
 the default again (the drift of the GPU's clock over the sweep). The tiles and switches are module
 attributes of the plan (cuda.py, fused_cuda.py), which the sweep patches.
 --recompute: the same profile of gradient_mode="recompute" (its _fwd_kernel stores no logits:
@@ -68,6 +69,7 @@ from bench.measure import WARMUP_S, keep_busy
 from bench.shapes import SHAPES, TARGETS, _chunked_logprobs, make_inputs
 from compiled_grpo import fused as cg_fused
 from lowerings.linear_logprobs import cuda as dense
+from lowerings.linear_logprobs import cuda_rows, fast_launch
 from lowerings.linear_logprobs import fused_cuda
 
 
@@ -118,7 +120,7 @@ def main():
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--all-valid", action="store_true")
     ap.add_argument("--sweep", nargs="?", const="all",
-                    choices=["all", "fwd", "dlogits", "dw", "dx"])
+                    choices=["all", "fwd", "dlogits", "dw", "dx", "rows"])
     ap.add_argument("--compile", nargs="?", const="default", metavar="MODE")
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--cublas", action="store_true")
@@ -319,6 +321,10 @@ def main():
             variant(fused_cuda, "dw_ws_tiles", lambda h, t=tiles: t, f"dw_ws_tiles -> {tiles}")
         if want("dx"):
             variant(fused_cuda, "DX_SPLITS", 1, "DX_SPLITS=1")
+        if args.sweep == "rows":
+            variant(fast_launch, "ENABLED", False, "fast_launch.ENABLED=False")
+        for mib in (48, 72) * (args.sweep == "rows"):   # the recompute path's plan budget
+            variant(cuda_rows, "ROWS_BYTES", mib << 20, f"cuda_rows.ROWS_BYTES={mib} MiB")
         for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3)] * want("dx"):
             variant(dense, "GEMM_TILES", {**dense.GEMM_TILES, 2: tiles},
                     f"GEMM_TILES[bf16]={tiles}")

@@ -13,7 +13,7 @@ schedule over the permuted rows, every kernel reading count and stopping at it:
     forward: _fwd_kernel on xg; row blocks past n_g exit           2 n_g H V FLOPs
     backward, per vocab chunk:
       _dlogits_kernel on xg -> ws[:n_g, :C]                            2 n_g H C
-      _dw_step_kernel  dW[c] (+)= ws[:n_g].T @ xg[:n_g]  (K loop stops at n_g)    2 n_g H C
+      _dw_step_persistent_kernel  dW[c] (+)= ws[:n_g].T @ xg[:n_g]  (K loop stops at n_g)  2 n_g H C
       _dx_step_kernel  acc[:n_g] (+)= ws[:n_g] @ W[c]    (row blocks past n_g exit) 2 n_g H C
                        (last chunk: dX[perm[...]] = acc, scattered back in dX's dtype)
 
@@ -22,8 +22,13 @@ path's cuBLAS steps cannot stop at a device count, hence the two Triton GEMM ste
 loads on sm_90+, whose zero fill past n_g does the masking). Padded rows get logprobs, entropy
 and lse 0, dX rows 0, and add nothing to dW and d_bias; their incoming grads are ignored.
 
-Memory beyond the dense path's (acc [R, H] fp32 + ws [R, C]): xg [R, H] in the input dtype
-(12 MiB at R=1536, H=4096 bf16: see ROWS_DX_GROUP_BYTES), perm and the permuted [N] vectors.
+R and C come from split_plan.rows_plan on CUDA: the three grids of a (group, chunk) step in whole
+waves where the budget allows (R = 1024 rows at H = 4096 on 132 SMs: one wave of dX tiles).
+Memory: acc [R, H] fp32 + xg [R, H] in the input dtype + ws [R, C] within ROWS_BYTES (60 MiB),
+perm and the permuted [N] vectors.
+H100, qwen3-8b bench (39% valid), the recompute mode's step (bench/results/recompute_plan_h100_*):
+1.85x of the valid floor at R = 1536, C = 6656 with one dW program a tile; 1.65x at R = 1024,
+C = 16896 with the persistent dW step, 58 MiB.
 """
 from typing import Callable, Optional
 
@@ -31,12 +36,12 @@ import torch
 from torch import Tensor
 
 from lowerings.linear_logprobs import cuda as _dense
-from lowerings.linear_logprobs import split_plan as _plan
-from lowerings.linear_logprobs.cuda import cdiv
+from lowerings.linear_logprobs import split_plan as _split
+from lowerings.linear_logprobs.cuda import cdiv, size_hint
 from lowerings.linear_logprobs.fused_order import valid_rows_first
 from lowerings.linear_logprobs.kernels.logits import (_dlogits_kernel, _dx_step_kernel, _fwd_kernel,
                                                _gather_rows_kernel)
-from lowerings.linear_logprobs.kernels.dw import _dw_step_kernel
+from lowerings.linear_logprobs.kernels.dw import _dw_step_persistent_kernel
 
 # The dlogits workspace [R, C] of this path. H100, qwen3-8b shape, 67% valid (bench.kernels.rows
 # --sweep): 16 MiB (C = 4096) 102.1 ms, 24 MiB 97.6 ms, 32 MiB 97.7 ms, peaks within 5 MiB.
@@ -54,18 +59,43 @@ def _gather(wrap, x: Tensor, perm: Tensor, count: Tensor, r0, rows, xg: Tensor) 
         BLOCK_H=GATHER_H)
 
 
-# The fp32 dX accumulator of one row group on this path: 24 MiB (R = 1536 rows at H = 4096)
-# rather than the dense path's 32, because this path also holds the group's compacted hidden
-# rows xg [R, H]: acc + xg + ws = 24 + 12 + 24 MiB keeps the recompute mode within 64 MiB beyond
-# the gradients (H200, qwen3-8b bench, 39% valid: 58 MiB, 63.0 ms; at R = 2048: 74 MiB, 57.0 ms).
-# ROWS_DX_GROUP_BYTES trades it back (fewer groups: fewer dW read-modify-writes).
+# On CUDA the row groups and vocab chunks follow split_plan.rows_plan: the group's fp32 dX
+# accumulator [R, H], its gathered hidden rows xg [R, H] and the dlogits workspace [R, C] within
+# ROWS_BYTES, which keeps the recompute mode within 64 MiB beyond the gradients (H100, qwen3-8b
+# bench, 39% valid: R = 1024, C = 16896, 57 MiB).
+ROWS_BYTES = 60 << 20
+# Off CUDA (the interpreter tests, fake-target traces on a CPU machine: no SM count to plan for)
+# the budget rule of the dense backward: a 24 MiB accumulator (R = 1536 at H = 4096) and a
+# WS_BYTES workspace, C at most cuda.CHUNK_V.
 ROWS_DX_GROUP_BYTES = 24 << 20
 
 
-def _groups(n, h: int, bn: int):
-    """G row groups of R rows (R a whole number of row blocks), as the dense backward."""
-    groups = _dense._row_groups(n, h, min(_dense.DX_GROUP_BYTES, ROWS_DX_GROUP_BYTES))
-    return groups, cdiv(cdiv(n, groups), bn) * bn
+def _sms(device: torch.device) -> int:
+    """Programs of a persistent grid: the SM count (the interpreter tests' CPU tensors and the
+    fake-CUDA traces of a CPU machine: 4)."""
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    return _dense.sm_count(device.index) if cuda else 4
+
+
+def _plan(n, h: int, v: int, itemsize: int, device: torch.device) -> tuple[int, object, int]:
+    """(G, R, C): G row groups of R rows (R a whole number of row tiles; symbolic with N) and
+    vocab chunks of C columns. Past cuda.MAX_ROW_GROUPS groups R grows with N (memory too), and
+    C grows past cuda.MAX_STEPS (group, chunk) steps, as the dense backward's: both bound the
+    unrolled loops of a compiled graph."""
+    bn = max(_dense.TILES[0], _dense.step_tiles(itemsize)[0][0])   # whole row tiles of both grids
+    sms = _sms(device) if device.type == "cuda" and torch.cuda.is_available() else 0
+    if sms:
+        r_plan, c = _split.rows_plan(v, h, itemsize, sms, ROWS_BYTES, True)
+        groups = min(_dense.MAX_ROW_GROUPS, max(1, cdiv(size_hint(n), r_plan)))
+    else:
+        groups = _dense._row_groups(n, h, min(_dense.DX_GROUP_BYTES, ROWS_DX_GROUP_BYTES))
+    r = cdiv(cdiv(n, groups), bn) * bn
+    if not sms or size_hint(r) != r_plan:
+        ws = (ROWS_BYTES - size_hint(r) * h * (4 + itemsize)) if sms else WS_BYTES
+        c = (_split.rows_chunk(size_hint(r), v, h, itemsize, sms, ws) if sms else
+             _dense._chunk_cols(v, r, groups, itemsize, _dense.TILES[1], WS_BYTES))
+    few_steps = cdiv(cdiv(v * groups, _dense.MAX_STEPS), _dense.TILES[1]) * _dense.TILES[1]
+    return groups, r, min(max(c, few_steps), cdiv(v, _dense.TILES[1]) * _dense.TILES[1])
 
 
 def _unpermute(perm: Tensor, row_mask: Tensor, v: Tensor) -> Tensor:
@@ -95,8 +125,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     n, h = x.shape
     v = w.shape[0]
     ids_p = ids.index_select(0, perm)                                      # [N] permuted
-    groups, r = _groups(n, h, bn)
-    splits, cols = _plan.fwd_split_plan(v, h, x.element_size(), bn, bv, x.device)  # invariant
+    groups, r, _ = _plan(n, h, v, x.element_size(), x.device)
+    splits, cols = _split.fwd_split_plan(v, h, x.element_size(), bn, bv, x.device)  # invariant
     m, s, t, zt = (x.new_empty((splits, n), dtype=torch.float32) for _ in range(4))  # [S, N]
     xg = x.new_empty((r, h))                                               # [R, H]
     for g in range(groups):
@@ -135,8 +165,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     # the [N] vectors in permuted order, dense (autograd may hand in stride-0 grads)
     ids, lse, entropy, g_lp, g_ent, g_lse = (
         t.index_select(0, perm) for t in (ids, lse, entropy, g_lp, g_ent, g_lse))
-    groups, r = _groups(n, h, bn)
-    c = _dense._chunk_cols(v, r, groups, x.element_size(), bv, WS_BYTES)
+    groups, r, c = _plan(n, h, v, x.element_size(), x.device)
     ws = x.new_empty((r, c))                                               # [R, C]
     xg = x.new_empty((r, h))                                               # [R, H]
     acc = x.new_empty((r, h), dtype=torch.float32) if need_x else None     # [R, H] fp32
@@ -162,12 +191,16 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 num_warps=warps, num_stages=stages)
             if need_w:
                 n_cblocks, n_hblocks = cdiv(cols, wc), cdiv(h, wh)
-                wrap(_dw_step_kernel)[(n_cblocks * n_hblocks,)](
-                    ws, xg, dw, count, r0, rows, v0, cols, h, ws.stride(0), xg.stride(0),
-                    dw.stride(0), n_cblocks, n_hblocks, 0, 0, ACCUMULATE=g > 0, ON_DEVICE=False,
-                    DOT_PREC=prec,
-                    USE_TMA=tma, TMA_OUT=_dense._dw_tma_out(tma, dw), BLOCK_C=wc, BLOCK_H=wh,
-                    BLOCK_K=wk, GROUP_C=GROUP_M, num_warps=wwarps, num_stages=wstages)
+                args = (ws, xg, dw, count, r0, rows, v0, cols, h, ws.stride(0), xg.stride(0),
+                        dw.stride(0), n_cblocks, n_hblocks, 0, 0)
+                tiles = dict(ACCUMULATE=g > 0, ON_DEVICE=False, DOT_PREC=prec, USE_TMA=tma,
+                             TMA_OUT=_dense._dw_tma_out(tma, dw), BLOCK_C=wc, BLOCK_H=wh,
+                             BLOCK_K=wk, GROUP_C=GROUP_M, num_warps=wwarps, num_stages=wstages)
+                # a persistent grid (one program a SM walking the chunk's tiles): H100, qwen3-8b
+                # bench, 39% valid: dW steps 14.7 against 19.3 ms with one program a tile
+                # (bench/results/recompute_plan_h100_*.txt)
+                n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
+                wrap(_dw_step_persistent_kernel)[(n_prog,)](*args, n_prog, **tiles)
             if need_x:
                 n_mblocks, n_hblocks = cdiv(rows, gm), cdiv(h, gh)
                 wrap(_dx_step_kernel)[(n_mblocks * n_hblocks,)](

@@ -29,11 +29,12 @@ from torch import Tensor
 
 from lowerings.linear_logprobs.kernels.writes import writes  # noqa: F401 (the kernels' declaration)
 try:   # a CPU-only install without triton launches nothing here
+    from lowerings.linear_logprobs import fast_launch as _fast
     from lowerings.linear_logprobs import precompile as _precompile
 except ModuleNotFoundError as e:
     if e.name != "triton":
         raise
-    _precompile = None
+    _fast = _precompile = None
 
 
 def _declaration(kernel) -> tuple[tuple, dict]:
@@ -71,7 +72,7 @@ def _tracing(args) -> bool:
 
 def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if not _tracing((*args, *kwargs.values())):
-        kernel[grid](*args, **kwargs)
+        _fast.launcher(kernel)[grid](*args, **kwargs)
         return
     names = kernel.arg_names
     bound = dict(zip(names, args))
@@ -137,7 +138,7 @@ def triton_launch(spec: str, grid: Sequence[int], writes: list[Tensor], reads: l
         from lowerings.linear_logprobs.cuda import _ensure_allocator
         _ensure_allocator()   # in-kernel TMA descriptors need Triton's scratch allocator
         _precompile.wait()    # the kernels the trace handed to the precompile workers
-    kernel[tuple(grid)](*args, **options)
+    _fast.launcher(kernel)[tuple(grid)](*args, **options)
 
 
 def _call(spec: str, writes, reads, ints, floats) -> tuple:

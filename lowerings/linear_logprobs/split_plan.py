@@ -99,3 +99,73 @@ def block_plan(v: int, h: int, itemsize: int, bn: int, bv: int, sms: int) -> tup
 
 
 _SPLIT_PLANS: dict[tuple, tuple[int, int, int]] = {}
+
+
+# The recompute path's row groups and vocab chunks (cuda_rows.py): a cost model in K steps of
+# one GEMM tile (128 x 256 x 64 for bf16) on one SM. Each (group, chunk) step runs three grids:
+# the dlogits tiles (K = H), the dX tiles (K = the chunk's columns, then an fp32 read-modify-write
+# of the accumulator) and the persistent dW tiles (K = the group's rows, then dW's read-modify-
+# write); each grid takes its waves (ceil(tiles / SMs)) times a tile's K steps plus its epilogue,
+# in K steps (H100, qwen3-8b bench, bench/results/recompute_plan_h100_*.txt):
+ROWS_EPILOGUE = {"dlogits": 8, "dx": 13, "dw": 7}
+# A (group, chunk) step's host time in K steps (its three launches and small ops, ~90 us in an
+# eager step through fast_launch): a step takes the longer of its GPU and host times, so small
+# heads, whose steps are short, take fewer, longer chunks.
+ROWS_HOST_STEP = 120
+ROWS_MAX_CHUNKS = 64  # chunk counts searched
+
+
+def _rows_cost(r: int, c: int, v: int, h: int, itemsize: int, sms: int) -> float:
+    """Modeled time a row (K-step units) of the recompute backward with row groups of r rows and
+    vocab chunks of c columns (the last chunk holds the rest)."""
+    bn, bv, bk = _cuda.TILES[:3]
+    (gm, gh, gk, *_), (wc, wh, wk, *_) = _cuda.step_tiles(itemsize)
+    e = ROWS_EPILOGUE
+    total = 0
+    for cols, count in ((c, v // c), (v % c, 1)):
+        if cols == 0 or count == 0:
+            continue
+        dl = cdiv(cdiv(r, bn) * cdiv(cols, bv), sms) * (cdiv(h, bk) + e["dlogits"])
+        dx = cdiv(cdiv(r, gm) * cdiv(h, gh), sms) * (cdiv(cols, gk) + e["dx"])
+        dw = cdiv(cdiv(cols, wc) * cdiv(h, wh), sms) * (cdiv(r, wk) + e["dw"])
+        total += count * max(dl + dx + dw, ROWS_HOST_STEP)
+    return total / r
+
+
+def rows_chunk(r: int, v: int, h: int, itemsize: int, sms: int, ws_bytes: int) -> int:
+    """C, the recompute backward's vocab columns a chunk for row groups of r rows: of the chunk
+    counts k = 1 .. ROWS_MAX_CHUNKS, C = cdiv(V, k) in whole BV tiles within ws_bytes of
+    workspace [r, C], the one of least modeled cost (_rows_cost); BV when none fits."""
+    bv = _cuda.TILES[1]
+    fits = [cdiv(cdiv(v, k), bv) * bv for k in range(1, ROWS_MAX_CHUNKS + 1)]
+    fits = [c for c in fits if r * c * itemsize <= ws_bytes]
+    if not fits:
+        return bv
+    return min(fits, key=lambda c: (_rows_cost(r, c, v, h, itemsize, sms), -c))
+
+
+def rows_plan(v: int, h: int, itemsize: int, sms: int, budget: int,
+              gathered: bool) -> tuple[int, int]:
+    """(R, C) of the recompute backward on CUDA: row groups of R rows (whole row tiles of the
+    logits and dX grids) and vocab chunks of C columns whose fp32 dX accumulator [R, H], gathered hidden rows
+    [R, H] (the row-masked path: `gathered`) and dlogits workspace [R, C] fit `budget` bytes,
+    of least modeled cost a row (_rows_cost: the three grids' waves and epilogues, the dW
+    read-modify-write a group). H100 / H200, qwen3-8b head, bf16, masked, 60 MiB: R = 1024
+    (the dX grid one wave of 128 tiles), C = 16896 (9 chunks; dlogits 4 waves, dW 16 tiles a
+    program). Memoized; fixed by the head, the dtype and the device, never by N."""
+    key = (v, h, itemsize, sms, budget, gathered, _cuda.TILES, _cuda.step_tiles(itemsize),
+           tuple(ROWS_EPILOGUE.values()), ROWS_HOST_STEP)
+    if key not in _ROWS_PLANS:
+        step = max(_cuda.TILES[0], _cuda.step_tiles(itemsize)[0][0])   # whole row tiles of both
+        row_bytes = h * (4 + itemsize * gathered)
+        best = None
+        for r in range(step, max(step, budget // row_bytes) + 1, step):
+            c = rows_chunk(r, v, h, itemsize, sms, budget - r * row_bytes)
+            cost = _rows_cost(r, c, v, h, itemsize, sms)
+            if best is None or cost < best[0]:
+                best = (cost, r, c)
+        _ROWS_PLANS[key] = best[1:]
+    return _ROWS_PLANS[key]
+
+
+_ROWS_PLANS: dict[tuple, tuple[int, int]] = {}
