@@ -1,5 +1,6 @@
-"""Launching the fused path's Triton kernels through their compiled launcher, past Triton's
-per-launch binding: host time of small policies' eager steps.
+"""Launching this package's Triton kernels through their compiled launcher, past Triton's
+per-launch binding: host time of small policies' eager steps and of the recompute op's many
+launches (the fused path through precompile.capturable, the recompute op through launch.py).
 
 Why. `kernel[grid](*args)` (JITFunction.run) binds and specializes every argument, builds the
 cache key from them and the options, checks the kernel's globals, then calls the compiled

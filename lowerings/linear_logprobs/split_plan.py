@@ -1,6 +1,7 @@
 """The forward's vocab split plan and the fused path's block rows, for every CUDA path
-(recompute, row-masked, fused): host arithmetic on ints, fixed by the head (V, H, the operands'
-itemsize), the tiles and the SM count, never by N (batch invariance).
+(recompute, row-masked, fused), and the row-masked recompute backward's row groups and vocab
+chunks (rows_plan): host arithmetic on ints, fixed by the head (V, H, the operands' itemsize),
+the tiles and the SM count, never by N (batch invariance).
 
 Legend: V vocab, H hidden, R block rows, S vocab splits, BN / BV the forward's row / vocab
 tiles, S0 = cdiv(V, FWD_COLS_PER_SPLIT).
