@@ -63,7 +63,7 @@ def _assert_seen(seen, mask, whole_blocks):
     (1, 40, False, (16, 16, 1)), (3, 16, False, (16, 16, 1)), (4, 10, True, (16, 16, 1)),
     (3, 16, False, (8, 32, 1))])   # dlogits tiles wider than the stored-max tiles: per-column maxima
 # DX_SPLITS: 1 = one K loop, 8 = split over V where the dX grid is small (here always: 4 "SMs"
-# in the interpreter, _sms), partials summed by the reduce kernel
+# in the interpreter, device.grid_sms), partials summed by the reduce kernel
 @pytest.mark.parametrize("dx_splits", [1, 8])
 def test_fused_blocks(monkeypatch, kind, blocks, block_rows, whole_blocks, dlogits_tile, dx_splits):
     monkeypatch.setattr(fck, "DX_SPLITS", dx_splits)

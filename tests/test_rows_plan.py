@@ -48,7 +48,7 @@ def test_groups_follow_the_plan_until_the_group_cap(monkeypatch, n, groups, rows
     dense backward's); C the plan's at R_plan, else re-planned for R, and at least the MAX_STEPS
     bound's."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cuda_rows, "_sms", lambda device: 132)
+    monkeypatch.setattr(cuda_rows, "sm_count", lambda index: 132)
     g, r, c = cuda_rows._plan(n, 4096, 151936, 2, torch.device("cuda"))
     assert (g, r) == (groups, rows)
     few_steps = -(-(-(-151936 * g // dense.MAX_STEPS)) // 256) * 256
@@ -63,4 +63,4 @@ def test_off_cuda_keeps_the_budget_rule():
     """Without a CUDA device (interpreter tests, fake-target traces) no SM count to plan for: the
     24 MiB accumulator rule (R = 1536 at H = 4096, N = 16384) and C <= cuda.CHUNK_V."""
     g, r, c = cuda_rows._plan(16384, 4096, 151936, 2, torch.device("cpu"))
-    assert (g, r) == (11, 1536) and c <= max(dense.CHUNK_V, 6656)
+    assert (g, r, c) == (11, 1536, 6656)   # C: CHUNK_V grown to MAX_STEPS' 11 x 23 steps

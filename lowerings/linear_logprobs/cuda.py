@@ -302,8 +302,14 @@ def _chunk_cols(v: int, r, groups: int, elem_bytes: int, bv: int, ws_bytes: int 
     fits ws_bytes (WS_BYTES by default), grown so that there are at most MAX_STEPS (group,
     chunk) steps."""
     fit = (ws_bytes or WS_BYTES) // (max(1, size_hint(r)) * elem_bytes) // bv * bv   # C of the budget (N = 0: R = 0)
+    return bound_cols(min(CHUNK_V, fit), v, groups, bv)
+
+
+def bound_cols(c: int, v: int, groups: int, bv: int) -> int:
+    """C, at least BV and the columns that keep the backward within MAX_STEPS (group, chunk)
+    steps, at most V in whole BV tiles."""
     few_steps = cdiv(cdiv(v * groups, MAX_STEPS), bv) * bv  # C of MAX_STEPS
-    return min(max(min(CHUNK_V, fit), few_steps, bv), cdiv(v, bv) * bv)
+    return min(max(c, few_steps, bv), cdiv(v, bv) * bv)
 
 
 def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,

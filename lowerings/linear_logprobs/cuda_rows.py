@@ -38,6 +38,7 @@ from torch import Tensor
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs import split_plan as _split
 from lowerings.linear_logprobs.cuda import cdiv, size_hint
+from lowerings.linear_logprobs.device import grid_sms, sm_count
 from lowerings.linear_logprobs.fused_order import valid_rows_first
 from lowerings.linear_logprobs.kernels.logits import (_dlogits_kernel, _dx_step_kernel, _fwd_kernel,
                                                _gather_rows_kernel)
@@ -70,32 +71,24 @@ ROWS_BYTES = 60 << 20
 ROWS_DX_GROUP_BYTES = 24 << 20
 
 
-def _sms(device: torch.device) -> int:
-    """Programs of a persistent grid: the SM count (the interpreter tests' CPU tensors and the
-    fake-CUDA traces of a CPU machine: 4)."""
-    cuda = device.type == "cuda" and torch.cuda.is_available()
-    return _dense.sm_count(device.index) if cuda else 4
-
-
 def _plan(n, h: int, v: int, itemsize: int, device: torch.device) -> tuple[int, object, int]:
     """(G, R, C): G row groups of R rows (R a whole number of row tiles; symbolic with N) and
     vocab chunks of C columns. Past cuda.MAX_ROW_GROUPS groups R grows with N (memory too), and
     C grows past cuda.MAX_STEPS (group, chunk) steps, as the dense backward's: both bound the
     unrolled loops of a compiled graph."""
     bn = max(_dense.TILES[0], _dense.step_tiles(itemsize)[0][0])   # whole row tiles of both grids
-    sms = _sms(device) if device.type == "cuda" and torch.cuda.is_available() else 0
-    if sms:
-        r_plan, c = _split.rows_plan(v, h, itemsize, sms, ROWS_BYTES, True)
-        groups = min(_dense.MAX_ROW_GROUPS, max(1, cdiv(size_hint(n), r_plan)))
-    else:
+    sms = sm_count(device.index) if device.type == "cuda" and torch.cuda.is_available() else 0
+    if not sms:   # the dense backward's budget rule
         groups = _dense._row_groups(n, h, min(_dense.DX_GROUP_BYTES, ROWS_DX_GROUP_BYTES))
+        r = cdiv(cdiv(n, groups), bn) * bn
+        return groups, r, _dense._chunk_cols(v, r, groups, itemsize, _dense.TILES[1], WS_BYTES)
+    r_plan, c = _split.rows_plan(v, h, itemsize, sms, ROWS_BYTES, True)
+    groups = min(_dense.MAX_ROW_GROUPS, max(1, cdiv(size_hint(n), r_plan)))
     r = cdiv(cdiv(n, groups), bn) * bn
-    if not sms or size_hint(r) != r_plan:
-        ws = (ROWS_BYTES - size_hint(r) * h * (4 + itemsize)) if sms else WS_BYTES
-        c = (_split.rows_chunk(size_hint(r), v, h, itemsize, sms, ws) if sms else
-             _dense._chunk_cols(v, r, groups, itemsize, _dense.TILES[1], WS_BYTES))
-    few_steps = cdiv(cdiv(v * groups, _dense.MAX_STEPS), _dense.TILES[1]) * _dense.TILES[1]
-    return groups, r, min(max(c, few_steps), cdiv(v, _dense.TILES[1]) * _dense.TILES[1])
+    if size_hint(r) != r_plan:   # fewer rows than the plan's, or past MAX_ROW_GROUPS: C for R
+        c = _split.rows_chunk(size_hint(r), v, h, itemsize, sms,
+                              ROWS_BYTES - size_hint(r) * h * (4 + itemsize))
+    return groups, r, _dense.bound_cols(c, v, groups, _dense.TILES[1])
 
 
 def _unpermute(perm: Tensor, row_mask: Tensor, v: Tensor) -> Tensor:
@@ -172,6 +165,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     dx = hidden.new_zeros((n, h)) if need_x else None                      # [N, H], padded rows 0
     dw = weight.new_empty(weight.shape) if need_w else None                # [V, H]
     db = [None] * cdiv(v, c)                                        # fp32 [C'] each
+    sms = grid_sms(ws.device)                                       # the dW step's programs
     for g in range(groups):
         r0 = torch.sym_min(g * r, n)
         rows = torch.sym_min((g + 1) * r, n) - r0
@@ -191,16 +185,16 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 num_warps=warps, num_stages=stages)
             if need_w:
                 n_cblocks, n_hblocks = cdiv(cols, wc), cdiv(h, wh)
-                args = (ws, xg, dw, count, r0, rows, v0, cols, h, ws.stride(0), xg.stride(0),
-                        dw.stride(0), n_cblocks, n_hblocks, 0, 0)
-                tiles = dict(ACCUMULATE=g > 0, ON_DEVICE=False, DOT_PREC=prec, USE_TMA=tma,
-                             TMA_OUT=_dense._dw_tma_out(tma, dw), BLOCK_C=wc, BLOCK_H=wh,
-                             BLOCK_K=wk, GROUP_C=GROUP_M, num_warps=wwarps, num_stages=wstages)
                 # a persistent grid (one program a SM walking the chunk's tiles): H100, qwen3-8b
                 # bench, 39% valid: dW steps 14.7 against 19.3 ms with one program a tile
-                # (bench/results/recompute_plan_h100_*.txt)
-                n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
-                wrap(_dw_step_persistent_kernel)[(n_prog,)](*args, n_prog, **tiles)
+                # (bench/results/recompute_plan_h100_7424600.txt)
+                n_prog = min(n_cblocks * n_hblocks, sms)
+                wrap(_dw_step_persistent_kernel)[(n_prog,)](
+                    ws, xg, dw, count, r0, rows, v0, cols, h, ws.stride(0), xg.stride(0),
+                    dw.stride(0), n_cblocks, n_hblocks, 0, 0, n_prog, ACCUMULATE=g > 0,
+                    ON_DEVICE=False, DOT_PREC=prec, USE_TMA=tma,
+                    TMA_OUT=_dense._dw_tma_out(tma, dw), BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
+                    GROUP_C=GROUP_M, num_warps=wwarps, num_stages=wstages)
             if need_x:
                 n_mblocks, n_hblocks = cdiv(rows, gm), cdiv(h, gh)
                 wrap(_dx_step_kernel)[(n_mblocks * n_hblocks,)](

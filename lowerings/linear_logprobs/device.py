@@ -45,3 +45,10 @@ def sm_count(index: Optional[int]) -> int:
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SMS[index]
+
+
+def grid_sms(device: torch.device) -> int:
+    """Programs of a persistent grid on `device`: its SM count; 4 for CPU tensors (the
+    interpreter tests) and for fake CUDA tensors on a machine without CUDA (traces)."""
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    return sm_count(device.index) if cuda else 4

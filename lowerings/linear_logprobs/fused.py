@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lowerings.linear_logprobs import cpu as _cpu
-from lowerings.linear_logprobs.device import cdiv, size_hint, sm_count, static_int   # sm_count: wave_rows, callers
+from lowerings.linear_logprobs.device import cdiv, grid_sms, size_hint, sm_count, static_int   # sm_count: wave_rows, callers
 try:   # the Triton side: absent triton (a CPU-only install off Linux) the PyTorch body runs alone
     from lowerings.linear_logprobs import cuda as _dense
     from lowerings.linear_logprobs import split_plan as _plan
@@ -320,7 +320,7 @@ def scale_(tensors: list[Tensor], g: Tensor) -> None:
     g = g.detach().to(torch.float32).reshape(1)
     for t in tensors:
         assert t.is_contiguous()
-        programs = SCALE_PER_SM * _fcuda._sms(t.device)
+        programs = SCALE_PER_SM * grid_sms(t.device)
         grid = max(1, min(cdiv(t.numel(), SCALE_BLOCK), programs))
         _scale_kernel[(grid,)](t, g, t.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
 

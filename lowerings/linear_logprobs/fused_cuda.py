@@ -40,6 +40,7 @@ from torch import Tensor
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs import split_plan as _plan
 from lowerings.linear_logprobs.cuda import cdiv, next_power_of_2
+from lowerings.linear_logprobs.device import grid_sms
 from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
 from lowerings.linear_logprobs.kernels.logits import _fwd_kernel
@@ -125,11 +126,6 @@ def dx_split_rows(rows, h: int, itemsize: int) -> int:
         return 0
     bm = _dense.step_tiles(itemsize)[0][0]
     return min(DX_SPLIT_BYTES // (4 * h), DX_SPLITS * (cdiv(rows, bm) * bm))
-
-
-def _sms(device: torch.device) -> int:
-    """Programs of a persistent grid: the SM count (CPU tensors in the interpreter tests: 4)."""
-    return _dense.sm_count(device.index) if device.type == "cuda" else 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -259,18 +255,18 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
             args = args[:12] + (n_cblocks, n_hblocks) + args[14:]
         for acc in (False, True):
             if ws_step:
-                n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
+                n_prog = min(n_cblocks * n_hblocks, grid_sms(ws.device))
                 _dw_step_ws_kernel[(n_prog,)](
                     *args, ACCUMULATE=acc, ON_DEVICE=True, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
                     GROUP_C=_rows.GROUP_M, STAGES=wstages, NC=wnc, num_warps=wwarps,
                     maxnreg=wregs)
             else:
-                n_prog = min(n_cblocks * n_hblocks, _sms(ws.device))
+                n_prog = min(n_cblocks * n_hblocks, grid_sms(ws.device))
                 _dw_step_persistent_kernel[(n_prog,)](*args, n_prog, ACCUMULATE=acc, **tiles)
     if need_x:
         gm, gh, gk, gwarps, gstages = gemm_tiles
         n_mblocks, n_hblocks = cdiv(rows, gm), cdiv(h, gh)
-        perm_b, sms, s_max = perm.narrow(0, r0, rows), _sms(ws.device), max(1, DX_SPLITS)
+        perm_b, sms, s_max = perm.narrow(0, r0, rows), grid_sms(ws.device), max(1, DX_SPLITS)
         split = (n_hblocks, sms, dxp.shape[0])   # what both kernels derive S from
         c = ref.narrow(0, 2 * rows, rows)   # [R'] the rows' dlogits scale (read only if scaled)
         _dx_split_kernel[(n_mblocks * n_hblocks * s_max,)](

@@ -18,8 +18,9 @@ no clone, no dropped launch, every write a kernel's TTIR holds is declared). Eag
 straight to the kernel. Both (the eager launch, and the custom op's at run time) go through
 fast_launch's compiled launcher after a configuration's first launch: the recompute op's eager
 step at the qwen3-8b bench made 956 launches and was host-bound on Triton's per-launch binding
-(H100: 70.9 against 61.9 ms a step, bench/results/recompute_plan_h100_7424600.txt). The custom op is opaque to Inductor's scheduler; its cost is the host
-time of a Python launch (as in eager), not GPU time.
+(H100: 70.9 against 61.9 ms a step, bench/results/recompute_plan_h100_7424600.txt). The custom
+op is opaque to Inductor's scheduler; its cost is the host time of a Python launch (as in
+eager), not GPU time.
 """
 import functools
 import importlib
