@@ -250,6 +250,29 @@ def test_row_mask_three_way(bias, compiled):
         assert e <= 2 * e_pt + 1e-5, (names[i], e, e_pt)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
+                    reason="TMA needs sm_90+")
+def test_row_mask_dx_bulk_reduce_is_the_pointer_sum(monkeypatch):
+    """The recompute path's dX step adds its fp32 tile into the group's accumulator by a TMA
+    bulk reduce-add (cuda_rows.DX_ACC_TMA) or by load, add, store: the same fp32 sums, so dX,
+    dW and d_bias are bitwise equal. N = 3072 at H = 4096, V = 151936: 3 row groups of 1024
+    (one with padding) and 9 vocab chunks on an H100 / H200."""
+    import lowerings.linear_logprobs.cuda_rows as rk
+    n = 3072
+    x, w, ids, b = make(n, bias=True, seed=5)
+    mask = _padded_mask(n, seed=6)
+    g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    runs = []
+    for bulk in (False, True):
+        monkeypatch.setattr(rk, "DX_ACC_TMA", bulk)
+        xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
+        out = linear_logprobs(xg, wg, ids, bg, with_entropy=True, row_mask=mask)
+        ((out.logprobs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+        runs.append((xg.grad, wg.grad, bg.grad))
+    for name, a, c in zip(("d_hidden", "d_weight", "d_bias"), *runs):
+        assert torch.equal(a, c), name
+
+
 def test_row_mask_no_host_sync_and_deterministic():
     """A masked fwd+bwd, eager and compiled, under set_sync_debug_mode("error"); twice: bitwise
     equal; compiled with dynamic N once for two N."""

@@ -68,7 +68,8 @@ from lowerings.linear_logprobs.cpu import round_dtype
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
 from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
 from lowerings.linear_logprobs import split_plan as _plan
-from lowerings.linear_logprobs.device import cdiv, next_power_of_2, size_hint, sm_count  # noqa: F401 (callers)
+from lowerings.linear_logprobs.device import (cdiv, grid_sms, next_power_of_2, size_hint,  # noqa: F401 (callers)
+                                             sm_count)
 from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
                                               _dx_acc_op, _dx_store_impl, _dx_store_op)
 
@@ -341,6 +342,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     dx = hidden.new_empty((n, h)) if need_x else None                      # [N, H]
     dw = weight.new_empty(weight.shape) if need_w else None                # [V, H]
     db = [None] * cdiv(v, c)                                        # fp32 [C'] each
+    sms = grid_sms(ws.device)                                       # the dlogits grid
     tracing = _tracing(ws, x)
     dw_rows, dx_acc, dx_store = ((_dw_rows_op, _dx_acc_op, _dx_store_op) if tracing else
                                  (_dw_rows_impl, _dx_acc_impl, _dx_store_impl))
@@ -354,10 +356,10 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
         for ci, v0 in enumerate(range(0, v, c)):
             cols = min(c, v - v0)
             n_vtiles = cdiv(cols, bv)
-            wrap(_dlogits_kernel)[(n_blocks * n_vtiles,)](
+            wrap(_dlogits_kernel)[(sms,)](   # persistent: sms programs whatever N is
                 x, w, bias if bias is not None else x, ids, lse, entropy, g_lp, g_ent, g_lse,
                 ws, dbp, ids, n, v, h, r0, r0, rows, v0, x.stride(0), w.stride(0), c,
-                *_scalars(temperature, logit_scale, softcap), n_blocks, n_vtiles,
+                *_scalars(temperature, logit_scale, softcap), n_blocks, n_vtiles, sms,
                 HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, ROUND=rounds(x, round_logits),
                 WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
                 GROUP_N=GROUP_N, num_warps=warps, num_stages=stages)

@@ -5,7 +5,8 @@ Legend: N tokens (dynamic), H hidden, V vocab (static), BN/BV/BK tile sizes.
 import triton
 import triton.language as tl
 
-from lowerings.linear_logprobs.kernels.tiles import VARYING_PTRS, _desc, _swizzle, _tile, _valid_rows
+from lowerings.linear_logprobs.kernels.tiles import (VARYING_PTRS, _desc, _swizzle, _swizzle_id, _tile,
+                                                     _valid_rows)
 from lowerings.linear_logprobs.kernels.writes import writes
 
 
@@ -259,35 +260,72 @@ def _dz_tile(z, y, cols, ids, lse, coef, g_lp, gent_ptr, ent_ptr, rows, row_mask
 def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, glse_ptr,
                     ws_ptr, dbp_ptr, count_ptr, N, V, H, x_row_first, row_first, n_rows, v_first,
                     stride_x, stride_w, stride_ws, inv_temp, cap_pre, cap_post, n_blocks, n_vtiles,
-                    HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, ROUND: tl.constexpr,
-                    WITH_ENTROPY: tl.constexpr,
-                    NEED_DB: tl.constexpr,
+                    n_programs, HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr,
+                    ROUND: tl.constexpr, WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr,
                     HAS_COUNT: tl.constexpr, DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_N: tl.constexpr):
     """Rows x_row_first + [0, n_rows) of X (N rows in all; the [N] vectors at row_first + the
     same offsets), columns v_first + [0, stride_ws): ws[r, c] = dz[row_first + r, v_first + c];
     dbp[pid_n, c] = its sum over the tile's rows. HAS_COUNT: rows past
-    clamp(count - row_first, 0, n_rows) are padding (compacted last): their programs only zero
-    their dbp row, and ws keeps stale values there that the GEMM steps never read."""
-    pid_n, pid_v = _swizzle(n_blocks, n_vtiles, GROUP_N)
+    clamp(count - row_first, 0, n_rows) are padding (compacted last): their row blocks only zero
+    their dbp rows, and ws keeps stale values there that the GEMM steps never read.
+    A persistent grid of n_programs (one a SM; launchers: cuda.py, cuda_rows.py): each walks
+    the tiles of the n_blocks x n_vtiles grid's row blocks with a valid row, tile_id = pid,
+    pid + n_programs, ..., through one flattened (tile, K step) loop, so Triton's pipeliner
+    issues the next tile's operand loads while this tile's epilogue (exp, the dz formula, the
+    ws store) runs. With one program a tile (before 2026-11-27) that epilogue and the next
+    program's pipeline fill were exposed (the 128 x 256 fp32 tile keeps one program a SM):
+    H100, qwen3-8b bench, recompute mode: 14.1 -> 12.9 ms of dlogits a step
+    (bench/results/recompute_dlogits_h100.txt). The row blocks past the valid rows zero their
+    dbp rows (NEED_DB) in a walk of their own before. A tile's values do not depend on which
+    program computes it."""
+    n_valid = _valid_rows(count_ptr, row_first, n_rows, HAS_COUNT)
+    n_vb = tl.cdiv(n_valid, BLOCK_N)                      # row blocks with a valid row
+    if NEED_DB:
+        for tile_id in tl.range(tl.program_id(0), (n_blocks - n_vb) * n_vtiles, n_programs):
+            _dbp_zero(dbp_ptr, n_vb + tile_id // n_vtiles, tile_id % n_vtiles, v_first, V,
+                      stride_ws, BLOCK_V)
+    x_src, w_src = _operands(x_ptr, w_ptr, N, V, H, stride_x, stride_w, USE_TMA, BLOCK_N,
+                             BLOCK_V, BLOCK_K)
+    for tile_id in tl.range(tl.program_id(0), n_vb * n_vtiles, n_programs, flatten=True):
+        pid_n, pid_v = _swizzle_id(tile_id, n_vb, n_vtiles, GROUP_N)
+        _dlogits_tile(x_src, w_src, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
+                      glse_ptr, ws_ptr, dbp_ptr, pid_n, pid_v, n_valid, V, H, x_row_first,
+                      row_first, v_first, stride_x, stride_w, stride_ws, inv_temp, cap_pre,
+                      cap_post, HAS_BIAS, HAS_CAP, ROUND, WITH_ENTROPY, NEED_DB,
+                      x_ptr.dtype.element_ty, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
+
+
+@triton.jit
+def _dbp_zero(dbp_ptr, pid_n, pid_v, v_first, V, stride_ws, BLOCK_V: tl.constexpr):
+    """dbp[pid_n, tile pid_v's columns] = 0: a row block with no valid row adds nothing to d_bias."""
+    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = (local < stride_ws) & (v_first + local < V)
+    tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_ws + local, tl.zeros((BLOCK_V,), tl.float32),
+             mask=col_mask)
+
+
+@triton.jit
+def _dlogits_tile(x_src, w_src, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, glse_ptr,
+                  ws_ptr, dbp_ptr, pid_n, pid_v, n_valid, V, H, x_row_first, row_first, v_first,
+                  stride_x, stride_w, stride_ws, inv_temp, cap_pre, cap_post,
+                  HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, ROUND: tl.constexpr,
+                  WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr, RDTYPE: tl.constexpr,
+                  DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_N, BLOCK_V] tile of the dlogits kernels (row block pid_n with a valid row,
+    vocab tile pid_v of the chunk): the logits tile, its dz (_dz_tile) into ws, and with
+    NEED_DB its column sums into dbp[pid_n]."""
     local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)     # column inside the chunk
     cols = v_first + local
     col_mask = (local < stride_ws) & (cols < V)
-    n_valid = _valid_rows(count_ptr, row_first, n_rows, HAS_COUNT)
-    if pid_n * BLOCK_N >= n_valid:
-        if NEED_DB:
-            tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_ws + local,
-                     tl.zeros((BLOCK_V,), tl.float32), mask=col_mask)
-        return
     local_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # row inside the group
     rows = row_first + local_rows
     row_mask = local_rows < n_valid
-    x_src, w_src = _operands(x_ptr, w_ptr, N, V, H, stride_x, stride_w, USE_TMA, BLOCK_N,
-                             BLOCK_V, BLOCK_K)
     z, y, _ = _logits_tile(x_src, w_src, b_ptr, x_row_first + pid_n * BLOCK_N, v_first + pid_v * BLOCK_V,
                            x_row_first + local_rows, cols, row_mask, col_mask, H, stride_x, stride_w, inv_temp,
-                           cap_pre, cap_post, HAS_BIAS, HAS_CAP, ROUND, x_ptr.dtype.element_ty, DOT_PREC,
+                           cap_pre, cap_post, HAS_BIAS, HAS_CAP, ROUND, RDTYPE, DOT_PREC,
                            USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
     ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
@@ -311,12 +349,16 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
 def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n_rows, v0, cols,
                     V, H, stride_ws, stride_w, stride_dx, n_mblocks, n_hblocks,
                     ACCUMULATE: tl.constexpr, STORE: tl.constexpr, DOT_PREC: tl.constexpr,
-                    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                    USE_TMA: tl.constexpr, ACC_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """acc[:n] (+)= ws[:n, :cols] @ W[v0 : v0 + cols] for the n = clamp(count - row0, 0,
     n_rows) valid rows of a row group (fp32 acc [n_rows, H]); with STORE (the group's last
     chunk) the sum goes to dX[perm[row0 + r]] in dX's dtype instead of back to acc. Row blocks
-    past n exit at once: padding costs no FLOP."""
+    past n exit at once: padding costs no FLOP. ACC_TMA (with STORE off): the tile goes to acc
+    through a tensor map of its [n, H] valid rows, a bulk store or (ACCUMULATE) a bulk fp32
+    reduce-add the L2 applies to the old value, so the program does not wait on the old
+    value's load; old + tile is the same fp32 sum either way (one writer an element a launch,
+    launches ordered)."""
     pid_m, pid_h = _swizzle(n_mblocks, n_hblocks, GROUP_M)
     n_valid = _valid_rows(count_ptr, row0, n_rows, True)
     if pid_m * BLOCK_M >= n_valid:
@@ -330,18 +372,31 @@ def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n
         a = _tile(a_src, pid_m * BLOCK_M, k0, n_valid, cols, stride_ws, USE_TMA, BLOCK_M, BLOCK_K)
         b = _tile(b_src, v0 + k0, pid_h * BLOCK_H, V, H, stride_w, USE_TMA, BLOCK_K, BLOCK_H)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (rows < n_valid)[:, None] & (hs < H)[None, :]
-    acc_ptrs = acc_ptr + rows.to(tl.int64)[:, None] * H + hs[None, :]
-    if ACCUMULATE:
-        acc += tl.load(acc_ptrs, mask=mask, other=0.0)
-    if STORE:
-        dst = tl.load(perm_ptr + row0 + rows, mask=rows < n_valid, other=0)
-        tl.store(dx_ptr + dst.to(tl.int64)[:, None] * stride_dx + hs[None, :],
-                 acc.to(dx_ptr.dtype.element_ty), mask=mask)
+    if ACC_TMA and not STORE:
+        # in two [BLOCK_M, BLOCK_H / 2] halves: a whole fp32 tile's staging buffer (128 KiB)
+        # beside the operand stages is more shared memory than a block has
+        acc_dst = tl.make_tensor_descriptor(acc_ptr, shape=[n_valid, H], strides=[H, 1],
+                                            block_shape=[BLOCK_M, BLOCK_H // 2])
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_H // 2)), (0, 2, 1)))
+        if ACCUMULATE:
+            acc_dst.atomic_add([pid_m * BLOCK_M, pid_h * BLOCK_H], lo)
+            acc_dst.atomic_add([pid_m * BLOCK_M, pid_h * BLOCK_H + BLOCK_H // 2], hi)
+        else:
+            acc_dst.store([pid_m * BLOCK_M, pid_h * BLOCK_H], lo)
+            acc_dst.store([pid_m * BLOCK_M, pid_h * BLOCK_H + BLOCK_H // 2], hi)
     else:
-        tl.store(acc_ptrs, acc, mask=mask)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (rows < n_valid)[:, None] & (hs < H)[None, :]
+        acc_ptrs = acc_ptr + rows.to(tl.int64)[:, None] * H + hs[None, :]
+        if ACCUMULATE:
+            acc += tl.load(acc_ptrs, mask=mask, other=0.0)
+        if STORE:
+            dst = tl.load(perm_ptr + row0 + rows, mask=rows < n_valid, other=0)
+            tl.store(dx_ptr + dst.to(tl.int64)[:, None] * stride_dx + hs[None, :],
+                     acc.to(dx_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(acc_ptrs, acc, mask=mask)
 
 
 @writes("out_ptr")
