@@ -28,7 +28,8 @@ Memory: acc [R, H] fp32 + xg [R, H] in the input dtype + ws [R, C] within ROWS_B
 perm and the permuted [N] vectors.
 H100, qwen3-8b bench (39% valid), the recompute mode's step (bench/results/recompute_plan_h100_*):
 1.85x of the valid floor at R = 1536, C = 6656 with one dW program a tile; 1.65x at R = 1024,
-C = 16896 with the persistent dW step, 58 MiB.
+C = 16896 with the persistent dW step, 58 MiB; 54.7-55.3 against 55.5-55.8 ms with the persistent
+dlogits grid and the dX step's bulk reduce-add (recompute_dlogits_h100.txt).
 """
 from typing import Callable, Optional
 
