@@ -109,6 +109,9 @@ _SPLIT_PLANS: dict[tuple, tuple[int, int, int]] = {}
 # write); each grid takes its waves (ceil(tiles / SMs)) times a tile's K steps plus its epilogue,
 # in K steps (H100, qwen3-8b bench, bench/results/recompute_plan_h100_*.txt):
 ROWS_EPILOGUE = {"dlogits": 8, "dx": 13, "dw": 7}
+# (Fitted while the dlogits grid ran one program a tile. Its persistent grid now overlaps part of
+# that epilogue; the plans of the qwen3-8b, llama3-8b, qwen3-0.6b and gemma2-2b heads are the same
+# for a dlogits epilogue of 3 to 8 K steps, so the constant stays as measured.)
 # A (group, chunk) step's host time in K steps (its three launches and small ops, ~90 us in an
 # eager step through fast_launch): a step takes the longer of its GPU and host times, so small
 # heads, whose steps are short, take fewer, longer chunks.
