@@ -83,6 +83,34 @@ def test_deterministic():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_dlogits_grid_size_changes_no_bit(monkeypatch, masked):
+    """The dlogits kernel is a persistent grid of one program a SM (device.grid_sms; 4 for CPU
+    tensors): a program walks tiles pid, pid + programs, ... . Its gradients are bitwise the same
+    for 1, 3 and 7 programs (a tile's values do not depend on which program computes it), with
+    the row blocks past the valid rows zeroing their d_bias rows (masked, bias)."""
+    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=7)
+    mask = MASKS["scattered"]
+    g = torch.Generator().manual_seed(8)
+    g_lp, g_ent, g_lse = (torch.randn(40, generator=g) for _ in range(3))
+    runs = []
+    for programs in (1, 3, 7):
+        monkeypatch.setattr(tk, "grid_sms", lambda device, p=programs: p)
+        monkeypatch.setattr(rk, "grid_sms", lambda device, p=programs: p)
+        if masked:
+            lp, ent, lse = rk.forward(x, w, ids, b, mask, 0.7, False, True)
+            runs.append(rk.backward(x, w, ids, b, mask, lse, ent, g_lp, g_ent, g_lse, 0.7, False,
+                                    True, True, True, True))
+        else:
+            lp, ent, lse = tk.forward(x, w, ids, b, 0.7, False, True)
+            runs.append(tk.backward(x, w, ids, b, lse, ent, g_lp, g_ent, g_lse, 0.7, False, True,
+                                    True, True, True))
+    for other in runs[1:]:
+        for a, c in zip(runs[0], other):
+            assert torch.equal(a, c)
+
+
 @pytest.mark.parametrize("group_rows,groups", [(16, 3), (32, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, DTYPE_16])
 def test_row_groups(monkeypatch, dtype, group_rows, groups):
