@@ -19,7 +19,8 @@ the loss under torch.compile(fullgraph=True, mode=MODE) (what the loss's own ker
 there; "reduce-overhead": Inductor's CUDA graphs). --sweep:
 the same for variants of one step or all (fwd: a 4-stage tile; dlogits tiles; dw: the
 load-add-store epilogue, tiles, the Gluon step's two tile shapes; dx: DX_SPLITS=1, tiles; rows
-(named only): the recompute path without fast_launch, its plan's budget), then
+(named only): the recompute path without fast_launch, without the dX step's bulk reduce-add,
+at other plan budgets), then
 the default again (the drift of the GPU's clock over the sweep). The tiles and switches are module
 attributes of the plan (cuda.py, fused_cuda.py), which the sweep patches.
 --recompute: the same profile of gradient_mode="recompute" (its _fwd_kernel stores no logits:
@@ -323,6 +324,7 @@ def main():
             variant(fused_cuda, "DX_SPLITS", 1, "DX_SPLITS=1")
         if args.sweep == "rows":   # the recompute path: its launches, its plan's budget
             variant(fast_launch, "ENABLED", False, "fast_launch.ENABLED=False")
+            variant(cuda_rows, "DX_ACC_TMA", False, "cuda_rows.DX_ACC_TMA=False")
             for mib in (48, 72):
                 variant(cuda_rows, "ROWS_BYTES", mib << 20, f"cuda_rows.ROWS_BYTES={mib} MiB")
         for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3)] * want("dx"):
