@@ -87,8 +87,8 @@ def test_deterministic():
 def test_dlogits_grid_size_changes_no_bit(monkeypatch, masked):
     """The dlogits kernel is a persistent grid of one program a SM (device.grid_sms; 4 for CPU
     tensors): a program walks tiles pid, pid + programs, ... . Its gradients are bitwise the same
-    for 1, 3 and 7 programs (a tile's values do not depend on which program computes it), with
-    the row blocks past the valid rows zeroing their d_bias rows (masked, bias)."""
+    for 1, 3 and 7 programs (a tile's values do not depend on which program computes it), d_bias
+    included, in the dense and the row-masked (padded rows compacted last) backward."""
     monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=7)
     mask = MASKS["scattered"]
