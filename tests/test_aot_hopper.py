@@ -26,12 +26,14 @@ def test_kernels_compile_for_sm90():
     # thread inside the column loop.
     # (16-bit operands; the fp32 forwards, fp32_lm_head's 3xTF32 products, spill ~1.5 KB a thread:
     # known, stated in the README's lm_head precision table, not yet tuned)
-    # The ROUND forward stores its rounded tile before the statistics: a measured-faster 116 B
-    # spill (kernels.logits._fwd_kernel's docstring); held to its measured size so it cannot grow unseen.
+    # The exp-scaled backward's forwards (STORE_E) spill one shared-memory address of the tile
+    # store, reloaded once a tile (8 B a thread without entropy, 20 B with; since their epilogue
+    # lost ~20% of its instructions to ftz exps and 32-bit id compares, kernels.logits._exp /
+    # _col_ids): held to that size so it cannot grow unseen.
     forwards = [line for line in lines if "_fwd_kernel" in line and " fp32, " not in line]
-    plain = [line for line in forwards if "ROUND" not in line]
+    plain = [line for line in forwards if "STORE_E" not in line]
     assert plain and all("spills 0/0 B" in line for line in plain), "\n".join(forwards)
     for line in forwards:
-        if "ROUND" in line:
+        if "STORE_E" in line:
             st, ld = map(int, re.search(r"spills (\d+)/(\d+) B", line).groups())
-            assert st <= 116 and ld <= 232, line   # as measured (aot_check, triton 3.6)
+            assert st <= 20 and ld <= 20, line   # as measured (aot_check, triton 3.6)

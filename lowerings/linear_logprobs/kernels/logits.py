@@ -36,7 +36,30 @@ def _tanh(x):
     sign(x) (1 - e) / (1 + e), e = exp(-2|x|) form spilled the softcapped forward (940 bytes a
     thread, none now; aot_check, sm_90). Not libdevice.tanh: the TRITON_INTERPRET tests cannot
     run extern calls; this way they test the form the GPU runs."""
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    return 1.0 - 2.0 / (_exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _exp(x):
+    """e^x as tl.exp computes it, ex2.approx of x * log2(e) in fp32 (the same product, the same
+    MUFU result), with results under 2^-126 (x < -87.3) flushed to 0: tl.exp lowers to
+    ex2.approx.f32, whose denormal handling ptxas wraps around the MUFU as a compare and two
+    predicated multiplies (three more instructions an element of every exp'd tile); tl.math.exp2
+    lowers to ex2.approx.ftz.f32. Every exp of a logits tile's epilogue takes it: a sum of
+    e^(z - max) >= 1 cannot see a term under 2^-126, and a dlogit p (...) with p < 2^-126 moves
+    a gradient by less than 2^-126 |g| s / T an element. (The interpreter's numpy exp2 keeps
+    denormals: the CPU tests and the GPU differ there only.)"""
+    return tl.math.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
+def _col_ids(ids):
+    """A row's target id (int64, as the caller's token ids come) as the int32 a tile's column
+    indices are, so the one-hot compare of every element of a tile is one 32-bit compare, not
+    two (ISETP and its .EX half) and a sign extension of the column. Valid ids are < V < 2^31;
+    the ids of masked rows (-1, -100 or anything) only select a column of a row whose values
+    nothing reads."""
+    return ids.to(tl.int32)
 
 
 @triton.jit
@@ -112,12 +135,12 @@ def _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY: tl.constexpr):
     the forward's epilogue (_fwd_kernel)."""
     # the target logit first: after the max, z is only needed as d = z - m_new (same
     # registers), so the tile is held once rather than as z and exp(z) side by side
-    zt += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
+    zt += tl.sum(tl.where(cols[None, :] == _col_ids(ids)[:, None], z, 0.0), 1)
     m_new = tl.maximum(m, tl.max(z, 1))
     m_sh = tl.maximum(m_new, -3.0e38)  # finite when every column so far is -inf (banned)
-    alpha = tl.exp(m - m_sh)
+    alpha = _exp(m - m_sh)
     d = z - m_sh[:, None]                              # <= 0, -inf on masked columns
-    e = tl.exp(d)                                      # 0 on masked columns
+    e = _exp(d)                                        # 0 on masked columns
     if WITH_ENTROPY:
         # t = sum e * (z - m), rescaled to the new max: alpha * (t + (m - m_new) * s)
         shift = tl.where(s > 0, (m - m_new) * s, 0.0)  # s = 0 before the first tile
@@ -136,7 +159,7 @@ def _tile_out(d, e, m_sh, ref, STORE_E: tl.constexpr, E_HEADROOM: tl.constexpr):
     m_sh - E_HEADROOM), so the stored value is at most e^E_HEADROOM."""
     if STORE_E:
         r_t = tl.maximum(ref, m_sh - E_HEADROOM)
-        return e * tl.exp(m_sh - r_t)[:, None], r_t
+        return e * _exp(m_sh - r_t)[:, None], r_t
     else:
         return d, m_sh
 
@@ -171,9 +194,10 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     tile goes to z as the rounded logit a (exact in the 16-bit RDTYPE that z then has), so the
     dlogits pass recomputes the forward's z bit for bit, as the recompute path and TRL's head do
     (zoff is then not written: nothing reads it). It is stored before the tile's statistics:
-    ptxas spills 116 bytes a thread there, yet the forward ran 12.4-12.7 ms a qwen3-8b step
-    against 13.2-13.4 storing after them, where a's registers stay live through the epilogue
-    (H100, two A/B runs each: bench/results/round_store_h100_1cf350e.txt).
+    the forward ran 12.4-12.7 ms a qwen3-8b step against 13.2-13.4 storing after them, where
+    a's registers stay live through the epilogue (H100, two A/B runs each:
+    bench/results/round_store_h100_1cf350e.txt; ptxas spilled 116 bytes a thread there until
+    the epilogue's exps and id compares got shorter, none since).
     The vocab-tile loop is flattened with its K loop, so the pipeliner issues the next tile's
     operand loads during this tile's statistics epilogue (H100, qwen3-8b fused step: 40.2
     against 41.0-41.2 ms unflattened; HISTORY.md).
@@ -194,7 +218,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
                              BLOCK_V, BLOCK_K)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_valid
-    ids = tl.load(ids_ptr + out_row0 + rows, mask=row_mask, other=-1)
+    ids = _col_ids(tl.load(ids_ptr + out_row0 + rows, mask=row_mask, other=-1))
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
     t = tl.zeros((BLOCK_N,), tl.float32)
@@ -216,7 +240,10 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
             # fused_cuda._z_view), stored before the statistics so a's registers free at once
             tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
                      a.to(z_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-        z = tl.where(col_mask[None, :], z, float("-inf"))
+        # columns past V to -inf by an add (0 or -inf a column), which ptxas fuses with the
+        # logit scale's multiply into one FFMA: a select an element otherwise (their z is 0:
+        # W's rows past V load as 0)
+        z = z + tl.where(col_mask, 0.0, float("-inf"))[None, :]
         m, s, t, zt, m_sh, d, e = _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY)
         if STORE_Z and not ROUND:
             zmask = row_mask[:, None] & col_mask[None, :]
@@ -239,17 +266,25 @@ def _dz_tile(z, y, cols, ids, lse, coef, g_lp, gent_ptr, ent_ptr, rows, row_mask
     """dL/da [BLOCK_N, BLOCK_V] of logits z (y = tanh(a s / c) with a cap) for per-row lse,
     coef = g_lp - g_lse, g_lp and target ids, and (WITH_ENTROPY) g_ent and entropy loaded at
     `rows` (cpu.dlogits' formula):
-    (g_lp * onehot - p * (coef + g_ent * (log p + H))) * s / T, times (1 - y^2) with a cap."""
+    (g_lp * onehot - p * (coef + g_ent * (log p + H))) * s / T, times (1 - y^2) with a cap,
+    formed as p * (a + b log p) + onehot * g with the per-row a = -(coef + g_ent H) s / T,
+    b = -g_ent s / T, g = g_lp s / T: the row terms and the scale folded into three numbers a
+    row, so an element costs a multiply-add less (two with entropy)."""
     logp = z - lse[:, None]
-    p = tl.exp(logp)
-    if WITH_ENTROPY:   # p log p -> 0 as p -> 0: no -inf * 0 at banned tokens
+    p = _exp(logp)
+    scale = tl.cast(inv_temp, tl.float32)   # d/da of z = a s / T; a cap's (1 - y^2) below
+    if WITH_ENTROPY:
         g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
         ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-        dz = -p * (coef[:, None] + g_ent[:, None] * (tl.where(p > 0, logp, 0.0) + ent[:, None]))
+        a = -(coef + g_ent * ent) * scale
+        b = -g_ent * scale
+        # p log p -> 0 as p -> 0: log p clamped to -128, so p = 0 at a banned token (log p =
+        # -inf) gives 0, not 0 * -inf. Exact: p is 0 below e^-103.3 (under fp32's least
+        # denormal), and b * 128 stays finite for any |b| < 2e36
+        dz = p * (a[:, None] + b[:, None] * tl.maximum(logp, -128.0))
     else:
-        dz = -p * coef[:, None]
-    # d/da of z = c tanh(a s / c) / T is (s / T) (1 - y^2); of z = a s / T, s / T (= inv_temp)
-    dz = tl.where(cols[None, :] == ids[:, None], dz + g_lp[:, None], dz) * tl.cast(inv_temp, tl.float32)
+        dz = p * (-coef * scale)[:, None]
+    dz = tl.where(cols[None, :] == _col_ids(ids)[:, None], dz + (g_lp * scale)[:, None], dz)
     if HAS_CAP:
         dz = dz * (1.0 - y * y)
     return dz
@@ -266,10 +301,12 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_N: tl.constexpr):
     """Rows x_row_first + [0, n_rows) of X (N rows in all; the [N] vectors at row_first + the
-    same offsets), columns v_first + [0, stride_ws): ws[r, c] = dz[row_first + r, v_first + c];
-    dbp[pid_n, c] = its sum over the tile's rows. HAS_COUNT: rows past
-    clamp(count - row_first, 0, n_rows) are padding (compacted last): their row blocks only zero
-    their dbp rows, and ws keeps stale values there that the GEMM steps never read.
+    same offsets), columns v_first + [0, stride_ws): ws[r, c] = dz[row_first + r, v_first + c]
+    (_dz_tile); with NEED_DB, dbp[pid_n, c] = its sum over row block pid_n's rows. HAS_COUNT:
+    rows past clamp(count - row_first, 0, n_rows) are padding (compacted last): their row
+    blocks are not visited, so ws keeps stale values there that the GEMM steps never read, and
+    dbp keeps its rows there as the launcher made them (zeros: the launchers allocate dbp
+    zeroed once a row group, and a group's chunks visit the same row blocks).
     A persistent grid of n_programs (one a SM; launchers: cuda.py, cuda_rows.py): each walks
     the tiles of the n_blocks x n_vtiles grid's row blocks with a valid row, tile_id = pid,
     pid + n_programs, ..., through one flattened (tile, K step) loop, so Triton's pipeliner
@@ -277,71 +314,40 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
     ws store) runs. With one program a tile (before 2026-11-27) that epilogue and the next
     program's pipeline fill were exposed (the 128 x 256 fp32 tile keeps one program a SM):
     H100, qwen3-8b bench, recompute mode: 14.1 -> 12.9 ms of dlogits a step
-    (bench/results/recompute_dlogits_h100.txt). The row blocks past the valid rows zero their
-    dbp rows (NEED_DB) in a walk of their own before. A tile's values do not depend on which
+    (bench/results/recompute_dlogits_h100.txt). A tile's values do not depend on which
     program computes it."""
     n_valid = _valid_rows(count_ptr, row_first, n_rows, HAS_COUNT)
     n_vb = tl.cdiv(n_valid, BLOCK_N)                      # row blocks with a valid row
-    if NEED_DB:
-        for tile_id in tl.range(tl.program_id(0), (n_blocks - n_vb) * n_vtiles, n_programs):
-            _dbp_zero(dbp_ptr, n_vb + tile_id // n_vtiles, tile_id % n_vtiles, v_first, V,
-                      stride_ws, BLOCK_V)
     x_src, w_src = _operands(x_ptr, w_ptr, N, V, H, stride_x, stride_w, USE_TMA, BLOCK_N,
                              BLOCK_V, BLOCK_K)
     for tile_id in tl.range(tl.program_id(0), n_vb * n_vtiles, n_programs, flatten=True):
         pid_n, pid_v = _swizzle_id(tile_id, n_vb, n_vtiles, GROUP_N)
-        _dlogits_tile(x_src, w_src, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
-                      glse_ptr, ws_ptr, dbp_ptr, pid_n, pid_v, n_valid, V, H, x_row_first,
-                      row_first, v_first, stride_x, stride_w, stride_ws, inv_temp, cap_pre,
-                      cap_post, HAS_BIAS, HAS_CAP, ROUND, WITH_ENTROPY, NEED_DB,
-                      x_ptr.dtype.element_ty, DOT_PREC, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
-
-
-@triton.jit
-def _dbp_zero(dbp_ptr, pid_n, pid_v, v_first, V, stride_ws, BLOCK_V: tl.constexpr):
-    """dbp[pid_n, tile pid_v's columns] = 0: a row block with no valid row adds nothing to d_bias."""
-    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = (local < stride_ws) & (v_first + local < V)
-    tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_ws + local, tl.zeros((BLOCK_V,), tl.float32),
-             mask=col_mask)
-
-
-@triton.jit
-def _dlogits_tile(x_src, w_src, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, glse_ptr,
-                  ws_ptr, dbp_ptr, pid_n, pid_v, n_valid, V, H, x_row_first, row_first, v_first,
-                  stride_x, stride_w, stride_ws, inv_temp, cap_pre, cap_post,
-                  HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, ROUND: tl.constexpr,
-                  WITH_ENTROPY: tl.constexpr, NEED_DB: tl.constexpr, RDTYPE: tl.constexpr,
-                  DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One [BLOCK_N, BLOCK_V] tile of the dlogits kernels (row block pid_n with a valid row,
-    vocab tile pid_v of the chunk): the logits tile, its dz (_dz_tile) into ws, and with
-    NEED_DB its column sums into dbp[pid_n]."""
-    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)     # column inside the chunk
-    cols = v_first + local
-    col_mask = (local < stride_ws) & (cols < V)
-    local_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # row inside the group
-    rows = row_first + local_rows
-    row_mask = local_rows < n_valid
-    z, y, _ = _logits_tile(x_src, w_src, b_ptr, x_row_first + pid_n * BLOCK_N, v_first + pid_v * BLOCK_V,
-                           x_row_first + local_rows, cols, row_mask, col_mask, H, stride_x, stride_w, inv_temp,
-                           cap_pre, cap_post, HAS_BIAS, HAS_CAP, ROUND, RDTYPE, DOT_PREC,
-                           USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
-    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
-    coef = g_lp - tl.load(glse_ptr + rows, mask=row_mask, other=0.0)
-    dz = _dz_tile(z, y, cols, ids, lse, coef, g_lp, gent_ptr, ent_ptr, rows, row_mask, inv_temp,
-                  HAS_CAP, WITH_ENTROPY)
-    mask = row_mask[:, None] & col_mask[None, :]
-    dz = tl.where(mask, dz, 0.0)                      # padded rows/cols may hold inf/nan
-    ws_ptrs = ws_ptr + local_rows.to(tl.int64)[:, None] * stride_ws + local[None, :]
-    tl.store(ws_ptrs, dz.to(ws_ptr.dtype.element_ty), mask=mask)
-    if NEED_DB:   # round_logits: d_bias sums the rounded dlogits, as dX / dW use them (TRL's)
-        if ROUND:
-            dz = dz.to(ws_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_ws + local, tl.sum(dz, 0),
-                 mask=col_mask)
+        local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)     # column inside the chunk
+        cols = v_first + local
+        col_mask = (local < stride_ws) & (cols < V)
+        local_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # row inside the group
+        rows = row_first + local_rows
+        row_mask = local_rows < n_valid
+        z, y, _ = _logits_tile(x_src, w_src, b_ptr, x_row_first + pid_n * BLOCK_N,
+                               v_first + pid_v * BLOCK_V, x_row_first + local_rows, cols,
+                               row_mask, col_mask, H, stride_x, stride_w, inv_temp, cap_pre,
+                               cap_post, HAS_BIAS, HAS_CAP, ROUND, x_ptr.dtype.element_ty,
+                               DOT_PREC, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K)
+        ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
+        lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+        g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
+        coef = g_lp - tl.load(glse_ptr + rows, mask=row_mask, other=0.0)
+        dz = _dz_tile(z, y, cols, ids, lse, coef, g_lp, gent_ptr, ent_ptr, rows, row_mask,
+                      inv_temp, HAS_CAP, WITH_ENTROPY)
+        mask = row_mask[:, None] & col_mask[None, :]
+        dz = tl.where(mask, dz, 0.0)                      # padded rows/cols may hold inf/nan
+        ws_ptrs = ws_ptr + local_rows.to(tl.int64)[:, None] * stride_ws + local[None, :]
+        tl.store(ws_ptrs, dz.to(ws_ptr.dtype.element_ty), mask=mask)
+        if NEED_DB:   # round_logits: d_bias sums the rounded dlogits, as dX / dW use them (TRL's)
+            if ROUND:
+                dz = dz.to(ws_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(dbp_ptr + pid_n.to(tl.int64) * stride_ws + local, tl.sum(dz, 0),
+                     mask=col_mask)
 
 
 @writes("acc_ptr", dx_ptr="STORE")
