@@ -8,4 +8,6 @@
     scaled_operand.py  the A-operand-scaled dX / dW GEMMs (an experiment; interpreter test)
     aot_check.py       `python -m bench.kernels.aot_check`: every CUDA kernel compiled for sm_90
                        at its launch tiles, on any machine (no GPU)
+    sass.py            `python -m bench.kernels.sass [LABEL]`: one of those builds' SASS and the
+                       instructions of its main loop (an epilogue's cost an element, no GPU)
 """

@@ -51,7 +51,11 @@ FLOATS = {"inv_temp", "cap_pre", "cap_post", "lead"}
 # the vocab sizes 151936 / 128256 / 256000, H, the strides, 2048-row blocks), so the kernels
 # compile here as they do there (vectorized stores need it)
 ALIGNED = {"H", "V", "N", "cols", "cols_per_split", "out_n", "n_rows", "stride_x", "stride_w",
-           "stride_ws", "stride_dx", "stride_dw", "stride_z", "stride_out"}
+           "stride_ws", "stride_dx", "stride_dw", "stride_z", "stride_out",
+           # the recompute path's row-group and vocab-chunk starts (multiples of its 128-row
+           # tiles and 256-column chunks): a masked store of ws vectorizes only when the
+           # compiler knows the chunk's columns start at a multiple of 16
+           "v_first", "v0", "row_first", "x_row_first", "row0"}
 
 
 def _signature(fn, consts: dict, ptrs: Optional[dict] = None) -> tuple[dict, dict]:
