@@ -38,6 +38,7 @@ from lowerings.linear_logprobs.kernels import combine as kc
 from lowerings.linear_logprobs.kernels import dw as kdw
 from lowerings.linear_logprobs.kernels import dw_gluon as kdw_ws
 from lowerings.linear_logprobs.kernels import fused_block as kf
+from lowerings.linear_logprobs.kernels import rows as kr
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448                  # bytes of shared memory a block may opt into on H100 / H200
@@ -151,7 +152,7 @@ def cases():
     gm, gh, gk, gwarps, gstages = gemm
     tiles = dict(DOT_PREC="tf32", USE_TMA=True, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk)
     for store in (True, False):   # the group's last chunk (scatter to dX), or a bulk reduce-add
-        yield (f"dX step, recompute, STORE={store}", k._dx_step_kernel,
+        yield (f"dX step, recompute, STORE={store}", kr._dx_step_kernel,
                dict(tiles, ACCUMULATE=True, STORE=store, ACC_TMA=rows.DX_ACC_TMA,
                     GROUP_M=rows.GROUP_M), gwarps, gstages)
     rr, rh, rwarps = fc.REDUCE_TILE
@@ -162,7 +163,7 @@ def cases():
         yield (f"dX split partials' sum, ROW_SCALE={scale}", kf._dx_split_reduce_kernel,
                dict(S_MAX=max(1, fc.DX_SPLITS), BLOCK_M=gm, BLOCK_R=rr, BLOCK_H=rh,
                     ROW_SCALE=scale), rwarps, 1)
-    yield ("row gather", k._gather_rows_kernel,
+    yield ("row gather", kr._gather_rows_kernel,
            dict(BLOCK_R=rows.GATHER_ROWS, BLOCK_H=rows.GATHER_H), 4, 1)
     yield ("gradient scaling", kf._scale_kernel, dict(BLOCK=fused.SCALE_BLOCK), 8, 1)
     yield ("whole sequences first-fit", kf._first_fit_kernel,
@@ -186,7 +187,7 @@ def cases():
     yield ("fp32, dX step, split over V", kf._dx_split_kernel,
            dict(tiles4, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M, ROW_SCALE=False,
                 _ptrs=f32), gwarps4, gstages4)
-    yield ("fp32, dX step, recompute", k._dx_step_kernel,
+    yield ("fp32, dX step, recompute", kr._dx_step_kernel,
            dict(tiles4, ACCUMULATE=True, STORE=True, ACC_TMA=False, GROUP_M=rows.GROUP_M,
                 _ptrs=f32),
            gwarps4, gstages4)

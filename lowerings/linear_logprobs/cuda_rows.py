@@ -41,8 +41,8 @@ from lowerings.linear_logprobs import split_plan as _split
 from lowerings.linear_logprobs.cuda import cdiv, size_hint
 from lowerings.linear_logprobs.device import grid_sms, sm_count
 from lowerings.linear_logprobs.fused_order import valid_rows_first
-from lowerings.linear_logprobs.kernels.logits import (_dlogits_kernel, _dx_step_kernel, _fwd_kernel,
-                                               _gather_rows_kernel)
+from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
+from lowerings.linear_logprobs.kernels.rows import _dx_step_kernel, _gather_rows_kernel
 from lowerings.linear_logprobs.kernels.dw import _dw_step_persistent_kernel
 
 # The dlogits workspace [R, C] of this path. H100, qwen3-8b shape, 67% valid (bench.kernels.rows
@@ -67,7 +67,7 @@ def _gather(wrap, x: Tensor, perm: Tensor, count: Tensor, r0, rows, xg: Tensor) 
 # bench, 39% valid: R = 1024, C = 16896, 57 MiB).
 ROWS_BYTES = 60 << 20
 # The dX step hands its fp32 tile to the TMA unit (a bulk store, then bulk reduce-adds into acc)
-# on every chunk but a group's last, where operands take TMA (kernels.logits._dx_step_kernel).
+# on every chunk but a group's last, where operands take TMA (kernels.rows._dx_step_kernel).
 DX_ACC_TMA = True
 # Off CUDA (the interpreter tests, fake-target traces on a CPU machine: no SM count to plan for)
 # the budget rule of the dense backward: a 24 MiB accumulator (R = 1536 at H = 4096) and a

@@ -1,7 +1,8 @@
 """Triton and Gluon kernels of `compiled_grpo::linear_logprobs`, by what each computes:
 
 - logits.py       the logits tile (GEMM + scale / cap), the forward's online statistics, the
-                  recompute dlogits pass, the row-masked dX step, the row gather
+                  recompute dlogits pass
+- rows.py         the row-masked paths' row gather and the recompute backward's dX step
 - combine.py      the merge of the forward's vocab splits (every path's: batch invariance)
 - dw.py           the dW steps (dW (+)= dlogits.T @ X): per tile and persistent
 - dw_gluon.py     the dW step as a warp-specialized Gluon kernel (sm_90)
