@@ -309,6 +309,9 @@ def main():
             # Two-programs-a-SM tiles, (128, 128, 64, 4 or 8, 3 or 4), measured 16.4-18.7 ms
             # for the forward against 12.7-13.4 (H100, bench_fused_h100_log.txt): not swept.
             variant(dense, "TILES", (128, 256, 64, 8, 4), "TILES=(128, 256, 64, 8, 4)")
+            # half the K steps a tile (two 96 KiB stages): fewer barrier round trips a tile
+            # where H is short (16 steps of 64 at H = 1024)
+            variant(dense, "TILES", (128, 256, 128, 8, 2), "TILES=(128, 256, 128, 8, 2)")
         if want("dw"):
             variant(dense, "DW_TMA_OUT", not dense.DW_TMA_OUT, f"DW_TMA_OUT={not dense.DW_TMA_OUT}")
         for tile in [(64, 256, 8), (16, 256, 4), (32, 256, 4)] * want("dlogits"):
