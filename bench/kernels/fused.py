@@ -309,9 +309,9 @@ def main():
             # Two-programs-a-SM tiles, (128, 128, 64, 4 or 8, 3 or 4), measured 16.4-18.7 ms
             # for the forward against 12.7-13.4 (H100, bench_fused_h100_log.txt): not swept.
             variant(dense, "TILES", (128, 256, 64, 8, 4), "TILES=(128, 256, 64, 8, 4)")
-            # half the K steps a tile (two 96 KiB stages): fewer barrier round trips a tile
-            # where H is short (16 steps of 64 at H = 1024)
-            variant(dense, "TILES", (128, 256, 128, 8, 2), "TILES=(128, 256, 128, 8, 2)")
+            # BLOCK_K = 128 in two 96 KiB stages ran the forward 7.6 against 6.1-6.4 ms at
+            # qwen3-0.6b, 16.9 against 11.9-12.6 at qwen3-8b (H100, epilogue_instructions_
+            # 0997970.txt section 5): not swept.
         if want("dw"):
             variant(dense, "DW_TMA_OUT", not dense.DW_TMA_OUT, f"DW_TMA_OUT={not dense.DW_TMA_OUT}")
         for tile in [(64, 256, 8), (16, 256, 4), (32, 256, 4)] * want("dlogits"):
