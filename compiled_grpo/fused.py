@@ -56,6 +56,7 @@ from compiled_grpo.loss import aggregate, masked_mean
 from compiled_grpo.segments import segments_from_cu_seqlens
 from lowerings.linear_logprobs import LinearLogprobs
 from lowerings.linear_logprobs import fused as _op
+from lowerings.linear_logprobs import fused_steps as _steps
 from lowerings.linear_logprobs.device import cdiv, size_hint
 
 ROW_ALIGN = 128          # block rows: a whole number of the kernels' 128-row tiles ...
@@ -217,7 +218,7 @@ class _AttachGrads(torch.autograd.Function):
 
         grads = [t if ok else None for t, ok in zip((dx, dw, db), ctx.has)]
         if in_place:   # fp32 math (lowerings' scale_)
-            _op.scale_grads_([t for t in grads if t is not None], g)
+            _steps.scale_grads_([t for t in grads if t is not None], g)
         else:
             grads = [None if t is None else (g * t).to(t.dtype) for t in grads]
         return (None, *grads, None, None, None)

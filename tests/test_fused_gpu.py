@@ -269,7 +269,7 @@ def test_fused_step_replays_as_a_cuda_graph(entropy_coef):
 
 
 def test_incoming_gradient_scales_stored_grads():
-    """(c * loss).backward() gives c times loss.backward()'s grads (fused.scale_: one fp32 pass
+    """(c * loss).backward() gives c times loss.backward()'s grads (fused_steps.scale_: one fp32 pass
     when c != 1, none when c == 1), to bf16 rounding."""
     inp = _gpu_inputs(B=2, T=512, seed=2)
     cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, fused_workspace_mib=400.0)

@@ -11,6 +11,7 @@ import lowerings.linear_logprobs.cuda as tk
 import lowerings.linear_logprobs.cuda_rows as rk
 import lowerings.linear_logprobs.fused as fk
 import lowerings.linear_logprobs.fused_cuda as fck
+import lowerings.linear_logprobs.fused_steps as fsteps
 import triton
 import triton.language as tl
 from lowerings.linear_logprobs.kernels.fused_block import _dx_splits
@@ -25,7 +26,7 @@ def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, whole_blocks
     monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     monkeypatch.setattr(tk, "DW_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     monkeypatch.setattr(fck, "DLOGITS_TILE", dlogits_tile)
-    monkeypatch.setattr(fk, "_triton_body", lambda t: True)
+    monkeypatch.setattr(fsteps, "_triton_body", lambda t: True)
     g = torch.Generator().manual_seed(11)
     G_lp, G_ent = torch.randn(x.shape[0], generator=g), torch.randn(x.shape[0], generator=g)
     seen = []
@@ -121,15 +122,15 @@ def test_fused_half_precision(monkeypatch, scale, cap):
 @pytest.mark.parametrize("g", [0.37, 1.0, -2.5])
 @pytest.mark.parametrize("per_sm", [0, 4])   # one program striding over every chunk; one a chunk
 def test_scale_kernel(monkeypatch, dtype, g, per_sm):
-    """fused.scale_'s Triton body: t *= g in fp32 math, rounded once; g == 1 writes nothing."""
-    monkeypatch.setattr(fk, "SCALE_BLOCK", 64)
-    monkeypatch.setattr(fk, "SCALE_PER_SM", per_sm)
-    monkeypatch.setattr(fk, "_triton_body", lambda t: True)
+    """fused_steps.scale_'s Triton body: t *= g in fp32 math, rounded once; g == 1 writes nothing."""
+    monkeypatch.setattr(fsteps, "SCALE_BLOCK", 64)
+    monkeypatch.setattr(fsteps, "SCALE_PER_SM", per_sm)
+    monkeypatch.setattr(fsteps, "_triton_body", lambda t: True)
     gen = torch.Generator().manual_seed(5)
     ts = [torch.randn(n, generator=gen).to(dtype) for n in (200, 64, 1)]
     want = [(t.float() * g).to(dtype) for t in ts]
     ptrs = [t.data_ptr() for t in ts]
-    fk.scale_(ts, torch.tensor(g))
+    fsteps.scale_(ts, torch.tensor(g))
     for t, w, p in zip(ts, want, ptrs):
         assert t.data_ptr() == p
         # the interpreter rounds fp32 -> bf16 toward zero (the GPU to nearest): one bf16 ulp
@@ -348,7 +349,7 @@ def test_order_rows_grouped():
 def test_fused_zero_rows(monkeypatch):
     """N = 0 (an empty batch) through the fused block steps' Triton body: empty outputs, zero dW
     and d_bias, an empty dX."""
-    monkeypatch.setattr(fk, "_triton_body", lambda t: True)
+    monkeypatch.setattr(fsteps, "_triton_body", lambda t: True)
     x, w, ids, b = make(0, 24, 75, torch.float32, True)
     res = fk.fused_linear_logprobs(x, w, ids, b, torch.zeros(0, dtype=torch.bool),
                                    lambda r0, idx, lp, ent: (lp, ent), blocks=1, block_rows=16,

@@ -24,7 +24,7 @@ class FakeDriver:   # the target alone: nothing here can launch
 
 triton.runtime.driver.set_active(FakeDriver())
 from torch._subclasses.fake_tensor import FakeTensorMode
-from lowerings.linear_logprobs import device, fused, fused_cuda, precompile
+from lowerings.linear_logprobs import device, fused, fused_cuda, fused_steps, precompile
 device._SMS[0] = device._SMS[None] = 132
 fused_cuda._hopper = lambda index: True          # the Gluon dW step, as on an H100
 G, R, H, V, N = 8, 256, 512, 5000, 1900
@@ -131,9 +131,9 @@ with FakeTensorMode(shape_env=env):
     scal = dict(temperature=0.7, with_entropy=False, logit_scale=1.0, softcap=None,
                 round_logits=False)
     for b in reversed(range(G)):   # the ops themselves: their fake implementations capture
-        fused.fused_block_forward(x, w, ids_p, None, perm, counts, ws, zoff, xg, b, b * R, R,
+        fused_steps.fused_block_forward(x, w, ids_p, None, perm, counts, ws, zoff, xg, b, b * R, R,
                                   ref=ref, scaled=True, **scal)
-        fused.fused_block_backward(w, ids_p, perm, counts, ws, zoff, xg, cuda(R), cuda(R),
+        fused_steps.fused_block_backward(w, ids_p, perm, counts, ws, zoff, xg, cuda(R), cuda(R),
                                    cuda(R), cuda(R), dx, dxp, dw, db, b, b * R, R, need_x=True,
                                    need_w=True, need_b=False, ref=ref, scaled=True, **scal)
 assert len(precompile._sent) == 9, precompile._sent

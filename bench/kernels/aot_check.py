@@ -31,6 +31,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from lowerings.linear_logprobs import cuda as dense
 from lowerings.linear_logprobs import cuda_rows as rows
 from lowerings.linear_logprobs import fused as fused
+from lowerings.linear_logprobs import fused_steps
 from lowerings.linear_logprobs import fused_order
 from lowerings.linear_logprobs import fused_cuda as fc
 from lowerings.linear_logprobs.kernels import logits as k
@@ -165,7 +166,7 @@ def cases():
                     ROW_SCALE=scale), rwarps, 1)
     yield ("row gather", kr._gather_rows_kernel,
            dict(BLOCK_R=rows.GATHER_ROWS, BLOCK_H=rows.GATHER_H), 4, 1)
-    yield ("gradient scaling", kf._scale_kernel, dict(BLOCK=fused.SCALE_BLOCK), 8, 1)
+    yield ("gradient scaling", kf._scale_kernel, dict(BLOCK=fused_steps.SCALE_BLOCK), 8, 1)
     yield ("whole sequences first-fit", kf._first_fit_kernel,
            dict(BLOCK_G=64, CHUNK=fused_order.FIRST_FIT_CHUNK), 4, 1)
     # fp32 operands (fp32 inputs, fp32_lm_head): FP32_DOT products through pointers (TMA takes

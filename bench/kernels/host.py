@@ -1,6 +1,6 @@
 """Host time a step of grpo_loss's eager fused path (small policies are host-bound), A/B in one
 process: the cached Triton scratch (cuda._tma_alloc) and the block steps' bodies called directly
-(fused.block_steps), against a fresh torch.empty a launch and the custom ops (the code before
+(fused_steps.block_steps), against a fresh torch.empty a launch and the custom ops (the code before
 38397ec).
 
     python -m bench.kernels.host [SHAPE ...]   (default qwen2.5-0.5b; CUDA)
@@ -15,7 +15,7 @@ import time
 import torch
 import triton
 
-import lowerings.linear_logprobs.fused as lf
+import lowerings.linear_logprobs.fused_steps as lf
 import lowerings.linear_logprobs.cuda as lc
 from bench.shapes import SHAPES, dapo_step, make_inputs
 

@@ -8,8 +8,9 @@ the [N, V] logits.
     gemms.py   the backward's GEMM steps as mutable custom ops (in-place under torch.compile)
     cpu.py     the chunked pure-PyTorch body of every other device
     cuda_rows.py  the row-masked CUDA path (padding skipped on the device)
-    fused.py, fused_cuda.py  the fused-gradient block steps (grpo_loss's default on CUDA):
-               logits once, the caller's per-token gradient, dlogits in place, dX / dW
+    fused.py, fused_steps.py, fused_cuda.py  the fused-gradient schedule (grpo_loss's default
+               on CUDA), its two block steps as custom ops, their Triton body: logits once, the
+               caller's per-token gradient, dlogits in place, dX / dW
     launch.py  the recompute op's Triton launches with declared writes (custom ops when traced)
 The per-kernel benchmarks and the sm_90 build check are in bench/kernels/.
 """

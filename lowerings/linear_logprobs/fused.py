@@ -33,12 +33,12 @@ once per block (G roundings, as the recompute path's row groups); dX rows once. 
 bitwise deterministic.
 
 The blocks are a Python loop of G (static, from N's size hint) steps, each two mutable custom
-ops (``fused_block_forward`` / ``fused_block_backward``, opaque to Inductor: they launch the
+ops (fused_steps.py's ``fused_block_forward`` / ``fused_block_backward``, opaque to Inductor: they launch the
 Triton kernels themselves on CUDA and run PyTorch on CPU); ``grad_fn`` between them is plain
 torch code that Dynamo traces (compiled_grpo uses torch.func.grad of the loss functions). The
 ops mutate the workspace and the gradient buffers in place, so under torch.compile they become
 auto_functionalized nodes that Inductor reinplaces (as gemms.py). Plain eager calls run the ops'
-bodies directly (block_steps: the same code, without the op layers' host time). The ops' fake
+bodies directly (fused_steps.block_steps: the same code, without the op layers' host time). The ops' fake
 implementations, which a trace calls, also hand the steps' kernels to precompile.py's workers, so
 they compile while the rest of the step does (an eager call hands one block's over first).
 """
@@ -46,20 +46,18 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lowerings.linear_logprobs import cpu as _cpu
-from lowerings.linear_logprobs.device import cdiv, grid_sms, size_hint, sm_count, static_int   # sm_count: wave_rows, callers
+from lowerings.linear_logprobs.device import cdiv, size_hint, sm_count, static_int   # sm_count: wave_rows, callers
 try:   # the Triton side: absent triton (a CPU-only install off Linux) the PyTorch body runs alone
     from lowerings.linear_logprobs import cuda as _dense
     from lowerings.linear_logprobs import split_plan as _plan
-    from lowerings.linear_logprobs import cuda_rows as _rows
     from lowerings.linear_logprobs import fused_cuda as _fcuda
-    from lowerings.linear_logprobs import precompile as _precompile
 except ModuleNotFoundError as e:
     if e.name != "triton":
         raise
-    _dense = _plan = _rows = _fcuda = _precompile = None
+    _dense = _plan = _fcuda = None
+from lowerings.linear_logprobs import fused_steps as _steps
 from lowerings.linear_logprobs.fused_order import (next_fit_blocks, order_rows, order_rows_grouped,  # noqa: F401 (callers)
                                                    pack_sequences)
 
@@ -73,18 +71,10 @@ class FusedResult(NamedTuple):
     d_bias: Optional[Tensor]    # [V] in bias's dtype
 
 
-def _triton_body(t: Tensor) -> bool:
-    """The block steps run fused_cuda.py's Triton kernels on CUDA tensors (the interpreter tests
-    patch this to run them on CPU tensors), the PyTorch body elsewhere."""
-    if t.device.type == "cuda" and _fcuda is None:
-        raise RuntimeError("compiled_grpo's CUDA kernels need triton (pip install triton==3.6.0)")
-    return t.device.type == "cuda"
-
-
 def ws_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     """The workspace dtype: the operands' common dtype on CUDA (16-bit or fp32), the CPU body's
     compute dtype (fp32, or fp64) elsewhere."""
-    if _triton_body(hidden):
+    if _steps._triton_body(hidden):
         return torch.promote_types(hidden.dtype, weight.dtype)
     return _cpu._compute_dtype(hidden, weight)
 
@@ -92,7 +82,7 @@ def ws_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
 def ws_cols(hidden: Tensor, v: int) -> int:
     """The workspace's row length: V, rounded up to 64 columns for the Triton body (128-byte
     rows: TMA-legal strides)."""
-    return cdiv(v, 64) * 64 if _triton_body(hidden) else v
+    return cdiv(v, 64) * 64 if _steps._triton_body(hidden) else v
 
 
 def ws_row_bytes(hidden: Tensor, weight: Tensor, v: Optional[int] = None) -> int:
@@ -198,7 +188,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     hidden, weight, bias = _cpu.operands(hidden, weight, bias, compute_dtype)
     # rounding needs 16-bit operands of one dtype (a mixed head multiplies in the wider one)
     round_logits = round_logits and _cpu.round_dtype(hidden, weight, True) is not None
-    if _triton_body(hidden):   # one common dtype for the kernels, cast once (mixed heads)
+    if _steps._triton_body(hidden):   # one common dtype for the kernels, cast once (mixed heads)
         hidden, weight = _dense._prepare(hidden, weight)[:2]
     if size_hint(n) == 0:   # no row (Dynamo specializes a size of 0: no guard on N): the slots past N
         # would read a row 0 that does not exist; the result is empty, dW and d_bias zeros
@@ -219,7 +209,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         perm = torch.cat([perm, perm.new_zeros(blocks * block_rows - n)])   # [G R]
     ids_p = ids.index_select(0, perm).contiguous()                          # [G R]
     cd = ws_dtype(hidden, weight)
-    cuda = _triton_body(hidden)
+    cuda = _steps._triton_body(hidden)
     r = block_rows
     ws = hidden.new_empty((r, ws_cols(hidden, v)), dtype=cd)                 # [R, V]
     n_tiles = cdiv(v, _dense.TILES[1]) if cuda else 1
@@ -238,8 +228,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     scaled = cuda and allow_scaled and exp_scaled(cd, with_entropy and entropy_grad, softcap, need_b,
                                                   combine, round_logits)
     ref = hidden.new_empty(3 * r, dtype=torch.float32)                        # [3 R] (scaled)
-    step_fwd, step_bwd = block_steps(hidden)
-    if hidden.is_cuda and step_fwd is _block_forward:   # eager: the kernels compiled in parallel
+    step_fwd, step_bwd = _steps.block_steps(hidden)
+    if hidden.is_cuda and step_fwd is _steps._block_forward:   # eager: the kernels compiled in parallel
         _fcuda.precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, dx, dxp,
                                 dw, db, blocks, r, ref, scaled, scal, need_x, need_w, need_b)
     lps, ents, lses = [], [], []
@@ -276,18 +266,6 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                        dw if need_w else None, db.to(b_dtype) if need_b else None)
 
 
-def block_steps(hidden: Tensor) -> tuple[Callable, Callable]:
-    """The two block steps: the custom ops wherever something traces the call (Dynamo, a
-    dispatch mode such as make_fx's or functionalization, fake or other tensor subclasses), so
-    it sees two opaque, mutating steps; their bodies themselves in plain eager, where the ops'
-    dispatcher, autograd, ADInplaceOrView and aliasing-check layers would only cost host time
-    (16 calls a step at 8 blocks; a small policy's eager step is host-bound: README)."""
-    if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-            or type(hidden) is not Tensor):
-        return fused_block_forward, fused_block_backward
-    return _block_forward, _block_backward
-
-
 def exp_scaled(ws_dtype: torch.dtype, entropy_grad: bool, softcap: Optional[float],
                need_b: bool, combine: Optional[Callable], round_logits: bool = False) -> bool:
     """Whether the Triton body's blocks take the exp-scaled backward (kernels.fused_block's block
@@ -301,142 +279,3 @@ def exp_scaled(ws_dtype: torch.dtype, entropy_grad: bool, softcap: Optional[floa
     g_lp (1[v = y] - p) s / T to 16 bits before the GEMMs, where this backward rounds e and c X."""
     return (ws_dtype in (torch.bfloat16, torch.float32) and not round_logits
             and not entropy_grad and softcap is None and not need_b and combine is None)
-
-
-SCALE_BLOCK = 4096
-SCALE_PER_SM = 4     # programs a SM of the scaling kernel's grid-stride grid
-
-
-def scale_(tensors: list[Tensor], g: Tensor) -> None:
-    """t *= g for each (contiguous) t, in place, fp32 math, g a 0-dim tensor: the incoming
-    gradient applied to the gradients the blocks stored. Triton body: one pass over each t,
-    none when g == 1 (checked on the device: no host sync); a bf16 t.mul_(g) with an fp32 0-dim
-    g takes TensorIterator's slow mixed-dtype path instead (3 ms for a 1.2 GiB dW on H100). The
-    PyTorch body elsewhere."""
-    if not tensors or not _triton_body(tensors[0]):
-        torch._foreach_mul_(tensors, g)
-        return
-    from lowerings.linear_logprobs.kernels.fused_block import _scale_kernel
-    g = g.detach().to(torch.float32).reshape(1)
-    for t in tensors:
-        assert t.is_contiguous()
-        programs = SCALE_PER_SM * grid_sms(t.device)
-        grid = max(1, min(cdiv(t.numel(), SCALE_BLOCK), programs))
-        _scale_kernel[(grid,)](t, g, t.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
-
-
-@torch.library.custom_op("compiled_grpo::scale_grads_", mutates_args=("tensors",))
-def scale_grads_(tensors: list[Tensor], g: Tensor) -> None:
-    """scale_ as a mutating custom op: a call bumps the tensors' version counters, so autograd
-    refuses a second backward through gradients it already scaled (on CUDA too: scale_'s Triton
-    body alone is invisible to autograd). Eager only (compiled_grpo/fused.py's _AttachGrads: in a
-    traced backward Inductor would clone the saved gradients before it)."""
-    scale_(tensors, g)
-
-
-@scale_grads_.register_fake
-def _(tensors, g):
-    return None
-
-
-# --- the two block steps as mutable custom ops ------------------------------------------------
-
-def _block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[Tensor],
-                   perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor,
-                   b: int, r0: int, rows: int, temperature: float, with_entropy: bool,
-                   logit_scale: float, softcap: Optional[float], ref: Tensor, scaled: bool,
-                   round_logits: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """Block b = rows [r0, r0 + rows) of the permuted order: xg <- its hidden rows, ws <- its
-    logits (scaled: as e' = exp(z - R*) but at the targets, the references in ref),
-    -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]."""
-    if _triton_body(hidden):
-        _precompile.wait()   # the kernels the trace handed to the precompile workers
-        return _fcuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0,
-                                    rows, temperature, with_entropy, logit_scale, softcap, ref,
-                                    scaled, round_logits)
-    idx = perm.narrow(0, r0, rows)
-    x = xg.narrow(0, 0, rows)
-    x.copy_(hidden.index_select(0, idx))                                     # [R', H]
-    zt, ent, lse = _cpu._forward_rows(x, weight, ids_p.narrow(0, r0, rows), bias, temperature,
-                                      with_entropy, z_out=ws.narrow(0, 0, rows),
-                                      logit_scale=logit_scale, softcap=softcap,
-                                      rd=_cpu.round_dtype(weight, weight, round_logits))  # [R']
-    valid = torch.arange(rows, device=x.device) < counts[b]                  # [R']
-    return tuple(torch.where(valid, t, 0) for t in (zt - lse, ent, lse))
-
-
-fused_block_forward = torch.library.custom_op(
-    "compiled_grpo::fused_block_forward", mutates_args=("ws", "zoff", "xg", "ref"))(_block_forward)
-
-
-@fused_block_forward.register_fake
-def _(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0, rows, temperature,
-      with_entropy, logit_scale, softcap, ref, scaled, round_logits=False):
-    if hidden.device.type == "cuda" and _fcuda is not None:   # its kernels, to the workers
-        _precompile.precompile(_fcuda.block_forward, hidden, weight, ids_p, bias, perm, counts,
-                               ws, zoff, xg, b, r0, rows, temperature, with_entropy,
-                               logit_scale, softcap, ref, scaled, round_logits)
-    dt = torch.float64 if ws.dtype == torch.float64 else torch.float32
-    return tuple(hidden.new_empty(rows, dtype=dt) for _ in range(3))
-
-
-def _block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, ws: Tensor,
-                    zoff: Tensor, xg: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
-                    g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int,
-                    r0: int, rows: int, temperature: float, with_entropy: bool,
-                    logit_scale: float, softcap: Optional[float], need_x: bool, need_w: bool,
-                    need_b: bool, ref: Tensor, scaled: bool, round_logits: bool = False) -> None:
-    """ws <- dlogits of block b's valid rows; dx[perm rows] = ws @ W (dxp: scratch of the
-    Triton body's split dX step); dw (+)= ws.T @ xg; db += column sums. Incoming vectors [rows]
-    in the block's order. The blocks run from G - 1 down to 0: the first to run stores dW, the
-    others add (the Triton body: the first with valid rows stores, decided on the device).
-    scaled (Triton body): ws holds e' (fused_block_forward), xg <- c * xg, dx rows scaled by c
-    (exp_scaled)."""
-    if _triton_body(weight):
-        _precompile.wait()
-        return _fcuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp,
-                                     g_ent, dx, dxp, dw, db, b, r0, rows, temperature,
-                                     with_entropy, logit_scale, softcap, need_x, need_w, need_b,
-                                     ref, scaled, round_logits)
-    cd = ws.dtype
-    z = ws.narrow(0, 0, rows)[:, : weight.shape[0]]                          # [R', V]
-    y = None if softcap is None else z * (temperature / softcap)             # tanh(a s / c)
-    valid = (torch.arange(rows, device=z.device) < counts[b])[:, None]       # [R', 1]
-    g_lp, g_ent = (torch.where(valid[:, 0], t, 0).to(cd) for t in (g_lp, g_ent))
-    cols = torch.arange(weight.shape[0], device=z.device)
-    dz = _cpu.dlogits(z, y, lse.to(cd), ent.to(cd), g_lp, g_ent, torch.zeros_like(g_lp),
-                      ids_p.narrow(0, r0, rows), cols, temperature, with_entropy, logit_scale)
-    dz = torch.where(valid, dz, 0)                                           # [R', V]
-    x = xg.narrow(0, 0, rows)
-    rd = _cpu.round_dtype(weight, weight, round_logits)   # weight in the operands' dtype here
-    if rd is not None:   # the logits gradient in the operands' 16-bit dtype (round_logits)
-        dz = dz.to(rd).to(cd)
-    if need_x:
-        w = weight.to(cd)
-        w = torch.where(torch.isinf(w), 0, w)
-        # added into the zeros of dx: a row's one valid slot adds its dX, every other slot
-        # (padded rows, the slots past N or past a grouped block's rows: perm 0) adds zeros
-        dx.index_add_(0, perm.narrow(0, r0, rows), (dz @ w).to(dx.dtype))
-    if need_w:
-        part = dz.T @ x                                                      # [V, H]
-        # the first block run (the last: fused_linear_logprobs runs them last to first) stores
-        dw.copy_(part) if b == counts.shape[0] - 1 else dw.add_(part.to(dw.dtype))
-    if need_b:
-        db.add_(dz.sum(0).to(db.dtype))
-
-
-fused_block_backward = torch.library.custom_op(
-    "compiled_grpo::fused_block_backward",
-    mutates_args=("ws", "xg", "dx", "dxp", "dw", "db", "ref"))(_block_backward)
-
-
-@fused_block_backward.register_fake
-def _(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp, g_ent, dx, dxp, dw, db, b, r0,
-      rows, temperature, with_entropy, logit_scale, softcap, need_x, need_w, need_b, ref,
-      scaled, round_logits=False):
-    if weight.device.type == "cuda" and _fcuda is not None:
-        _precompile.precompile(_fcuda.block_backward, weight, ids_p, perm, counts, ws, zoff, xg,
-                               lse, ent, g_lp, g_ent, dx, dxp, dw, db, b, r0, rows, temperature,
-                               with_entropy, logit_scale, softcap, need_x, need_w, need_b, ref,
-                               scaled, round_logits)
-    return None

@@ -1,0 +1,181 @@
+"""The fused path's two block steps (fused.py's schedule) as mutable custom ops and their
+bodies, and the incoming gradient's scaling of the gradients they store: the Triton body
+(fused_cuda.py) on CUDA tensors, the PyTorch body (cpu.py) elsewhere.
+
+Legend: R' rows of a block (its n valid ones first, n = counts[b] on the device), H hidden,
+V vocab.
+"""
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from lowerings.linear_logprobs import cpu as _cpu
+from lowerings.linear_logprobs.device import cdiv, grid_sms
+try:   # the Triton side: absent triton (a CPU-only install off Linux) the PyTorch body runs alone
+    from lowerings.linear_logprobs import fused_cuda as _fcuda
+    from lowerings.linear_logprobs import precompile as _precompile
+except ModuleNotFoundError as e:
+    if e.name != "triton":
+        raise
+    _fcuda = _precompile = None
+
+
+def _triton_body(t: Tensor) -> bool:
+    """The block steps run fused_cuda.py's Triton kernels on CUDA tensors (the interpreter tests
+    patch this to run them on CPU tensors), the PyTorch body elsewhere."""
+    if t.device.type == "cuda" and _fcuda is None:
+        raise RuntimeError("compiled_grpo's CUDA kernels need triton (pip install triton==3.6.0)")
+    return t.device.type == "cuda"
+
+
+def block_steps(hidden: Tensor) -> tuple[Callable, Callable]:
+    """The two block steps: the custom ops wherever something traces the call (Dynamo, a
+    dispatch mode such as make_fx's or functionalization, fake or other tensor subclasses), so
+    it sees two opaque, mutating steps; their bodies themselves in plain eager, where the ops'
+    dispatcher, autograd, ADInplaceOrView and aliasing-check layers would only cost host time
+    (16 calls a step at 8 blocks; a small policy's eager step is host-bound: README)."""
+    if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            or type(hidden) is not Tensor):
+        return fused_block_forward, fused_block_backward
+    return _block_forward, _block_backward
+
+
+SCALE_BLOCK = 4096
+SCALE_PER_SM = 4     # programs a SM of the scaling kernel's grid-stride grid
+
+
+def scale_(tensors: list[Tensor], g: Tensor) -> None:
+    """t *= g for each (contiguous) t, in place, fp32 math, g a 0-dim tensor: the incoming
+    gradient applied to the gradients the blocks stored. Triton body: one pass over each t,
+    none when g == 1 (checked on the device: no host sync); a bf16 t.mul_(g) with an fp32 0-dim
+    g takes TensorIterator's slow mixed-dtype path instead (3 ms for a 1.2 GiB dW on H100). The
+    PyTorch body elsewhere."""
+    if not tensors or not _triton_body(tensors[0]):
+        torch._foreach_mul_(tensors, g)
+        return
+    from lowerings.linear_logprobs.kernels.fused_block import _scale_kernel
+    g = g.detach().to(torch.float32).reshape(1)
+    for t in tensors:
+        assert t.is_contiguous()
+        programs = SCALE_PER_SM * grid_sms(t.device)
+        grid = max(1, min(cdiv(t.numel(), SCALE_BLOCK), programs))
+        _scale_kernel[(grid,)](t, g, t.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
+
+
+@torch.library.custom_op("compiled_grpo::scale_grads_", mutates_args=("tensors",))
+def scale_grads_(tensors: list[Tensor], g: Tensor) -> None:
+    """scale_ as a mutating custom op: a call bumps the tensors' version counters, so autograd
+    refuses a second backward through gradients it already scaled (on CUDA too: scale_'s Triton
+    body alone is invisible to autograd). Eager only (compiled_grpo/fused.py's _AttachGrads: in a
+    traced backward Inductor would clone the saved gradients before it)."""
+    scale_(tensors, g)
+
+
+@scale_grads_.register_fake
+def _(tensors, g):
+    return None
+
+
+# --- the two block steps as mutable custom ops ------------------------------------------------
+
+def _block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[Tensor],
+                   perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor,
+                   b: int, r0: int, rows: int, temperature: float, with_entropy: bool,
+                   logit_scale: float, softcap: Optional[float], ref: Tensor, scaled: bool,
+                   round_logits: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Block b = rows [r0, r0 + rows) of the permuted order: xg <- its hidden rows, ws <- its
+    logits (scaled: as e' = exp(z - R*) but at the targets, the references in ref),
+    -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]."""
+    if _triton_body(hidden):
+        _precompile.wait()   # the kernels the trace handed to the precompile workers
+        return _fcuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0,
+                                    rows, temperature, with_entropy, logit_scale, softcap, ref,
+                                    scaled, round_logits)
+    idx = perm.narrow(0, r0, rows)
+    x = xg.narrow(0, 0, rows)
+    x.copy_(hidden.index_select(0, idx))                                     # [R', H]
+    zt, ent, lse = _cpu._forward_rows(x, weight, ids_p.narrow(0, r0, rows), bias, temperature,
+                                      with_entropy, z_out=ws.narrow(0, 0, rows),
+                                      logit_scale=logit_scale, softcap=softcap,
+                                      rd=_cpu.round_dtype(weight, weight, round_logits))  # [R']
+    valid = torch.arange(rows, device=x.device) < counts[b]                  # [R']
+    return tuple(torch.where(valid, t, 0) for t in (zt - lse, ent, lse))
+
+
+fused_block_forward = torch.library.custom_op(
+    "compiled_grpo::fused_block_forward", mutates_args=("ws", "zoff", "xg", "ref"))(_block_forward)
+
+
+@fused_block_forward.register_fake
+def _(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0, rows, temperature,
+      with_entropy, logit_scale, softcap, ref, scaled, round_logits=False):
+    if hidden.device.type == "cuda" and _fcuda is not None:   # its kernels, to the workers
+        _precompile.precompile(_fcuda.block_forward, hidden, weight, ids_p, bias, perm, counts,
+                               ws, zoff, xg, b, r0, rows, temperature, with_entropy,
+                               logit_scale, softcap, ref, scaled, round_logits)
+    dt = torch.float64 if ws.dtype == torch.float64 else torch.float32
+    return tuple(hidden.new_empty(rows, dtype=dt) for _ in range(3))
+
+
+def _block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, ws: Tensor,
+                    zoff: Tensor, xg: Tensor, lse: Tensor, ent: Tensor, g_lp: Tensor,
+                    g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int,
+                    r0: int, rows: int, temperature: float, with_entropy: bool,
+                    logit_scale: float, softcap: Optional[float], need_x: bool, need_w: bool,
+                    need_b: bool, ref: Tensor, scaled: bool, round_logits: bool = False) -> None:
+    """ws <- dlogits of block b's valid rows; dx[perm rows] = ws @ W (dxp: scratch of the
+    Triton body's split dX step); dw (+)= ws.T @ xg; db += column sums. Incoming vectors [rows]
+    in the block's order. The blocks run from G - 1 down to 0: the first to run stores dW, the
+    others add (the Triton body: the first with valid rows stores, decided on the device).
+    scaled (Triton body): ws holds e' (fused_block_forward), xg <- c * xg, dx rows scaled by c
+    (exp_scaled)."""
+    if _triton_body(weight):
+        _precompile.wait()
+        return _fcuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp,
+                                     g_ent, dx, dxp, dw, db, b, r0, rows, temperature,
+                                     with_entropy, logit_scale, softcap, need_x, need_w, need_b,
+                                     ref, scaled, round_logits)
+    cd = ws.dtype
+    z = ws.narrow(0, 0, rows)[:, : weight.shape[0]]                          # [R', V]
+    y = None if softcap is None else z * (temperature / softcap)             # tanh(a s / c)
+    valid = (torch.arange(rows, device=z.device) < counts[b])[:, None]       # [R', 1]
+    g_lp, g_ent = (torch.where(valid[:, 0], t, 0).to(cd) for t in (g_lp, g_ent))
+    cols = torch.arange(weight.shape[0], device=z.device)
+    dz = _cpu.dlogits(z, y, lse.to(cd), ent.to(cd), g_lp, g_ent, torch.zeros_like(g_lp),
+                      ids_p.narrow(0, r0, rows), cols, temperature, with_entropy, logit_scale)
+    dz = torch.where(valid, dz, 0)                                           # [R', V]
+    x = xg.narrow(0, 0, rows)
+    rd = _cpu.round_dtype(weight, weight, round_logits)   # weight in the operands' dtype here
+    if rd is not None:   # the logits gradient in the operands' 16-bit dtype (round_logits)
+        dz = dz.to(rd).to(cd)
+    if need_x:
+        w = weight.to(cd)
+        w = torch.where(torch.isinf(w), 0, w)
+        # added into the zeros of dx: a row's one valid slot adds its dX, every other slot
+        # (padded rows, the slots past N or past a grouped block's rows: perm 0) adds zeros
+        dx.index_add_(0, perm.narrow(0, r0, rows), (dz @ w).to(dx.dtype))
+    if need_w:
+        part = dz.T @ x                                                      # [V, H]
+        # the first block run (the last: fused_linear_logprobs runs them last to first) stores
+        dw.copy_(part) if b == counts.shape[0] - 1 else dw.add_(part.to(dw.dtype))
+    if need_b:
+        db.add_(dz.sum(0).to(db.dtype))
+
+
+fused_block_backward = torch.library.custom_op(
+    "compiled_grpo::fused_block_backward",
+    mutates_args=("ws", "xg", "dx", "dxp", "dw", "db", "ref"))(_block_backward)
+
+
+@fused_block_backward.register_fake
+def _(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp, g_ent, dx, dxp, dw, db, b, r0,
+      rows, temperature, with_entropy, logit_scale, softcap, need_x, need_w, need_b, ref,
+      scaled, round_logits=False):
+    if weight.device.type == "cuda" and _fcuda is not None:
+        _precompile.precompile(_fcuda.block_backward, weight, ids_p, perm, counts, ws, zoff, xg,
+                               lse, ent, g_lp, g_ent, dx, dxp, dw, db, b, r0, rows, temperature,
+                               with_entropy, logit_scale, softcap, need_x, need_w, need_b, ref,
+                               scaled, round_logits)
+    return None
