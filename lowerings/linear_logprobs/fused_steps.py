@@ -24,7 +24,8 @@ except ModuleNotFoundError as e:
 
 def _triton_body(t: Tensor) -> bool:
     """The block steps run fused_cuda.py's Triton kernels on CUDA tensors (the interpreter tests
-    patch this to run them on CPU tensors), the PyTorch body elsewhere."""
+    patch this to run them on CPU tensors), the PyTorch body elsewhere; fused.py's workspace and
+    plan helpers ask it too, so one patch moves the whole schedule."""
     if t.device.type == "cuda" and _fcuda is None:
         raise RuntimeError("compiled_grpo's CUDA kernels need triton (pip install triton==3.6.0)")
     return t.device.type == "cuda"
