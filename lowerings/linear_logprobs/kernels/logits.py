@@ -129,12 +129,13 @@ def _transform(a, inv_temp, cap_pre, cap_post, HAS_CAP: tl.constexpr):
 def _tile_stats(z, cols, ids, m, s, t, zt, WITH_ENTROPY: tl.constexpr):
     """One logits tile z [BN, BV] fp32 (-inf on masked columns) folded into its rows' running
     statistics: (m, s, t, zt, m_sh, d, e) with m the max, s = sum e^(z - m),
-    t = sum e^(z - m) (z - m) (WITH_ENTROPY), zt += the target logit (ids' column), and the
+    t = sum e^(z - m) (z - m) (WITH_ENTROPY), zt += the target logit (ids' column: int32 ids,
+    _col_ids, as _fwd_kernel loads them), and the
     tile as d = z - m_sh <= 0 and e = e^d (m_sh: the new max, finite). The one definition of
     the forward's epilogue (_fwd_kernel)."""
     # the target logit first: after the max, z is only needed as d = z - m_new (same
     # registers), so the tile is held once rather than as z and exp(z) side by side
-    zt += tl.sum(tl.where(cols[None, :] == _col_ids(ids)[:, None], z, 0.0), 1)
+    zt += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
     m_new = tl.maximum(m, tl.max(z, 1))
     m_sh = tl.maximum(m_new, -3.0e38)  # finite when every column so far is -inf (banned)
     alpha = _exp(m - m_sh)
