@@ -17,8 +17,7 @@ import lowerings.linear_logprobs.split_plan as sp
 
 def _plan(monkeypatch, v, sms, h=4096, bn=128, bv=256):
     monkeypatch.setattr(sp, "FWD_COLS_PER_SPLIT", 8192)   # the GPU's (another test may patch it)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(sp, "sm_count", lambda index: sms)
+    monkeypatch.setattr(sp, "cuda_sms", lambda device: sms)
     return sp.fwd_split_plan(v, h, 2, bn, bv, torch.device("cuda", 0))
 
 

@@ -47,8 +47,7 @@ def test_groups_follow_the_plan_until_the_group_cap(monkeypatch, n, groups, rows
     """G = cdiv(N, R_plan) row groups, at most cuda.MAX_ROW_GROUPS (then R grows with N, as the
     dense backward's); C the plan's at R_plan, else re-planned for R, and at least the MAX_STEPS
     bound's."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cuda_rows, "sm_count", lambda index: 132)
+    monkeypatch.setattr(cuda_rows, "cuda_sms", lambda device: 132)
     g, r, c = cuda_rows._plan(n, 4096, 151936, 2, torch.device("cuda"))
     assert (g, r) == (groups, rows)
     few_steps = -(-(-(-151936 * g // dense.MAX_STEPS)) // 256) * 256

@@ -39,7 +39,7 @@ from torch import Tensor
 from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs import split_plan as _split
 from lowerings.linear_logprobs.cuda import cdiv, size_hint
-from lowerings.linear_logprobs.device import grid_sms, sm_count
+from lowerings.linear_logprobs.device import cuda_sms, grid_sms
 from lowerings.linear_logprobs.fused_order import valid_rows_first
 from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
 from lowerings.linear_logprobs.kernels.rows import _dx_step_kernel, _gather_rows_kernel
@@ -81,7 +81,7 @@ def _plan(n, h: int, v: int, itemsize: int, device: torch.device) -> tuple[int, 
     C grows past cuda.MAX_STEPS (group, chunk) steps, as the dense backward's: both bound the
     unrolled loops of a compiled graph."""
     bn = max(_dense.TILES[0], _dense.step_tiles(itemsize)[0][0])   # whole row tiles of both grids
-    sms = sm_count(device.index) if device.type == "cuda" and torch.cuda.is_available() else 0
+    sms = cuda_sms(device)
     if not sms:   # the dense backward's budget rule
         groups = _dense._row_groups(n, h, min(_dense.DX_GROUP_BYTES, ROWS_DX_GROUP_BYTES))
         r = cdiv(cdiv(n, groups), bn) * bn

@@ -47,8 +47,14 @@ def sm_count(index: Optional[int]) -> int:
     return _SMS[index]
 
 
-def grid_sms(device: torch.device) -> int:
-    """Programs of a persistent grid on `device`: its SM count; 4 for CPU tensors (the
-    interpreter tests) and for fake CUDA tensors on a machine without CUDA (traces)."""
+def cuda_sms(device: torch.device) -> int:
+    """The SM count of `device` when it is a CUDA device of this machine; 0 for CPU tensors and
+    for fake CUDA tensors on a machine without CUDA (traces, interpreter tests): the launch
+    plans' one test of whether there is a GPU to plan for."""
     cuda = device.type == "cuda" and torch.cuda.is_available()
-    return sm_count(device.index) if cuda else 4
+    return sm_count(device.index) if cuda else 0
+
+
+def grid_sms(device: torch.device) -> int:
+    """Programs of a persistent grid on `device`: its SM count; 4 off a CUDA device (cuda_sms)."""
+    return cuda_sms(device) or 4

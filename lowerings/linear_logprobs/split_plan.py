@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from lowerings.linear_logprobs import cuda as _cuda
-from lowerings.linear_logprobs.device import cdiv, size_hint, sm_count
+from lowerings.linear_logprobs.device import cdiv, cuda_sms, size_hint
 
 FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see fwd_split_plan for the pick
 
@@ -34,7 +34,7 @@ def fwd_split_plan(v: int, h: int, itemsize: int, bn: int, bv: int,
     1664-row blocks, whole dX waves) S = 20, 2 waves of 260 programs where S = 33 ran 3.25 waves
     in 4. Off CUDA (the interpreter tests, fake-target traces) S0."""
     v, h = size_hint(v), size_hint(h)   # a fake tensor's symbolic sizes (traced host code): hints
-    sms = sm_count(device.index) if device.type == "cuda" and torch.cuda.is_available() else None
+    sms = cuda_sms(device)
     if not sms:
         s0 = cdiv(v, FWD_COLS_PER_SPLIT)
         cols = cdiv(cdiv(v, s0), bv) * bv
