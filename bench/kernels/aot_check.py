@@ -219,17 +219,21 @@ def _ptxas_usage(ptx: str) -> str:
             f"{'/'.join(spill.groups()) if spill else '?'} B st/ld")
 
 
-def check(label: str, fn, consts: dict, num_warps: int, num_stages: int) -> tuple[int, str]:
-    """(shared-memory bytes, ptxas usage) of the compiled kernel; raises if it does not
-    compile or fit."""
+def build(fn, consts: dict, num_warps: int, num_stages: int):
+    """The kernel compiled for sm_90 at one case's constexprs and options (cases)."""
     consts = dict(consts)
     sig, attrs = _signature(fn, consts, consts.pop("_ptrs", None))
     if fn.is_gluon():   # num_stages is the case's maxnreg (cases)
-        c = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=TARGET,
-                           options=dict(num_warps=num_warps, maxnreg=num_stages))
-    else:
-        c = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
-                           options=dict(num_warps=num_warps, num_stages=num_stages))
+        return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=TARGET,
+                              options=dict(num_warps=num_warps, maxnreg=num_stages))
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def check(label: str, fn, consts: dict, num_warps: int, num_stages: int) -> tuple[int, str]:
+    """(shared-memory bytes, ptxas usage) of the compiled kernel; raises if it does not
+    compile or fit."""
+    c = build(fn, consts, num_warps, num_stages)
     if c.metadata.shared > SMEM_LIMIT:
         raise RuntimeError(f"{label}: {c.metadata.shared} bytes of shared memory > {SMEM_LIMIT}")
     return c.metadata.shared, _ptxas_usage(c.asm["ptx"])

@@ -18,9 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-import triton
 from triton import knobs
-from triton.compiler import ASTSource
 
 from bench.kernels import aot_check
 
@@ -29,14 +27,11 @@ _LABEL = re.compile(r"^(\.L_x_\d+):")
 
 
 def sass(label: str) -> str:
-    """nvdisasm's SASS of aot_check's case `label` (a Triton kernel)."""
+    """nvdisasm's SASS of aot_check's case `label`."""
     for name, fn, consts, num_warps, num_stages in aot_check.cases():
         if name != label:
             continue
-        consts = dict(consts)
-        sig, attrs = aot_check._signature(fn, consts, consts.pop("_ptrs", None))
-        c = triton.compile(ASTSource(fn, sig, consts, attrs), target=aot_check.TARGET,
-                           options=dict(num_warps=num_warps, num_stages=num_stages))
+        c = aot_check.build(fn, consts, num_warps, num_stages)
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "k.cubin")
             with open(path, "wb") as f:
