@@ -3,6 +3,8 @@
 
     op.py              `python -m bench.kernels.op`: the recompute op alone, per-kernel times
     rows.py, fused.py  the same for the row-masked and the fused-gradient path
+    fused_probes.py    fused.py's timed loop, clocks and one-off probes (cuBLAS blocks, launcher
+                       host time, CUDA graph replay)
     dw_ws.py           the Triton and Gluon dW steps on one block (launchers the GPU test uses)
     host.py            host-side launch costs
     scaled_operand.py  the A-operand-scaled dX / dW GEMMs (an experiment; interpreter test)
