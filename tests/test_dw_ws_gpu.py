@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lowerings.linear_logprobs import cuda as dense
-from lowerings.linear_logprobs import fused_cuda as fc
+from lowerings.linear_logprobs import dw_steps
 from bench.kernels.dw_ws import triton_step as _triton_step
 from bench.kernels.dw_ws import ws_step as _ws_step
 from lowerings.linear_logprobs.cuda import cdiv
@@ -81,5 +81,5 @@ def test_skip_rules_of_the_fused_pair():
 
 def test_fused_path_takes_it_on_sm90():
     ws = torch.empty(8, 64, dtype=torch.bfloat16, device="cuda")
-    assert fc._dw_ws_ok(ws, True) == fc.DW_WS
-    assert not fc._dw_ws_ok(ws, False)
+    assert dw_steps._dw_ws_ok(ws, True) == dw_steps.DW_WS
+    assert not dw_steps._dw_ws_ok(ws, False)

@@ -77,11 +77,12 @@ def test_three_way_gpu(level, entropy_coef, scaled):
 
 
 def test_three_way_gpu_narrow_h():
-    """H = 896 (qwen2.5-0.5b), whose dW step takes 128-wide H tiles (fused_cuda.dw_ws_tiles):
+    """H = 896 (qwen2.5-0.5b), whose dW step takes 128-wide H tiles (dw_steps.dw_ws_tiles):
     within 2x of eager bf16's error and of the recompute path's, and the dW bits of the 256-wide
     tiles (each element's K sum is the same MMAs in the same order)."""
-    import lowerings.linear_logprobs.fused_cuda as fc
-    assert fc.dw_ws_tiles(896) == fc.DW_WS_TILES_NARROW and fc.dw_ws_tiles(4096) == fc.DW_WS_TILES
+    from lowerings.linear_logprobs import dw_steps
+    assert dw_steps.dw_ws_tiles(896) == dw_steps.DW_WS_TILES_NARROW
+    assert dw_steps.dw_ws_tiles(4096) == dw_steps.DW_WS_TILES
     inp = _gpu_inputs(Hd=896)
     errs = _three_way(inp, loss_type="grpo", beta=0.04, fused_workspace_mib=400.0)
     print(errs)
@@ -92,11 +93,11 @@ def test_three_way_gpu_narrow_h():
     def dw(tiles):
         w = inp["weight"].clone().requires_grad_()
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fc, "dw_ws_tiles", lambda h: tiles)
+            mp.setattr(dw_steps, "dw_ws_tiles", lambda h: tiles)
             cg.grpo_loss(**dict(inp, weight=w), config=cg.GRPOConfig(
                 gradient_mode="fused", fused_workspace_mib=100.0)).loss.backward()   # 3 blocks
         return w.grad
-    assert torch.equal(dw(fc.DW_WS_TILES_NARROW), dw(fc.DW_WS_TILES))
+    assert torch.equal(dw(dw_steps.DW_WS_TILES_NARROW), dw(dw_steps.DW_WS_TILES))
 
 
 def _fused_grads(inp: dict, fast_launch: bool) -> tuple:

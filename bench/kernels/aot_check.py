@@ -33,6 +33,7 @@ from lowerings.linear_logprobs import cuda_rows as rows
 from lowerings.linear_logprobs import fused as fused
 from lowerings.linear_logprobs import fused_steps
 from lowerings.linear_logprobs import fused_order
+from lowerings.linear_logprobs import dw_steps
 from lowerings.linear_logprobs import fused_cuda as fc
 from lowerings.linear_logprobs.kernels import logits as k
 from lowerings.linear_logprobs.kernels import combine as kc
@@ -141,10 +142,10 @@ def cases():
                dict(ACCUMULATE=acc, ON_DEVICE=True, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=False,
                     BLOCK_C=fc_, BLOCK_H=fh_, BLOCK_K=fk_, GROUP_C=rows.GROUP_M,
                     _ptrs={"dw_ptr": "*fp32"}), fwarps_, fstages_)
-    # the Gluon warp-specialized step (sm_90's default, fused_cuda.DW_WS_TILES); its num_stages
+    # the Gluon warp-specialized step (sm_90's default, dw_steps.DW_WS_TILES); its num_stages
     # slot carries maxnreg (check: a Gluon kernel pipelines by hand, and its register split
     # between the partitions follows maxnreg)
-    wsc, wsh, wsk, wss, wswarps, wsregs, wsnc = fc.DW_WS_TILES
+    wsc, wsh, wsk, wss, wswarps, wsregs, wsnc = dw_steps.DW_WS_TILES
     for acc, nc, nwarps in ((False, wsnc, wswarps), (True, wsnc, wswarps), (True, 1, 8)):
         yield (f"dW step, warp-specialized (Gluon), ACCUMULATE={acc}, NC={nc}",
                kdw_ws._dw_step_ws_kernel,

@@ -19,7 +19,7 @@ import torch
 
 from lowerings.linear_logprobs import cuda as dense
 from lowerings.linear_logprobs import cuda_rows as rows_mod
-from lowerings.linear_logprobs import fused_cuda as fc
+from lowerings.linear_logprobs import dw_steps
 from lowerings.linear_logprobs.cuda import cdiv
 from lowerings.linear_logprobs.kernels.dw import _dw_step_persistent_kernel
 from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel
@@ -40,10 +40,10 @@ def triton_step(ws, xg, dw, counts, rows, acc):
 
 
 def ws_step(ws, xg, dw, counts, rows, acc, n_later=0, final=1, on_device=False, tiles=None):
-    """The Gluon dW step (kernels.dw_gluon) at `tiles` (fused_cuda.DW_WS_TILES by default); with
+    """The Gluon dW step (kernels.dw_gluon) at `tiles` (dw_steps.DW_WS_TILES by default); with
     on_device, the fused path's skip rule over counts[1 : 1 + n_later] and `final`."""
     v, h = dw.shape
-    wc, wh, wk, stages, warps, regs, nc = tiles or fc.DW_WS_TILES
+    wc, wh, wk, stages, warps, regs, nc = tiles or dw_steps.DW_WS_TILES
     n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
     _dw_step_ws_kernel[(min(n_cblocks * n_hblocks, dense.sm_count(ws.device.index)),)](
         ws, xg, dw, counts, 0, rows, 0, v, h, ws.stride(0), xg.stride(0), dw.stride(0), n_cblocks,

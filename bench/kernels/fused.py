@@ -68,7 +68,7 @@ from bench.shapes import SHAPES, TARGETS, _chunked_logprobs, make_inputs
 from compiled_grpo import fused as cg_fused
 from lowerings.linear_logprobs import cuda as dense
 from lowerings.linear_logprobs import cuda_rows, fast_launch
-from lowerings.linear_logprobs import fused_cuda
+from lowerings.linear_logprobs import dw_steps, fused_cuda
 
 
 TOP = 16            # kernel families listed one by one
@@ -278,9 +278,9 @@ def main():
                       (128, 128, 64, 4, 3)] * want("dw"):
             variant(dense, "DW_TILES", {**dense.DW_TILES, 2: tiles},
                     f"DW_TILES[bf16]={tiles}")
-        for tiles in [fused_cuda.DW_WS_TILES, fused_cuda.DW_WS_TILES_NARROW] * want("dw"):
-            # the Gluon dW step's two tile shapes, whatever H picks (fused_cuda.dw_ws_tiles)
-            variant(fused_cuda, "dw_ws_tiles", lambda h, t=tiles: t, f"dw_ws_tiles -> {tiles}")
+        for tiles in [dw_steps.DW_WS_TILES, dw_steps.DW_WS_TILES_NARROW] * want("dw"):
+            # the Gluon dW step's two tile shapes, whatever H picks (dw_steps.dw_ws_tiles)
+            variant(dw_steps, "dw_ws_tiles", lambda h, t=tiles: t, f"dw_ws_tiles -> {tiles}")
         if want("dx"):
             variant(fused_cuda, "DX_SPLITS", 1, "DX_SPLITS=1")
         if args.sweep == "rows":   # the recompute path: its launches, its plan's budget
