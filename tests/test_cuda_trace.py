@@ -166,9 +166,10 @@ with mode:
     counts = reinplaced_counts(graphs[1])
 # per row group: gather, then dlogits, dW and dX steps for each of 3 chunks; nothing copied
 assert counts["auto_functionalized_v2"] == 2 * (1 + 3 * 3), counts
-assert counts["_dw_step_persistent_kernel"] == 6 and counts["_gather_rows_kernel"] == 2, counts
+# (the dW step: the Gluon kernel, as the fake driver's sm_90 target takes it; dw_steps)
+assert counts["_dw_step_ws_kernel"] == 6 and counts["_gather_rows_kernel"] == 2, counts
 assert not any("clone" in k or "copy_" in k for k in counts), counts
-assert check_declared() == {"_gather_rows_kernel", "_fwd_kernel", "_combine_kernel", "_dlogits_kernel", "_dw_step_persistent_kernel",
+assert check_declared() == {"_gather_rows_kernel", "_fwd_kernel", "_combine_kernel", "_dlogits_kernel", "_dw_step_ws_kernel",
                             "_dx_step_kernel"}
 print("OK")
 '''
@@ -200,11 +201,27 @@ with mode:
                      n_hblocks=2, n_later=0, final=0, **extra, **tiles)
         assert ttir_written_params(kernel, bound) == {"dw_ptr"}           # the reduce-add is seen
         assert launch.written_params(kernel, bound) == ("dw_ptr",)        # and declared
+    # a Gluon kernel's TMA store (torch's TTIR reader cannot read Gluon: ttir_writes follows it)
+    from ttir_writes import _gluon_toy_kernel
+    from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel
+    _copy_only = _gluon_toy_kernel()
+    toy = dict(out_ptr=t(64, 64), src_ptr=t(64, 64), n=64, num_warps=4)
+    assert ttir_written_params(_copy_only, toy) == {"out_ptr"}       # src_ptr is only read
+    assert set(launch.written_params(_copy_only, toy)) == set()      # undeclared: the guard fails
+    for acc in (False, True):
+        bound = dict(ws_ptr=t(256, 512), x_ptr=t(256, 256), dw_ptr=t(512, 256),
+                     count_ptr=torch.empty(1, device="cuda", dtype=torch.int32), row0=0, n_rows=256,
+                     v0=0, cols=512, H=256, stride_ws=512, stride_x=256, stride_dw=256, n_cblocks=4,
+                     n_hblocks=1, n_later=0, final=0, ACCUMULATE=acc, ON_DEVICE=False, BLOCK_C=128,
+                     BLOCK_H=256, BLOCK_K=64, GROUP_C=8, STAGES=3, NC=2, num_warps=4)
+        assert ttir_written_params(_dw_step_ws_kernel, bound) == {"dw_ptr"}
+        assert launch.written_params(_dw_step_ws_kernel, bound) == ("dw_ptr",)
 print("OK")
 '''
 
 
 def test_guard_sees_descriptor_writes():
     """The CPU guard finds a write made only through a descriptor reduce-add (the dW steps' TMA
-    epilogue) and fails a kernel that does not declare it; the dW kernels declare theirs."""
+    epilogue), or only through a Gluon kernel's TMA store, and fails a kernel that does not
+    declare it; the dW kernels (Triton and Gluon) declare theirs."""
     _run_trace(_DESCRIPTOR_WRITE_TRACE)

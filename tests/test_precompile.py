@@ -26,7 +26,7 @@ triton.runtime.driver.set_active(FakeDriver())
 from torch._subclasses.fake_tensor import FakeTensorMode
 from lowerings.linear_logprobs import device, dw_steps, fused, fused_cuda, fused_steps, precompile
 device._SMS[0] = device._SMS[None] = 132
-dw_steps._hopper = lambda index: True          # the Gluon dW step, as on an H100
+# the fake driver names sm_90: dw_steps takes the Gluon dW step, as on an H100
 G, R, H, V, N = 8, 256, 512, 5000, 1900
 with FakeTensorMode():
     bf, f32 = torch.bfloat16, torch.float32

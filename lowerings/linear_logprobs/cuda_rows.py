@@ -13,7 +13,9 @@ schedule over the permuted rows, every kernel reading count and stopping at it:
     forward: _fwd_kernel on xg; row blocks past n_g exit           2 n_g H V FLOPs
     backward, per vocab chunk:
       _dlogits_kernel on xg -> ws[:n_g, :C]                            2 n_g H C
-      _dw_step_persistent_kernel  dW[c] (+)= ws[:n_g].T @ xg[:n_g]  (K loop stops at n_g)  2 n_g H C
+      dW step (dw_steps)  dW[c] (+)= ws[:n_g].T @ xg[:n_g]  (K loop stops at n_g)   2 n_g H C
+                       (sm_90: the Gluon kernel, one rounding a group; else the Triton
+                       persistent kernel, whose TMA reduce-add rounds twice)
       _dx_step_kernel  acc[:n_g] (+)= ws[:n_g] @ W[c]    (row blocks past n_g exit) 2 n_g H C
                        (last chunk: dX[perm[...]] = acc, scattered back in dX's dtype)
 
@@ -37,13 +39,13 @@ import torch
 from torch import Tensor
 
 from lowerings.linear_logprobs import cuda as _dense
+from lowerings.linear_logprobs import dw_steps as _dws
 from lowerings.linear_logprobs import split_plan as _split
 from lowerings.linear_logprobs.cuda import cdiv, size_hint
 from lowerings.linear_logprobs.device import cuda_sms, grid_sms
 from lowerings.linear_logprobs.fused_order import valid_rows_first
 from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
 from lowerings.linear_logprobs.kernels.rows import _dx_step_kernel, _gather_rows_kernel
-from lowerings.linear_logprobs.kernels.dw import _dw_step_persistent_kernel
 
 # The dlogits workspace [R, C] of this path. H100, qwen3-8b shape, 67% valid (bench.kernels.rows
 # --sweep): 16 MiB (C = 4096) 102.1 ms, 24 MiB 97.6 ms, 32 MiB 97.7 ms, peaks within 5 MiB.
@@ -153,7 +155,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
              softcap: Optional[float] = None, round_logits: bool = False,
              compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes, from the valid rows only."""
-    (gm, gh, gk, gwarps, gstages), (wc, wh, wk, wwarps, wstages) = _dense.step_tiles(hidden.element_size())
+    (gm, gh, gk, gwarps, gstages), dw_tiles = _dense.step_tiles(hidden.element_size())
     b_dtype = None if bias is None else bias.dtype                         # d_bias's dtype
     x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, compute_dtype)
     bn, bv, bk, warps, stages = _dense.tiles(x)
@@ -191,17 +193,13 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
                 num_warps=warps, num_stages=stages)
             if need_w:
-                n_cblocks, n_hblocks = cdiv(cols, wc), cdiv(h, wh)
                 # a persistent grid (one program a SM walking the chunk's tiles): H100, qwen3-8b
                 # bench, 39% valid: dW steps 14.7 against 19.3 ms with one program a tile
-                # (bench/results/recompute_plan_h100_7424600.txt)
-                n_prog = min(n_cblocks * n_hblocks, sms)
-                wrap(_dw_step_persistent_kernel)[(n_prog,)](
-                    ws, xg, dw, count, r0, rows, v0, cols, h, ws.stride(0), xg.stride(0),
-                    dw.stride(0), n_cblocks, n_hblocks, 0, 0, n_prog, ACCUMULATE=g > 0,
-                    ON_DEVICE=False, DOT_PREC=prec, USE_TMA=tma,
-                    TMA_OUT=_dense._dw_tma_out(tma, dw), BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
-                    GROUP_C=GROUP_M, num_warps=wwarps, num_stages=wstages)
+                # (bench/results/recompute_plan_h100_7424600.txt); on sm_90 the Gluon step
+                # (dw_steps): a group's 1024 rows 2.17 against 2.23 ms, its 271-row tail 1.00
+                # against 1.34 ms, one rounding a group (bench/results/recompute_dw_ws_h100.txt)
+                _dws.launch(wrap, ws, xg, dw, count, r0, rows, v0, cols, h,
+                            dw_tiles, prec, tma, sms, GROUP_M, g > 0)
             if need_x:
                 n_mblocks, n_hblocks = cdiv(rows, gm), cdiv(h, gh)
                 wrap(_dx_step_kernel)[(n_mblocks * n_hblocks,)](

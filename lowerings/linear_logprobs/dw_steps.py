@@ -1,15 +1,19 @@
-"""Which dW step a launch takes, and the Gluon step's tiles: the Triton persistent step
-(kernels.dw) or, on sm_90, the warp-specialized Gluon step (kernels.dw_gluon).
+"""The dW step of the row-masked (recompute) and fused-gradient CUDA paths, one launcher for
+both: dW[v0 : v0 + cols] (+)= ws[:n, :cols].T @ xg[:n] over a row group's n valid rows (n read on
+the device), as the warp-specialized Gluon kernel (kernels.dw_gluon) on sm_90 wherever the
+Triton kernel would write dW through TMA, else the Triton persistent kernel (kernels.dw).
 
-Legend: H hidden.
+Legend: n valid rows of the group (the K loop), C = cols vocab rows of dW, H hidden.
 """
-import functools
-from typing import Optional
+from typing import Callable
 
-import torch
+import triton
 from torch import Tensor
 
+from lowerings.linear_logprobs import cuda as _dense
 from lowerings.linear_logprobs.device import cdiv
+from lowerings.linear_logprobs.kernels.dw import _dw_step_persistent_kernel
+from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel
 
 # The dW step as a persistent grid (kernels.dw._dw_step_persistent_kernel) where the Gluon step
 # does not run: H100, qwen3-8b bench, 39% valid: step 39.8 ms against 41.8 with one program per
@@ -41,13 +45,47 @@ def dw_ws_tiles(h: int) -> tuple:
     return DW_WS_TILES_NARROW if pad(DW_WS_TILES_NARROW) < pad(DW_WS_TILES) else DW_WS_TILES
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper(index: Optional[int]) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
+def _hopper() -> bool:
+    """Whether the active Triton target is sm_90 (the one the launches compile for, as
+    cuda._use_tma reads it: a fake-driver trace on a CPU machine sees what an H100 runs)."""
+    target = triton.runtime.driver.active.get_current_target()
+    return target.backend == "cuda" and target.arch == 90
 
 
 def _dw_ws_ok(ws: Tensor, tma_out: bool) -> bool:
     """Whether the dW step runs as the Gluon kernel (DW_WS): where the Triton step would take
     TMA operands and a TMA epilogue (tma_out: 16-bit, aligned operands and dW on sm_90+), on an
-    sm_90 device (its wgmma and setmaxnreg are Hopper's; an sm_100 GPU keeps the Triton step)."""
-    return DW_WS and tma_out and ws.is_cuda and _hopper(ws.device.index)
+    sm_90 target (its wgmma and setmaxnreg are Hopper's; an sm_100 GPU keeps the Triton step)."""
+    return DW_WS and tma_out and ws.is_cuda and _hopper()
+
+
+def launch(wrap: Callable, ws: Tensor, xg: Tensor, dw: Tensor, count: Tensor, row0, n_rows,
+           v0: int, cols: int, h: int, tiles: tuple, prec: str, tma: bool, sms: int,
+           group: int, accumulate: bool, on_device: bool = False, n_later: int = 0,
+           final: int = 0) -> None:
+    """One dW step: dW[v0 : v0 + cols] (+)= ws[:n, :cols].T @ xg[:n] with n = clamp(count[0] -
+    row0, 0, n_rows), storing or adding (accumulate), a grid of at most `sms` programs walking
+    the output tiles (GROUP_C = group vocab blocks share their xg columns in L2).
+    on_device (the fused path, whose blocks run last to first): whether dW holds a sum yet is
+    read from count[1 : 1 + n_later], and `final` marks the last block run (kernels.dw._dw_skips;
+    the caller launches storing and adding). `tiles`: the Triton step's (DW_TILES entry); the
+    Gluon step takes dw_ws_tiles(h). `wrap` maps a kernel to what launches it
+    (launch.declared for the recompute op, precompile.capturable for the fused steps)."""
+    tma_out = _dense._dw_tma_out(tma, dw)
+    args = (ws, xg, dw, count, row0, n_rows, v0, cols, h, ws.stride(0), xg.stride(0),
+            dw.stride(0))
+    if _dw_ws_ok(ws, tma_out):
+        wc, wh, wk, stages, warps, regs, nc = dw_ws_tiles(h)
+        n_cblocks, n_hblocks = cdiv(cols, wc), cdiv(h, wh)
+        wrap(_dw_step_ws_kernel)[(min(n_cblocks * n_hblocks, sms),)](
+            *args, n_cblocks, n_hblocks, n_later, final, ACCUMULATE=accumulate,
+            ON_DEVICE=on_device, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk, GROUP_C=group,
+            STAGES=stages, NC=nc, num_warps=warps, maxnreg=regs)
+    else:
+        wc, wh, wk, warps, stages = tiles
+        n_cblocks, n_hblocks = cdiv(cols, wc), cdiv(h, wh)
+        n_prog = min(n_cblocks * n_hblocks, sms)
+        wrap(_dw_step_persistent_kernel)[(n_prog,)](
+            *args, n_cblocks, n_hblocks, n_later, final, n_prog, ACCUMULATE=accumulate,
+            ON_DEVICE=on_device, DOT_PREC=prec, USE_TMA=tma, TMA_OUT=tma_out, BLOCK_C=wc,
+            BLOCK_H=wh, BLOCK_K=wk, GROUP_C=group, num_warps=warps, num_stages=stages)

@@ -44,8 +44,6 @@ from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs import dw_steps as _dws
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
 from lowerings.linear_logprobs.kernels.logits import _fwd_kernel
-from lowerings.linear_logprobs.kernels.dw import _dw_step_persistent_kernel
-from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel
 from lowerings.linear_logprobs.kernels.fused_block import (_dx_split_kernel, _dx_split_reduce_kernel,
                                                      _exp_prep_kernel, _fused_dlogits_kernel,
                                                      _target_ref_kernel)
@@ -53,11 +51,18 @@ from lowerings.linear_logprobs import precompile as _precompile
 from lowerings.linear_logprobs.precompile import capturable
 
 # the kernels as launched below: their own launch, unless precompile.py is capturing it
-(_combine_kernel, _fwd_kernel, _dw_step_persistent_kernel, _dw_step_ws_kernel, _dx_split_kernel,
- _dx_split_reduce_kernel, _exp_prep_kernel, _fused_dlogits_kernel, _target_ref_kernel) = map(
-    capturable, (_combine_kernel, _fwd_kernel, _dw_step_persistent_kernel, _dw_step_ws_kernel,
-                 _dx_split_kernel, _dx_split_reduce_kernel, _exp_prep_kernel,
-                 _fused_dlogits_kernel, _target_ref_kernel))
+(_combine_kernel, _fwd_kernel, _dx_split_kernel, _dx_split_reduce_kernel, _exp_prep_kernel,
+ _fused_dlogits_kernel, _target_ref_kernel) = map(
+    capturable, (_combine_kernel, _fwd_kernel, _dx_split_kernel, _dx_split_reduce_kernel,
+                 _exp_prep_kernel, _fused_dlogits_kernel, _target_ref_kernel))
+# ... and the two dW steps, which dw_steps.launch picks between (by id: a JITFunction's hash
+# reads its source and dependencies)
+_DW_KERNELS = {id(k): capturable(k) for k in (_dws._dw_step_persistent_kernel,
+                                              _dws._dw_step_ws_kernel)}
+
+
+def _dw_capturable(kernel) -> capturable:
+    return _DW_KERNELS[id(kernel)]
 
 # The in-place dlogits pass: an elementwise [BLOCK_N, BLOCK_V] tile a program, (BLOCK_N,
 # BLOCK_V, num_warps), set by tuning runs (bench.kernels.fused --sweep). d_bias
@@ -196,33 +201,15 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     # tiles (the 2-byte ones with an fp32 dW tile overflow shared memory: 272 KiB, H200)
     dw_tiles = _dense.step_tiles(max(ws.element_size(), dw.element_size()))[1]
     if need_w:
-        wc, wh, wk, wwarps, wstages = dw_tiles
-        n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
         # The blocks run last to first (fused.py). Whether dW already holds a sum is read on the
         # device from the counts of the blocks after b, which ran before it: the step is
         # launched storing and adding, and one of the two works (kernels.dw._dw_skips; the
         # other's programs exit at once). The first block with valid rows stores.
         g = counts.shape[0]
-        tiles = dict(ON_DEVICE=True, DOT_PREC=prec, USE_TMA=tma,
-                     TMA_OUT=_dense._dw_tma_out(tma, dw), BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
-                     GROUP_C=_rows.GROUP_M, num_warps=wwarps, num_stages=wstages)
-        args = (ws, xg, dw, counts.narrow(0, b, g - b), 0, rows, 0, v, h, ws.stride(0),
-                xg.stride(0), dw.stride(0), n_cblocks, n_hblocks, g - 1 - b, int(b == 0))
-        ws_step = _dws._dw_ws_ok(ws, tiles["TMA_OUT"])
-        if ws_step:
-            wc, wh, wk, wstages, wwarps, wregs, wnc = _dws.dw_ws_tiles(h)
-            n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
-            args = args[:12] + (n_cblocks, n_hblocks) + args[14:]
         for acc in (False, True):
-            if ws_step:
-                n_prog = min(n_cblocks * n_hblocks, grid_sms(ws.device))
-                _dw_step_ws_kernel[(n_prog,)](
-                    *args, ACCUMULATE=acc, ON_DEVICE=True, BLOCK_C=wc, BLOCK_H=wh, BLOCK_K=wk,
-                    GROUP_C=_rows.GROUP_M, STAGES=wstages, NC=wnc, num_warps=wwarps,
-                    maxnreg=wregs)
-            else:
-                n_prog = min(n_cblocks * n_hblocks, grid_sms(ws.device))
-                _dw_step_persistent_kernel[(n_prog,)](*args, n_prog, ACCUMULATE=acc, **tiles)
+            _dws.launch(_dw_capturable, ws, xg, dw, counts.narrow(0, b, g - b), 0, rows,
+                        0, v, h, dw_tiles, prec, tma, grid_sms(ws.device), _rows.GROUP_M, acc,
+                        on_device=True, n_later=g - 1 - b, final=int(b == 0))
     if need_x:
         gm, gh, gk, gwarps, gstages = gemm_tiles
         n_mblocks, n_hblocks = cdiv(rows, gm), cdiv(h, gh)

@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from lowerings.linear_logprobs.kernels import tiles as _k
 from lowerings.linear_logprobs.kernels import dw as _kdw
+from lowerings.linear_logprobs.kernels.writes import writes
 
 # The Triton step's helpers, their bodies compiled as Gluon functions (one definition of the
 # valid rows, the skip rule and the tile order): kernels.dw._dw_rows / _dw_skips, and
@@ -130,6 +131,7 @@ def _dw_ws_consumer(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, c_des
     tma.store_wait(0)
 
 
+@writes("dw_ptr")
 @gluon.jit(do_not_specialize=_k.DW_VARYING, do_not_specialize_on_alignment=_k.VARYING_PTRS)
 def _dw_step_ws_kernel(ws_ptr, x_ptr, dw_ptr, count_ptr, row0, n_rows, v0, cols, H, stride_ws,
                        stride_x, stride_dw, n_cblocks, n_hblocks, n_later, final,
