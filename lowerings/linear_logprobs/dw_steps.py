@@ -5,7 +5,8 @@ Triton kernel would write dW through TMA, else the Triton persistent kernel (ker
 
 Legend: n valid rows of the group (the K loop), C = cols vocab rows of dW, H hidden.
 """
-from typing import Callable
+import functools
+from typing import Callable, Optional
 
 import triton
 from torch import Tensor
@@ -45,9 +46,11 @@ def dw_ws_tiles(h: int) -> tuple:
     return DW_WS_TILES_NARROW if pad(DW_WS_TILES_NARROW) < pad(DW_WS_TILES) else DW_WS_TILES
 
 
-def _hopper() -> bool:
+@functools.lru_cache(maxsize=None)
+def _hopper(index: Optional[int]) -> bool:
     """Whether the active Triton target is sm_90 (the one the launches compile for, as
-    cuda._use_tma reads it: a fake-driver trace on a CPU machine sees what an H100 runs)."""
+    cuda._use_tma reads it: a fake-driver trace on a CPU machine sees what an H100 runs), once
+    a device: the query costs host time at every one of the recompute path's ~150 dW launches."""
     target = triton.runtime.driver.active.get_current_target()
     return target.backend == "cuda" and target.arch == 90
 
@@ -56,7 +59,7 @@ def _dw_ws_ok(ws: Tensor, tma_out: bool) -> bool:
     """Whether the dW step runs as the Gluon kernel (DW_WS): where the Triton step would take
     TMA operands and a TMA epilogue (tma_out: 16-bit, aligned operands and dW on sm_90+), on an
     sm_90 target (its wgmma and setmaxnreg are Hopper's; an sm_100 GPU keeps the Triton step)."""
-    return DW_WS and tma_out and ws.is_cuda and _hopper()
+    return DW_WS and tma_out and ws.is_cuda and _hopper(ws.device.index)
 
 
 def launch(wrap: Callable, ws: Tensor, xg: Tensor, dw: Tensor, count: Tensor, row0, n_rows,
