@@ -24,7 +24,8 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
                                         (rows past n exit),
                                         the K = V loop split S ways when the grid is small
                    _dx_split_reduce_kernel  (S > 1) the splits' fp32 partials summed into dX
-                   (sm_90: the dW step is kernels.dw_gluon._dw_step_ws_kernel, same contract)
+                   (sm_90: the dW step is kernels.dw_gluon._dw_step_ws_kernel, same contract;
+                   dw_steps.launch picks, for the recompute path's groups too)
 
 Every kernel stops at n, so a block's cost is that of its valid rows (2 + 4 = 6 n H V FLOPs).
 Every launch goes through precompile.capturable (and so fast_launch: the compiled launcher after

@@ -1,7 +1,7 @@
-"""The fused path's dW step as a warp-specialized persistent Gluon kernel (sm_90 only): the same
-arithmetic as kernels.dw._dw_step_persistent_kernel (dW (+)= ws[:n].T @ xg[:n], the K loop
-stopping at the block's valid count n read on the device), with a producer/consumer schedule
-Triton 3.6 does not build from tl.dot:
+"""The dW step (fused blocks and recompute row groups, dw_steps.launch) as a warp-specialized
+persistent Gluon kernel (sm_90 only): the same arithmetic as kernels.dw._dw_step_persistent_kernel
+(dW (+)= ws[:n].T @ xg[:n], the K loop stopping at the block's valid count n read on the
+device), with a producer/consumer schedule Triton 3.6 does not build from tl.dot:
 
   loader (1 warp)      walks this program's output tiles and K steps, TMA-loading the ws / xg
                        operand tiles into a STAGES-deep ring (ready / empty mbarriers), across
