@@ -270,6 +270,9 @@ def main():
             # BLOCK_K = 128 in two 96 KiB stages ran the forward 7.6 against 6.1-6.4 ms at
             # qwen3-0.6b, 16.9 against 11.9-12.6 at qwen3-8b (H100, epilogue_instructions_
             # 0997970.txt section 5): not swept.
+        if want("dw") or args.sweep == "rows":
+            # the Triton dW step where the Gluon one runs (both paths since 54fe03a: A/B of it)
+            variant(dw_steps, "DW_WS", False, "dw_steps.DW_WS=False")
         if want("dw"):
             variant(dense, "DW_TMA_OUT", not dense.DW_TMA_OUT, f"DW_TMA_OUT={not dense.DW_TMA_OUT}")
         for tile in [(64, 256, 8), (16, 256, 4), (32, 256, 4)] * want("dlogits"):

@@ -252,7 +252,6 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     bn, bv, bk, warps, stages = tiles(x)
     tma = _use_tma(x, w)
     ids = ids.contiguous()                                 # read at unit stride, like bias
-    b_dtype = None if bias is None else bias.dtype                         # d_bias's dtype
     bias = _bias(bias, compute_dtype)
     n, h = x.shape
     v = w.shape[0]
