@@ -182,12 +182,12 @@ def gluon_written_params(kernel, kwargs: dict) -> set[str]:
     returns: dict = {}
     for rec in ops:
         for rid in rec["regions"]:
-            for bid in region_blocks.get(rid, ()):
+            for k, bid in enumerate(region_blocks.get(rid, ())):
                 args = blocks[bid][0]
                 name = rec["name"]
-                if name == "tt.func":
-                    funcs[rec["sym"]] = args if not funcs.get(rec["sym"]) else funcs[rec["sym"]]
-                elif name in ("scf.for",):
+                if name == "tt.func" and k == 0:   # the entry block's arguments: the parameters
+                    funcs[rec["sym"]] = args
+                elif name == "scf.for":
                     for i, a in enumerate(args):   # (iv, iter args) <- (lb, ub, step, inits)
                         sources[a] = rec["operands"][:3] if i == 0 else [rec["operands"][i + 2]]
                 elif name in ("scf.while",) or name == "ttg.warp_specialize.partitions":
