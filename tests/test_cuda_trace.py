@@ -169,8 +169,18 @@ assert counts["auto_functionalized_v2"] == 2 * (1 + 3 * 3), counts
 # (the dW step: the Gluon kernel, as the fake driver's sm_90 target takes it; dw_steps)
 assert counts["_dw_step_ws_kernel"] == 6 and counts["_gather_rows_kernel"] == 2, counts
 assert not any("clone" in k or "copy_" in k for k in counts), counts
+# ... and the Triton persistent dW step, which the other targets (and fp32 dW) take
+import lowerings.linear_logprobs.dw_steps as dws
+dws.DW_WS = False
+with mode:
+    aot_function(lambda x, w, ids, lse, ent, g, m: _linear_logprobs_backward_op(
+        x, w, ids, None, lse, ent, g, g, g, 0.7, False, True, True, True, False, m), grab)(
+        x, w, ids, lse, ent, lse, m)
+counts = reinplaced_counts(graphs[-1])
+assert counts["_dw_step_persistent_kernel"] == 6 and "_dw_step_ws_kernel" not in counts, counts
+assert not any("clone" in k or "copy_" in k for k in counts), counts
 assert check_declared() == {"_gather_rows_kernel", "_fwd_kernel", "_combine_kernel", "_dlogits_kernel", "_dw_step_ws_kernel",
-                            "_dx_step_kernel"}
+                            "_dw_step_persistent_kernel", "_dx_step_kernel"}
 print("OK")
 '''
 
