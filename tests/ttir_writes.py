@@ -219,8 +219,8 @@ def gluon_written_params(kernel, kwargs: dict) -> set[str]:
                 sources[a] = [("param", i)]
             else:   # every call site's argument i
                 sources[a] = [c["operands"][i] for c in calls.get(sym, ())]
-    for rec in ops:
-        if rec["name"] in ("tt.return", "scf.yield", "ttg.warp_yield", "ttg.warp_return"):
+    for rec in ops:   # what the scf ops' regions hand to their results
+        if rec["name"] == "scf.yield":
             returns.setdefault(rec["block"], []).append(rec)
     fn_of_block = {}
     for rec in ops:
@@ -246,7 +246,7 @@ def gluon_written_params(kernel, kwargs: dict) -> set[str]:
                 sources[r] = [ret["operands"][j] for ret in fn_returns.get(rec["callee"], ())]
         elif rec["regions"] and rec["results"]:   # scf.for / scf.if / scf.while results
             ys = [y for rid in rec["regions"] for bid in region_blocks.get(rid, ())
-                  for y in returns.get(bid, ()) if y["name"] == "scf.yield"]
+                  for y in returns.get(bid, ())]
             for j, r in enumerate(rec["results"]):
                 init = [rec["operands"][j + 3]] if name == "scf.for" else []
                 sources[r] = init + [y["operands"][j] for y in ys if j < len(y["operands"])]
