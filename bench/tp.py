@@ -23,7 +23,8 @@ the results against tp=1 recompute eager: loss (abs), dX (full, rel) and the dW 
 of each rank's shard (rel; the TP rows give the worst rank and list every rank's), then the
 scaling: tp=R fused against tp=1 fused, eager and compiled.
 Each --variants entry reruns every row with that loss setting (base: dapo, beta 0.04; gspo; an
-lm_head bias; a softcap of 30), each --shape entry with those inputs.
+lm_head bias; a softcap of 30; all: the three together, one compile per row where the CPU test
+has one core a rank), each --shape entry with those inputs.
 A check fails the run (exit 1) when any row's loss or grads differ by more than bf16 rounding
 (loss 1e-4 relative; dX, dW 2e-2 relative: bf16 grads from a different summation order).
 """
@@ -118,13 +119,13 @@ def _run(fn, hidden, weight, bias, x, cfg, **kw):
             None if b is None else b.grad.float(), peak)
 
 
-VARIANTS = ("base", "gspo", "bias", "softcap")
+VARIANTS = ("base", "gspo", "bias", "softcap", "all")   # all: gspo, a bias and a softcap at once
 
 
 def _config(variant: str, mode: str):
     return cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=mode,
-                         importance_sampling_level="sequence" if variant == "gspo" else "token",
-                         final_logit_softcapping=30.0 if variant == "softcap" else None)
+                         importance_sampling_level="sequence" if variant in ("gspo", "all") else "token",
+                         final_logit_softcapping=30.0 if variant in ("softcap", "all") else None)
 
 
 def _profile(step, rank: int, out: str, label: str):
@@ -160,7 +161,7 @@ def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed:
     w_full = x.weight.detach()
     w_shard = w_full[lo:hi].contiguous()
     b_full = b_shard = None
-    if variant == "bias":
+    if variant in ("bias", "all"):
         g = torch.Generator(device="cpu").manual_seed(1)
         b_full = (torch.randn(V, generator=g) * 0.5).to(dev, w_full.dtype)   # [V], same on every rank
         b_shard = b_full[lo:hi].contiguous()
@@ -250,7 +251,7 @@ def main():
                     help="bench shapes; *-packed ones pass cu_seqlens")
     ap.add_argument("--variants", nargs="+", default=["base"], choices=VARIANTS,
                     help="base: dapo, beta 0.04; gspo: sequence-level importance sampling; bias: an lm_head "
-                         "bias [V] (sharded); softcap: final_logit_softcapping=30")
+                         "bias [V] (sharded); softcap: final_logit_softcapping=30; all: the three at once")
     ap.add_argument("--gspo", action="store_true", help="the same as --variants gspo")
     ap.add_argument("--no-time", action="store_true", help="the checks only (no timed repetitions)")
     ap.add_argument("--targets", default="sampled", choices=TARGETS,
