@@ -22,7 +22,7 @@ from datasets import Dataset
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import compiled_grpo as cg
-from test_trl_integration import char_tokenizer, count_a, make_args
+from trl_harness import char_tokenizer, count_a, make_args
 
 B, T, H, V = 4, 6, 8, 48
 NO_CLAMPS = dict(log_ratio_clamp=None, kl_input_clamp=None, kl_output_clamp=None)

@@ -1,7 +1,7 @@
 """Run under torchrun (2+ processes, gloo on CPU or NCCL on GPUs): stock trl.GRPOTrainer and
 compiled_grpo's drop-in each train the test model for 3 steps on the same seed, every process
 taking its share of each batch (accelerate's multi-process data parallel); rank 0 compares every
-logged metric step by step (tests/test_trl_integration.py's assert_same_logs) and prints
+logged metric step by step (tests/trl_harness.py's assert_same_logs) and prints
 "TRL MULTIPROCESS: PASS". Used by test_trl_integration.py::test_two_processes_parity_with_trl.
 
     OUTDIR=<dir> torchrun --standalone --nproc_per_node 2 tests/trl_multiprocess.py [--bf16] [--cuda]
@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import trl  # noqa: E402
 
-import test_trl_integration as t  # noqa: E402
+import trl_harness as t  # noqa: E402
 from trl.kernels import chunked_logprob  # noqa: E402
 from compiled_grpo.integrations.trl import GRPOTrainer  # noqa: E402
 
