@@ -22,7 +22,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import compiled_grpo as cg
 from compiled_grpo.integrations.trl import GRPOTrainer
 from helpers import torchrun
-from trl_harness import SAME_BATCH, assert_same_logs, char_tokenizer, count_a, make_args, save_model, train
+from trl_harness import assert_same_logs, char_tokenizer, count_a, make_args, save_model, train
 
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -287,8 +287,6 @@ def test_parity_with_trl_bf16(name, model_dir, nudged_model_dir, tmp_path, monke
     floor = None
     if BF16[name].get("cast_lm_head_to_fp32"):
         floor = train(trl.GRPOTrainer, nudged_model_dir, tmp_path / "trl_nudged", **BF16[name])
-        same = [{k: s[k] for k in SAME_BATCH if k in s} for s in floor]
-        assert same == [{k: s[k] for k in SAME_BATCH if k in s} for s in ref], "the nudged run sampled other batches"
     assert_same_logs(ref, ours, floor_logs=floor)
 
 

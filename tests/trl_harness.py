@@ -81,13 +81,15 @@ def assert_same_logs(ref_logs, our_logs, rtol=2e-4, atol=2e-6, floor_logs=None):
     (test_trl_integration.nudged_model_dir): where a rounding-level change of the gradients
     already moves TRL's own trajectory by more than rtol (bf16 autocast over an fp32 head), a
     metric may differ by up to twice that drift."""
-    assert len(ref_logs) == len(our_logs) == 3
+    assert len(ref_logs) == len(our_logs) == 3 and (floor_logs is None or len(floor_logs) == 3)
     worst = 0.0
     for step, (ref, ours) in enumerate(zip(ref_logs, our_logs)):
         assert set(ref) == set(ours), f"step {step}: logged names differ: {set(ref) ^ set(ours)}"
         for name in SAME_BATCH:
             if name in ref:
                 assert ours[name] == ref[name], f"step {step} {name}: different batch ({ours[name]} vs {ref[name]})"
+                if floor_logs is not None:   # the drift is measured on the same batches
+                    assert floor_logs[step][name] == ref[name], f"step {step} {name}: the floor run's batch differs"
         for name in LOSS_METRICS:
             if name in ref:
                 a, b = ref[name], ours[name]
