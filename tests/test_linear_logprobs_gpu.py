@@ -305,3 +305,42 @@ def test_row_mask_no_host_sync_and_deterministic():
             for p, q in zip(a, b):
                 assert torch.equal(p, q)
     assert cnt.frame_count == 1
+
+
+def test_row_mask_dx_split_k_tail_group(monkeypatch):
+    """The recompute path's dX step splits the vocab columns of a group whose valid rows fill
+    at most half its row tiles (cuda_rows.DX_SPLIT_K). N = 3072 at H = 4096, V = 151936: 1224
+    valid rows scattered, so the second 1024-row group holds 200 (2 of its 8 row tiles: 4
+    splits) and the third none. dX three-way against the fp32 reference and close to the
+    unsplit step's, bitwise the same on a second run; dW and d_bias bitwise unchanged."""
+    import lowerings.linear_logprobs.cuda_rows as rk
+    n = 3072
+    x, w, ids, b = make(n, bias=True, seed=9)
+    g = torch.Generator(device="cuda").manual_seed(10)
+    mask = torch.zeros(n, dtype=torch.bool, device="cuda")
+    mask[torch.randperm(n, device="cuda", generator=g)[:1224]] = True
+    g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+
+    def grads(fn):
+        xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
+        lp, ent = fn(xg, wg, bg)
+        ((lp * g_lp * mask).sum() + (ent * g_ent * mask).sum()).backward()
+        return xg.grad, wg.grad, bg.grad
+
+    def ours(xg, wg, bg):
+        out = linear_logprobs(xg, wg, ids, bg, with_entropy=True, row_mask=mask)
+        return out.logprobs, out.entropy
+
+    runs = {}
+    for split in (False, True, "again"):
+        monkeypatch.setattr(rk, "DX_SPLIT_K", bool(split))
+        runs[split] = grads(ours)
+    for a, c in zip(runs[True], runs["again"]):
+        assert torch.equal(a, c)
+    assert torch.equal(runs[True][1], runs[False][1]) and torch.equal(runs[True][2], runs[False][2])
+    assert not runs[True][0][~mask].any()
+    assert err(runs[True][0], runs[False][0]) < 1e-3
+    ref = grads(lambda xg, wg, bg: materialized(xg, wg, ids, bg, 1.0, upcast=True))
+    pt = grads(lambda xg, wg, bg: materialized(xg, wg, ids, bg, 1.0, upcast=False))
+    e, e_pt = err(runs[True][0], ref[0]), err(pt[0], ref[0])
+    assert e <= 2 * e_pt + 1e-5, (e, e_pt)

@@ -164,6 +164,38 @@ def test_row_masked_path(monkeypatch, kind, group_rows):
     assert torch.equal(dx[~mask], torch.zeros_like(dx[~mask]))
 
 
+@pytest.mark.parametrize("n_valid", [5, 20, 40])
+def test_row_masked_dx_split_k(monkeypatch, n_valid):
+    """A row group whose valid rows fill at most half its row tiles splits each dX tile's vocab
+    columns over the idle programs (cuda_rows.DX_SPLIT_K): one group of 64 rows (4 row tiles
+    of 16), 5 valid rows -> 4 splits, 20 -> 2, 40 -> none; 3 vocab chunks of 32 / 32 / 11
+    columns (2, 2, 1 K steps: some splits get no column and add zeros). dX against the
+    float64 golden and against the unsplit step (fp32: the partial sums round otherwise);
+    dW and d_bias do not change; the padded rows' dX stays 0."""
+    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    x, w, ids, b = make(64, 24, 75, torch.float32, True, seed=11)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(12))
+    mask = torch.zeros(64, dtype=torch.bool)
+    mask[perm[:n_valid]] = True
+    g = torch.Generator().manual_seed(13)
+    g_lp, g_ent, g_lse = (torch.randn(64, generator=g) for _ in range(3))
+    lp, ent, lse = rk.forward(x, w, ids, b, mask, 0.7, False, True)
+    runs = {}
+    for split in (False, True):
+        monkeypatch.setattr(rk, "DX_SPLIT_K", split)
+        runs[split] = rk.backward(x, w, ids, b, mask, lse, ent, g_lp, g_ent, g_lse, 0.7, False,
+                                  True, True, True, True)
+    xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
+    out = golden(xr, wr, ids, br, 0.7)
+    ((out[0] * g_lp + out[1] * g_ent + out[2] * g_lse) * mask.double()).sum().backward()
+    dx, dw, db = runs[True]
+    for got, ref in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dx, runs[False][0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(dw, runs[False][1]) and torch.equal(db, runs[False][2])
+    assert torch.equal(dx[~mask], torch.zeros_like(dx[~mask]))
+
+
 def test_row_masked_half_no_weight_grad(monkeypatch):
     monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     mask = MASKS["scattered"]

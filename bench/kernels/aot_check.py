@@ -156,7 +156,9 @@ def cases():
     for store in (True, False):   # the group's last chunk (scatter to dX), or a bulk reduce-add
         yield (f"dX step, recompute, STORE={store}", kr._dx_step_kernel,
                dict(tiles, ACCUMULATE=True, STORE=store, ACC_TMA=rows.DX_ACC_TMA,
-                    GROUP_M=rows.GROUP_M), gwarps, gstages)
+                    SPLIT_K=rows.DX_SPLIT_K, GROUP_M=rows.GROUP_M), gwarps, gstages)
+    yield ("dX step's K-split partials' sum, recompute", kr._dx_splits_kernel,
+           dict(BLOCK_M=gm, BLOCK_R=rows.GATHER_ROWS, BLOCK_H=rows.GATHER_H), 4, 1)
     rr, rh, rwarps = fc.REDUCE_TILE
     for scale in (False, True):
         yield (f"dX step, split over V, ROW_SCALE={scale}", kf._dx_split_kernel,
@@ -190,8 +192,8 @@ def cases():
            dict(tiles4, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M, ROW_SCALE=False,
                 _ptrs=f32), gwarps4, gstages4)
     yield ("fp32, dX step, recompute", kr._dx_step_kernel,
-           dict(tiles4, ACCUMULATE=True, STORE=True, ACC_TMA=False, GROUP_M=rows.GROUP_M,
-                _ptrs=f32),
+           dict(tiles4, ACCUMULATE=True, STORE=True, ACC_TMA=False, SPLIT_K=rows.DX_SPLIT_K,
+                GROUP_M=rows.GROUP_M, _ptrs=f32),
            gwarps4, gstages4)
     fc_, fh_, fk_, fwarps_, fstages_ = dense.step_tiles(4)[1]
     yield ("fp32, dW step, persistent, fused", kdw._dw_step_persistent_kernel,
