@@ -18,6 +18,13 @@ def _mib(rows: int) -> float:
     return rows * V * 8 / 2**20
 
 
+# Tests that make "auto" act as on CUDA (_auto_device_ok) also lift the CPU body's bound on the
+# block rows (fused.CPU_BLOCK_ROWS): with the default 768 MiB budget a block of this V = 37
+# float64 head holds ~1.5M rows, which the CPU body computes valid or not (40 s a call). A
+# 16-row budget keeps the blocks of CPU tensors small; the mode choice does not read it.
+SMALL_MIB = _mib(16)
+
+
 def test_mode_selection(monkeypatch):
     calls = []
     real = F.fused_logprobs
@@ -40,7 +47,7 @@ def test_mode_selection(monkeypatch):
     packed["hidden"] = inp["hidden"].detach().reshape(15, -1).requires_grad_()
     seq = dict(importance_sampling_level="sequence")
     monkeypatch.setattr(F, "_auto_device_ok", lambda t: True)   # "auto" as on CUDA
-    cg.grpo_loss(**inp)
+    cg.grpo_loss(**inp, config=cg.GRPOConfig(fused_workspace_mib=SMALL_MIB))
     assert len(calls) == 2
     cg.grpo_loss(**packed, cu_seqlens=cu, config=cg.GRPOConfig(**seq))
     assert len(calls) == 2
@@ -125,7 +132,7 @@ def test_auto_recomputes_sequence_losses_under_compile_on_torch_with_the_guard_b
     monkeypatch.setattr(F, "_auto_device_ok", lambda t: True)   # "auto" as on CUDA
     monkeypatch.setattr(F, "_GUARD_LOCATION_BUG", True)
     inp = make_inputs(B=3, T=5, seed=8)
-    gspo = cg.GRPOConfig(importance_sampling_level="sequence")
+    gspo = cg.GRPOConfig(importance_sampling_level="sequence", fused_workspace_mib=SMALL_MIB)
     torch._dynamo.reset()
     compiled = torch.compile(cg.grpo_loss, backend="eager", fullgraph=True)
     want = cg.grpo_loss(**inp, config=gspo).loss        # eager: fused
@@ -133,9 +140,10 @@ def test_auto_recomputes_sequence_losses_under_compile_on_torch_with_the_guard_b
     got = compiled(**inp, config=gspo).loss             # compiled: recompute
     assert len(calls) == 1
     torch.testing.assert_close(got, want)
-    compiled(**inp, config=cg.GRPOConfig())             # token-level: fused under compile
+    compiled(**inp, config=cg.GRPOConfig(fused_workspace_mib=SMALL_MIB))   # token-level: fused
     assert len(calls) == 2
-    compiled(**inp, config=cg.GRPOConfig(importance_sampling_level="sequence", gradient_mode="fused"))
+    compiled(**inp, config=cg.GRPOConfig(importance_sampling_level="sequence", gradient_mode="fused",
+                                         fused_workspace_mib=SMALL_MIB))
     assert len(calls) == 3
     monkeypatch.setattr(F, "_GUARD_LOCATION_BUG", False)
     torch._dynamo.reset()
