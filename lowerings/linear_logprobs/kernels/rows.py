@@ -37,7 +37,8 @@ def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n
     the group's last chunk and scatters them to dX. Still one writer an element a launch:
     deterministic, and a full group (ks = 1) takes the same steps and bits as without it.
     H100, qwen3-8b, 39% valid: the 271-row tail group's dX took 1.80 ms over 48 of 128
-    programs, as long as a full group's."""
+    programs, as long as a full group's; 1.02 ms in 2 splits (96 programs)
+    (bench/results/recompute_dx_split_h100.txt)."""
     pid_m, pid_h = _swizzle(n_mblocks, n_hblocks, GROUP_M)
     n_valid = _valid_rows(count_ptr, row0, n_rows, True)
     ks, vm = _dx_splits(n_valid, n_mblocks, SPLIT_K, BLOCK_M)
