@@ -63,6 +63,21 @@ def test_second_launch_takes_the_launcher(launches):
                           x, 9, 1.5, False, 2, 3)
 
 
+def test_keyword_arguments_reach_the_launcher_by_value(launches):
+    """The parameters after the positional ones go to the launcher in order: constexprs and
+    defaults kept with the key (they are in it by value), a non-constexpr parameter given by
+    keyword (keyed by kind only) read from each launch."""
+    launch, log = launches
+    x = torch.zeros(64)
+    for flag in (True, False, True):
+        launch[(1,)](x, 7, 0.5, flag=flag, A=2)
+    assert [e[0] for e in log] == ["triton", "launcher", "launcher"]
+    assert [e[-3:] for e in log[1:]] == [(False, 2, 3), (True, 2, 3)]
+    launch[(1,)](x, 7, 0.5, True, A=2, B=5)
+    launch[(1,)](x, 7, 0.5, True, A=2, B=5)
+    assert log[-1][0] == "launcher" and log[-1][-3:] == (True, 2, 5)
+
+
 @pytest.mark.parametrize("change", [
     lambda x: ((x[1:], 7, 0.5, True), dict(A=2)),              # a pointer not 16-byte aligned
     lambda x: ((x.double(), 7, 0.5, True), dict(A=2)),         # another dtype
