@@ -312,7 +312,8 @@ def test_row_mask_dx_split_k_tail_group(monkeypatch):
     at most half its row tiles (cuda_rows.DX_SPLIT_K). N = 3072 at H = 4096, V = 151936: 1224
     valid rows scattered, so the second 1024-row group holds 200 (2 of its 8 row tiles: 4
     splits) and the third none. dX three-way against the fp32 reference and close to the
-    unsplit step's, bitwise the same on a second run; dW and d_bias bitwise unchanged."""
+    unsplit step's, bitwise the same on a second run, and bitwise the unsplit step's on the
+    full first group's rows; dW and d_bias bitwise unchanged."""
     import lowerings.linear_logprobs.cuda_rows as rk
     n = 3072
     x, w, ids, b = make(n, bias=True, seed=9)
@@ -339,6 +340,8 @@ def test_row_mask_dx_split_k_tail_group(monkeypatch):
         assert torch.equal(a, c)
     assert torch.equal(runs[True][1], runs[False][1]) and torch.equal(runs[True][2], runs[False][2])
     assert not runs[True][0][~mask].any()
+    first = mask.nonzero()[:1024, 0]                   # the first group: valid rows in order
+    assert torch.equal(runs[True][0][first], runs[False][0][first])
     assert err(runs[True][0], runs[False][0]) < 1e-3
     ref = grads(lambda xg, wg, bg: materialized(xg, wg, ids, bg, 1.0, upcast=True))
     pt = grads(lambda xg, wg, bg: materialized(xg, wg, ids, bg, 1.0, upcast=False))

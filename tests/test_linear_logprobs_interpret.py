@@ -170,8 +170,9 @@ def test_row_masked_dx_split_k(monkeypatch, n_valid):
     columns over the idle programs (cuda_rows.DX_SPLIT_K): one group of 64 rows (4 row tiles
     of 16), 5 valid rows -> 4 splits, 20 -> 2, 40 -> none; 3 vocab chunks of 32 / 32 / 11
     columns (2, 2, 1 K steps: some splits get no column and add zeros). dX against the
-    float64 golden and against the unsplit step (fp32: the partial sums round otherwise);
-    dW and d_bias do not change; the padded rows' dX stays 0."""
+    float64 golden and against the unsplit step: bitwise where the group does not split (40),
+    otherwise close and not bitwise (the split ran: its fp32 partials round otherwise); dW and
+    d_bias bitwise unchanged; the padded rows' dX stays 0."""
     monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     x, w, ids, b = make(64, 24, 75, torch.float32, True, seed=11)
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(12))
@@ -192,6 +193,7 @@ def test_row_masked_dx_split_k(monkeypatch, n_valid):
     for got, ref in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(dx, runs[False][0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(dx, runs[False][0]) == (n_valid == 40)
     assert torch.equal(dw, runs[False][1]) and torch.equal(db, runs[False][2])
     assert torch.equal(dx[~mask], torch.zeros_like(dx[~mask]))
 
