@@ -335,16 +335,16 @@ def test_row_group_probe_splits_a_step_at_each_gather(tmp_path, capsys, monkeypa
             ("_fwd_kernel", 200), ("void at::native::elementwise", 5), ("_gather_rows_kernel", 1),
             ("_dlogits_kernel", 300), ("_dw_step_ws_kernel", 400), ("_dx_step_kernel", 100),
             ("_dlogits_kernel", 300), ("_dw_step_ws_kernel", 400), ("_dx_step_kernel", 150),
-            ("_dx_splits_kernel", 2)]
+            ("_dx_split_reduce_kernel", 2)]
     events = [k(n, s * 100000 + i * 1000, d * (2 if s == 0 else 1))
               for s in range(2) for i, (n, d) in enumerate(step)]
     groups = row_groups.group_times(events + [{"ph": "X", "cat": "cpu_op", "name": "x"}], 2)
     want = [{"_fwd": 0.5}, {"_fwd": 0.2},
-            {"_dlogits": 0.6, "_dw_step": 0.8, "_dx_step": 0.25, "_dx_splits": 0.002}]
+            {"_dlogits": 0.6, "_dw_step": 0.8, "_dx_step": 0.25, "_dx_split": 0.002}]
     assert [dict(g) for g in groups] == [{k: pytest.approx(v) for k, v in w.items()} for w in want]
     path = tmp_path / "t.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     monkeypatch.setattr("sys.argv", ["row_groups", str(path), "--steps", "2"])
     row_groups.main()
-    assert "group   2  dlogits   0.600  dw_step   0.800  dx_step   0.250  dx_splits   0.002  ms" in capsys.readouterr().out
+    assert "group   2  dlogits   0.600  dw_step   0.800  dx_step   0.250  dx_split   0.002  ms" in capsys.readouterr().out

@@ -165,9 +165,9 @@ with mode:
         grab)(x, w, ids, lsec, entc, lsec, m)
     counts = reinplaced_counts(graphs[1])
 # per row group: gather, then dlogits, dW and dX steps for each of 3 chunks, then the dX
-# K-split partials' sum (cuda_rows.DX_SPLIT_K: it exits unless the group's dX split); nothing copied
+# K-split partials' sum (cuda_rows.DX_SPLITS: it exits unless the group's dX split); nothing copied
 assert counts["auto_functionalized_v2"] == 2 * (1 + 3 * 3 + 1), counts
-assert counts["_dx_splits_kernel"] == 2, counts
+assert counts["_dx_split_reduce_kernel"] == 2, counts
 # (the dW step: the Gluon kernel, as the fake driver's sm_90 target takes it; dw_steps)
 assert counts["_dw_step_ws_kernel"] == 6 and counts["_gather_rows_kernel"] == 2, counts
 assert not any("clone" in k or "copy_" in k for k in counts), counts
@@ -182,7 +182,7 @@ counts = reinplaced_counts(graphs[-1])
 assert counts["_dw_step_persistent_kernel"] == 6 and "_dw_step_ws_kernel" not in counts, counts
 assert not any("clone" in k or "copy_" in k for k in counts), counts
 assert check_declared() == {"_gather_rows_kernel", "_fwd_kernel", "_combine_kernel", "_dlogits_kernel", "_dw_step_ws_kernel",
-                            "_dw_step_persistent_kernel", "_dx_step_kernel", "_dx_splits_kernel"}
+                            "_dw_step_persistent_kernel", "_dx_step_kernel", "_dx_split_reduce_kernel"}
 print("OK")
 '''
 

@@ -14,7 +14,7 @@ import lowerings.linear_logprobs.fused_cuda as fck
 import lowerings.linear_logprobs.fused_steps as fsteps
 import triton
 import triton.language as tl
-from lowerings.linear_logprobs.kernels.fused_block import _dx_splits
+from lowerings.linear_logprobs.kernels.splits import _dx_splits
 
 
 def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, whole_blocks,
@@ -153,9 +153,13 @@ def _dx_splits_probe(args_ptr, out_ptr, S_MAX: tl.constexpr, BLOCK_M: tl.constex
     (1280, 9, 132, 5461, 4),    # gemma2-2b's blocks: 90 tiles (68%) -> 360 (91%)
     (1280, 9, 132, 3640, 1),    # ... unless 4 x 1280 partial rows do not fit
     (0, 16, 132, 3072, 1),      # an empty block
+    (271, 16, 132, 1024, 2),    # recompute: a 1024-row group's 271-row tail, its 8 row slots
+    (200, 16, 132, 1024, 4),    # ... 200 rows: 2 row tiles -> 4 splits fill 97%
+    (600, 16, 132, 1024, 1),    # ... 5 of 8 row tiles: no 2 x 640 rows of slots
 ])
 def test_dx_splits(n, h_blocks, sms, max_rows, want):
-    """The dX step's split count over V (kernels.fused_block._dx_splits), as its docstring states it."""
+    """The dX step's split count over V (kernels.splits._dx_splits), as its docstring states it: the
+    fused path's partials buffer or the recompute path's row slots bound it (max_rows)."""
     out = torch.zeros(2, dtype=torch.int32)
     _dx_splits_probe[(1,)](torch.tensor([n, h_blocks, sms, max_rows], dtype=torch.int32), out,
                            S_MAX=8, BLOCK_M=128)

@@ -309,7 +309,7 @@ def test_row_mask_no_host_sync_and_deterministic():
 
 def test_row_mask_dx_split_k_tail_group(monkeypatch):
     """The recompute path's dX step splits the vocab columns of a group whose valid rows fill
-    at most half its row tiles (cuda_rows.DX_SPLIT_K). N = 3072 at H = 4096, V = 151936: 1224
+    at most half its row tiles (cuda_rows.DX_SPLITS). N = 3072 at H = 4096, V = 151936: 1224
     valid rows scattered, so the second 1024-row group holds 200 (2 of its 8 row tiles: 4
     splits) and the third none. dX three-way against the fp32 reference and close to the
     unsplit step's, bitwise the same on a second run, and bitwise the unsplit step's on the
@@ -334,7 +334,7 @@ def test_row_mask_dx_split_k_tail_group(monkeypatch):
 
     runs = {}
     for split in (False, True, "again"):
-        monkeypatch.setattr(rk, "DX_SPLIT_K", bool(split))
+        monkeypatch.setattr(rk, "DX_SPLITS", 8 if split else 1)
         runs[split] = grads(ours)
     for a, c in zip(runs[True], runs["again"]):
         assert torch.equal(a, c)

@@ -167,8 +167,9 @@ def test_row_masked_path(monkeypatch, kind, group_rows):
 @pytest.mark.parametrize("n_valid", [5, 20, 40])
 def test_row_masked_dx_split_k(monkeypatch, n_valid):
     """A row group whose valid rows fill at most half its row tiles splits each dX tile's vocab
-    columns over the idle programs (cuda_rows.DX_SPLIT_K): one group of 64 rows (4 row tiles
-    of 16), 5 valid rows -> 4 splits, 20 -> 2, 40 -> none; 3 vocab chunks of 32 / 32 / 11
+    columns over the idle programs (cuda_rows.DX_SPLITS; kernels.splits._dx_splits' rule with
+    16 SMs): one group of 64 rows (4 row tiles of 16, 2 H tiles), 5 valid rows -> 4 splits,
+    20 -> 2, 40 -> none; 3 vocab chunks of 32 / 32 / 11
     columns (2, 2, 1 K steps: some splits get no column and add zeros). dX against the
     float64 golden and against the unsplit step: bitwise where the group does not split (40),
     otherwise close and not bitwise (the split ran: its fp32 partials round otherwise); dW and
@@ -181,9 +182,10 @@ def test_row_masked_dx_split_k(monkeypatch, n_valid):
     g = torch.Generator().manual_seed(13)
     g_lp, g_ent, g_lse = (torch.randn(64, generator=g) for _ in range(3))
     lp, ent, lse = rk.forward(x, w, ids, b, mask, 0.7, False, True)
+    monkeypatch.setattr(rk, "grid_sms", lambda device: 16)
     runs = {}
     for split in (False, True):
-        monkeypatch.setattr(rk, "DX_SPLIT_K", split)
+        monkeypatch.setattr(rk, "DX_SPLITS", 8 if split else 1)
         runs[split] = rk.backward(x, w, ids, b, mask, lse, ent, g_lp, g_ent, g_lse, 0.7, False,
                                   True, True, True, True)
     xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))

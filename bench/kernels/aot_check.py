@@ -41,6 +41,7 @@ from lowerings.linear_logprobs.kernels import dw as kdw
 from lowerings.linear_logprobs.kernels import dw_gluon as kdw_ws
 from lowerings.linear_logprobs.kernels import fused_block as kf
 from lowerings.linear_logprobs.kernels import rows as kr
+from lowerings.linear_logprobs.kernels import splits as ks
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448                  # bytes of shared memory a block may opt into on H100 / H200
@@ -156,15 +157,16 @@ def cases():
     for store in (True, False):   # the group's last chunk (scatter to dX), or a bulk reduce-add
         yield (f"dX step, recompute, STORE={store}", kr._dx_step_kernel,
                dict(tiles, ACCUMULATE=True, STORE=store, ACC_TMA=rows.DX_ACC_TMA,
-                    SPLIT_K=rows.DX_SPLIT_K, GROUP_M=rows.GROUP_M), gwarps, gstages)
-    yield ("dX step's K-split partials' sum, recompute", kr._dx_splits_kernel,
-           dict(BLOCK_M=gm, BLOCK_R=rows.GATHER_ROWS, BLOCK_H=rows.GATHER_H), 4, 1)
+                    S_MAX=max(1, rows.DX_SPLITS), GROUP_M=rows.GROUP_M), gwarps, gstages)
+    yield ("dX step's K-split partials' sum, recompute", ks._dx_split_reduce_kernel,
+           dict(S_MAX=max(1, rows.DX_SPLITS), BLOCK_M=gm, BLOCK_R=rows.GATHER_ROWS,
+                BLOCK_H=rows.GATHER_H, ROW_SCALE=False), 4, 1)
     rr, rh, rwarps = fc.REDUCE_TILE
     for scale in (False, True):
         yield (f"dX step, split over V, ROW_SCALE={scale}", kf._dx_split_kernel,
                dict(tiles, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M, ROW_SCALE=scale),
                gwarps, gstages)
-        yield (f"dX split partials' sum, ROW_SCALE={scale}", kf._dx_split_reduce_kernel,
+        yield (f"dX split partials' sum, ROW_SCALE={scale}", ks._dx_split_reduce_kernel,
                dict(S_MAX=max(1, fc.DX_SPLITS), BLOCK_M=gm, BLOCK_R=rr, BLOCK_H=rh,
                     ROW_SCALE=scale), rwarps, 1)
     yield ("row gather", kr._gather_rows_kernel,
@@ -192,7 +194,7 @@ def cases():
            dict(tiles4, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M, ROW_SCALE=False,
                 _ptrs=f32), gwarps4, gstages4)
     yield ("fp32, dX step, recompute", kr._dx_step_kernel,
-           dict(tiles4, ACCUMULATE=True, STORE=True, ACC_TMA=False, SPLIT_K=rows.DX_SPLIT_K,
+           dict(tiles4, ACCUMULATE=True, STORE=True, ACC_TMA=False, S_MAX=max(1, rows.DX_SPLITS),
                 GROUP_M=rows.GROUP_M, _ptrs=f32),
            gwarps4, gstages4)
     fc_, fh_, fk_, fwarps_, fstages_ = dense.step_tiles(4)[1]

@@ -15,7 +15,7 @@ import collections
 import gzip
 import json
 
-FAMILIES = ("_fwd", "_dlogits", "_dw_step", "_dx_step", "_dx_splits")
+FAMILIES = ("_fwd", "_dlogits", "_dw_step", "_dx_step", "_dx_split")
 
 
 def group_times(events: list, steps: int) -> list[dict]:

@@ -18,9 +18,9 @@ schedule over the permuted rows, every kernel reading count and stopping at it:
                        persistent kernel, whose TMA reduce-add rounds twice)
       _dx_step_kernel  acc[:n_g] (+)= ws[:n_g] @ W[c]    (row blocks past n_g exit) 2 n_g H C
                        (last chunk: dX[perm[...]] = acc, scattered back in dX's dtype; where
-                       n_g fills at most half the group's row tiles, each tile's columns are
-                       split over the idle programs, whose partials _dx_splits_kernel adds
-                       in a fixed order after the last chunk: DX_SPLIT_K)
+                       n_g leaves programs idle, each tile's columns are split over them,
+                       the fused path's rule, and _dx_split_reduce_kernel adds the partials
+                       in a fixed order after the last chunk: DX_SPLITS)
 
 so the FLOPs are those of the valid rows plus less than one row block per group. The dense
 path's cuBLAS steps cannot stop at a device count, hence the two Triton GEMM steps (TMA operand
@@ -48,8 +48,8 @@ from lowerings.linear_logprobs.cuda import cdiv, size_hint
 from lowerings.linear_logprobs.device import cuda_sms, grid_sms
 from lowerings.linear_logprobs.fused_order import valid_rows_first
 from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
-from lowerings.linear_logprobs.kernels.rows import (_dx_splits_kernel, _dx_step_kernel,
-                                                    _gather_rows_kernel)
+from lowerings.linear_logprobs.kernels.rows import _dx_step_kernel, _gather_rows_kernel
+from lowerings.linear_logprobs.kernels.splits import _dx_split_reduce_kernel
 
 # The dlogits workspace [R, C] of this path. H100, qwen3-8b shape, 67% valid (bench.kernels.rows
 # --sweep): 16 MiB (C = 4096) 102.1 ms, 24 MiB 97.6 ms, 32 MiB 97.7 ms, peaks within 5 MiB.
@@ -75,12 +75,13 @@ ROWS_BYTES = 60 << 20
 # The dX step hands its fp32 tile to the TMA unit (a bulk store, then bulk reduce-adds into acc)
 # on every chunk but a group's last, where operands take TMA (kernels.rows._dx_step_kernel).
 DX_ACC_TMA = True
-# The dX step of a group whose valid rows fill at most half its row tiles (the partial group at
-# the end of the valid rows) splits each tile's vocab columns over the idle programs, and
-# _dx_splits_kernel adds the partials in a fixed order after the group's last chunk
-# (kernels.rows._dx_step_kernel). H100, qwen3-8b, 39% valid: that group's dX took 1.80 ms, a
-# full group's time, on 48 of its 128 programs.
-DX_SPLIT_K = True
+# The dX step of a group whose valid rows leave programs idle (the partial group at the end of
+# the valid rows) splits each tile's vocab columns over them in at most DX_SPLITS ways (the
+# fused path's rule, kernels.splits._dx_splits, over the group's row slots), and
+# _dx_split_reduce_kernel adds the partials in a fixed order after the group's last chunk
+# (kernels.rows._dx_step_kernel); 1 turns splitting off. H100, qwen3-8b, 39% valid: that
+# group's dX took 1.80 ms, a full group's time, on 48 of its 128 programs; 1.02 in 2 splits.
+DX_SPLITS = 8
 # Off CUDA (the interpreter tests, fake-target traces on a CPU machine: no SM count to plan for)
 # the budget rule of the dense backward: a 24 MiB accumulator (R = 1536 at H = 4096) and a
 # WS_BYTES workspace, C at most cuda.CHUNK_V.
@@ -182,7 +183,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     dw = weight.new_empty(weight.shape) if need_w else None                # [V, H]
     db = [None] * cdiv(v, c)                                        # fp32 [C'] each
     sms = grid_sms(ws.device)                                # the persistent grids' programs
-    split_k = DX_SPLIT_K and size_hint(r) > gm             # a group of one row tile never splits
+    s_max = max(1, DX_SPLITS) if size_hint(r) > gm else 1  # a group of one row tile never splits
     for g in range(groups):
         r0 = torch.sym_min(g * r, n)
         rows = torch.sym_min((g + 1) * r, n) - r0
@@ -215,14 +216,15 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 n_mblocks, n_hblocks = cdiv(rows, gm), cdiv(h, gh)
                 wrap(_dx_step_kernel)[(n_mblocks * n_hblocks,)](
                     ws, w, acc, dx, perm, count, r0, rows, v0, cols, v, h, ws.stride(0),
-                    w.stride(0), dx.stride(0), n_mblocks, n_hblocks, ACCUMULATE=v0 > 0,
+                    w.stride(0), dx.stride(0), n_mblocks, n_hblocks, sms, ACCUMULATE=v0 > 0,
                     STORE=v0 + c >= v, DOT_PREC=prec, USE_TMA=tma, ACC_TMA=tma and DX_ACC_TMA,
-                    SPLIT_K=split_k, BLOCK_M=gm, BLOCK_H=gh,
+                    S_MAX=s_max, BLOCK_M=gm, BLOCK_H=gh,
                     BLOCK_K=gk, GROUP_M=GROUP_M, num_warps=gwarps, num_stages=gstages)
-                if split_k and v0 + c >= v:   # the split partials' sum, scattered to dX
-                    wrap(_dx_splits_kernel)[(cdiv(rows, GATHER_ROWS), cdiv(h, GATHER_H))](
-                        acc, dx, perm, count, r0, rows, h, dx.stride(0), n_mblocks,
-                        BLOCK_M=gm, BLOCK_R=GATHER_ROWS, BLOCK_H=GATHER_H)
+                if s_max > 1 and v0 + c >= v:   # the split partials' sum, scattered to dX
+                    wrap(_dx_split_reduce_kernel)[(cdiv(rows, GATHER_ROWS), cdiv(h, GATHER_H))](
+                        acc, dx, perm, count, r0, rows, h, dx.stride(0), n_hblocks, sms,
+                        n_mblocks * gm, S_MAX=s_max, BLOCK_M=gm, BLOCK_R=GATHER_ROWS,
+                        BLOCK_H=GATHER_H, scale_ptr=acc, ROW_SCALE=False)
             if need_b:
                 part = dbp.sum(0).narrow(0, 0, cols)                       # [C'] fp32
                 db[ci] = part if db[ci] is None else db[ci] + part

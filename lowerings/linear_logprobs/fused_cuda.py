@@ -45,9 +45,9 @@ from lowerings.linear_logprobs import cuda_rows as _rows
 from lowerings.linear_logprobs import dw_steps as _dws
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
 from lowerings.linear_logprobs.kernels.logits import _fwd_kernel
-from lowerings.linear_logprobs.kernels.fused_block import (_dx_split_kernel, _dx_split_reduce_kernel,
-                                                     _exp_prep_kernel, _fused_dlogits_kernel,
-                                                     _target_ref_kernel)
+from lowerings.linear_logprobs.kernels.fused_block import (_dx_split_kernel, _exp_prep_kernel,
+                                                           _fused_dlogits_kernel, _target_ref_kernel)
+from lowerings.linear_logprobs.kernels.splits import _dx_split_reduce_kernel
 from lowerings.linear_logprobs import precompile as _precompile
 from lowerings.linear_logprobs.precompile import capturable
 
@@ -70,7 +70,7 @@ def _dw_capturable(kernel) -> capturable:
 # partial sums are [cdiv(R, BLOCK_N), V] fp32 (only with a bias). H100, qwen3-8b, 39% valid
 # (bench.kernels.fused --sweep dlogits): 1.73 ms a step at (32, 256, 8), 2.00 at (32, 256, 4).
 DLOGITS_TILE = (32, 256, 8)
-# The dX step's most splits over V (kernels.fused_block._dx_splits picks S <= DX_SPLITS on the
+# The dX step's most splits over V (kernels.splits._dx_splits picks S <= DX_SPLITS on the
 # device from the block's valid rows, for a grid of few programs: a block's short tail, or few
 # H blocks); 1 turns splitting off. The fp32 partials take at most DX_SPLIT_MIB
 # (DX_SPLIT_BYTES): 48 MiB holds gemma2-2b's 1280-row blocks in 4 splits.
@@ -225,7 +225,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         if s_max > 1:
             rr, rh, rwarps = REDUCE_TILE
             _dx_split_reduce_kernel[(cdiv(rows, rr), cdiv(h, rh))](
-                dxp, dx, perm_b, count, rows, h, dx.stride(0), *split, S_MAX=s_max, BLOCK_M=gm,
+                dxp, dx, perm_b, count, 0, rows, h, dx.stride(0), *split, S_MAX=s_max, BLOCK_M=gm,
                 BLOCK_R=rr, BLOCK_H=rh, scale_ptr=c, ROW_SCALE=scaled, num_warps=rwarps)
     if need_b:
         db.add_(dbp.sum(0))

@@ -7,6 +7,7 @@
 - dw.py           the dW steps (dW (+)= dlogits.T @ X): per tile and persistent
 - dw_gluon.py     the dW step as a warp-specialized Gluon kernel (sm_90)
 - fused_block.py  the fused-gradient block steps: in-place dlogits, dX split, exp-scaling, ...
+- splits.py       the dX steps' split over V (both paths'): its count, the partials' ordered sum
 - tiles.py        the shared tile addressing, and the arguments no kernel specializes on
 - writes.py       the `writes` declaration of each kernel's written pointers (launch.py)
 

@@ -8,6 +8,7 @@ C a vocab chunk's columns.
 import triton
 import triton.language as tl
 
+from lowerings.linear_logprobs.kernels.splits import _dx_splits
 from lowerings.linear_logprobs.kernels.tiles import VARYING_PTRS, _desc, _swizzle, _tile, _valid_rows
 from lowerings.linear_logprobs.kernels.writes import writes
 
@@ -15,9 +16,9 @@ from lowerings.linear_logprobs.kernels.writes import writes
 @writes("acc_ptr", dx_ptr="STORE")
 @triton.jit(do_not_specialize_on_alignment=VARYING_PTRS)
 def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n_rows, v0, cols,
-                    V, H, stride_ws, stride_w, stride_dx, n_mblocks, n_hblocks,
+                    V, H, stride_ws, stride_w, stride_dx, n_mblocks, n_hblocks, n_sms,
                     ACCUMULATE: tl.constexpr, STORE: tl.constexpr, DOT_PREC: tl.constexpr,
-                    USE_TMA: tl.constexpr, ACC_TMA: tl.constexpr, SPLIT_K: tl.constexpr,
+                    USE_TMA: tl.constexpr, ACC_TMA: tl.constexpr, S_MAX: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr):
     """acc[:n] (+)= ws[:n, :cols] @ W[v0 : v0 + cols] for the n = clamp(count - row0, 0,
@@ -29,19 +30,21 @@ def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n
     value's load; old + tile is the same fp32 sum either way (one writer an element a launch,
     launches ordered).
 
-    SPLIT_K: where the group's vm valid row tiles fill at most half the grid's n_mblocks
-    row slots (the partial group at the end of the valid rows), each tile's K range (the
-    chunk's columns) is split ks = n_mblocks // vm ways (_dx_splits): program slot pid_m =
-    split * vm + m sums its share of row tile m into its own acc rows [pid_m BM, pid_m BM +
-    BM) over all chunks, and _dx_splits_kernel adds the ks partials in split order after
-    the group's last chunk and scatters them to dX. Still one writer an element a launch:
+    Split K (S_MAX > 1): where the group's vm valid row tiles leave programs idle (the
+    partial group at the end of the valid rows), each tile's K range (the chunk's columns) is
+    split ks ways, the fused path's rule over the grid's row slots (splits._dx_splits with
+    max_rows = n_mblocks * BLOCK_M, so ks * vm <= n_mblocks): program slot pid_m = split * vm
+    + m sums its share of row tile m into its own acc rows [pid_m BM, pid_m BM + BM) over all
+    chunks, and splits._dx_split_reduce_kernel adds the ks partials in split order after the
+    group's last chunk and scatters them to dX. Still one writer an element a launch:
     deterministic, and a full group (ks = 1) takes the same steps and bits as without it.
     H100, qwen3-8b, 39% valid: the 271-row tail group's dX took 1.80 ms over 48 of 128
     programs, as long as a full group's; 1.02 ms in 2 splits (96 programs)
     (bench/results/recompute_dx_split_h100.txt)."""
     pid_m, pid_h = _swizzle(n_mblocks, n_hblocks, GROUP_M)
     n_valid = _valid_rows(count_ptr, row0, n_rows, True)
-    ks, vm = _dx_splits(n_valid, n_mblocks, SPLIT_K, BLOCK_M)
+    ks, n_pad = _dx_splits(n_valid, n_hblocks, n_sms, n_mblocks * BLOCK_M, S_MAX, BLOCK_M)
+    vm = n_pad // BLOCK_M
     if pid_m >= ks * vm:
         return
     split = pid_m // vm
@@ -85,46 +88,10 @@ def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n
                 dst = tl.load(perm_ptr + row0 + rows, mask=rows < n_valid, other=0)
                 tl.store(dx_ptr + dst.to(tl.int64)[:, None] * stride_dx + hs[None, :],
                          acc.to(dx_ptr.dtype.element_ty), mask=mask)
-            else:   # a split's partial stays in acc for _dx_splits_kernel
+            else:   # a split's partial stays in acc for _dx_split_reduce_kernel
                 tl.store(acc_ptrs, acc, mask=mask)
         else:
             tl.store(acc_ptrs, acc, mask=mask)
-
-
-@triton.jit
-def _dx_splits(n_valid, n_mblocks, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(ks, vm): the vm = cdiv(n_valid, BLOCK_M) valid row tiles of a dX step take ks =
-    n_mblocks // vm programs each (1 without SPLIT_K or past half the slots); a function of
-    the group's valid rows alone, so every chunk's launch and _dx_splits_kernel agree."""
-    vm = tl.cdiv(n_valid, BLOCK_M)
-    if SPLIT_K:
-        return tl.maximum(n_mblocks // tl.maximum(vm, 1), 1), vm
-    else:
-        return n_valid * 0 + 1, vm
-
-
-@writes("dx_ptr")
-@triton.jit(do_not_specialize_on_alignment=VARYING_PTRS)
-def _dx_splits_kernel(acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n_rows, H, stride_dx, n_mblocks,
-                      BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """After a group's last dX step: where that step split K (ks > 1, _dx_splits with the dX
-    step's BLOCK_M), dX[perm[row0 + r]] = acc[r] + acc[vm BM + r] + ... + acc[(ks - 1) vm BM
-    + r] in split order for the valid rows r, in dX's dtype; with ks = 1 the step already
-    scattered dX and this exits."""
-    n_valid = _valid_rows(count_ptr, row0, n_rows, True)
-    ks, vm = _dx_splits(n_valid, n_mblocks, True, BLOCK_M)
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    if (ks == 1) | (tl.program_id(0) * BLOCK_R >= n_valid):
-        return
-    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (r < n_valid)[:, None] & (hs < H)[None, :]
-    ptrs = acc_ptr + r.to(tl.int64)[:, None] * H + hs[None, :]
-    total = tl.load(ptrs, mask=mask, other=0.0)
-    for s in range(1, ks):
-        total += tl.load(ptrs + (s * vm * BLOCK_M).to(tl.int64) * H, mask=mask, other=0.0)
-    dst = tl.load(perm_ptr + row0 + r, mask=r < n_valid, other=0)
-    tl.store(dx_ptr + dst.to(tl.int64)[:, None] * stride_dx + hs[None, :],
-             total.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @writes("out_ptr")
