@@ -12,3 +12,30 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The slowest tests of a cold 2-core CI run (`--durations`, 2026-11-27: 30-160 s each), longest
+# first, run before the rest. pytest-xdist's load scheduling hands the first quarter of the
+# collection out round-robin, so these start at once on both workers and the short tests fill
+# in behind them; in collection order one of them could start last and run alone while the other
+# worker sat idle (a long tail of up to its whole time). Node ids without the parameters.
+RUN_FIRST = (
+    "tests/test_distributed_scripts.py::test_gloo_tp_bench_cpu_tiny",
+    "tests/test_batch_invariance.py::test_rows_bitwise_independent_of_the_batch",
+    "tests/test_fused_modes.py::test_compiled_block_counts_step_so_dynamic_sizes_rarely_recompile",
+    "tests/test_distributed.py::test_gloo_tp",
+    "tests/test_fused_packed.py::test_packed_sequence_losses_fused_compile",
+    "tests/test_fused.py::test_compile_fullgraph_dynamic",
+    "tests/test_inductor_code.py::test_no_tokens_by_vocab_buffer_forward_or_backward",
+    "tests/test_memory_cpu.py::test_cpu_body_workspace_is_bounded_by_rows_too",
+    "tests/test_cpu_row_groups.py::test_compile_dynamic_n_smaller_and_larger_than_traced",
+    "tests/test_memory_cpu.py::test_peak_rss_stays_far_below_one_logits_tensor",
+    "tests/test_bench.py::test_valid_token_peers_and_packed_twin",
+    "tests/test_packed.py::test_compile_once_for_many_packings_whole_sequence_blocks",
+    "tests/test_aot_hopper.py::test_kernels_compile_for_sm90",
+    "tests/test_cuda_trace.py::test_cuda_rows_backward_trace_in_place_and_symbolic_n",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("[")[0], len(rank)))   # stable
