@@ -24,13 +24,18 @@ def test_kernels_compile_for_sm90():
     # with none to spare: a scalar the compiler cannot prove a multiple of the vocab tile (the
     # fused forward's splits read on the device, before tl.multiple_of) spilled 1.3-4.4 KB a
     # thread inside the column loop.
-    # (16-bit operands; the fp32 forwards, fp32_lm_head's 3xTF32 products, spill ~1.5 KB a thread:
-    # known, stated in the README's lm_head precision table, not yet tuned)
+    # (16-bit operands; the fp32 forwards, fp32 inputs' 3xTF32 products, spill ~1.5 KB a thread:
+    # known, stated in the README's lm_head precision table, not yet tuned; fp32_lm_head over a
+    # bf16 head, one TF32 product (cuda.logits_precision), spills 248 / 452 B in the fused
+    # forward: held to that size below)
     # The exp-scaled backward's forwards (STORE_E) spill one shared-memory address of the tile
     # store, reloaded once a tile (8 B a thread without entropy, 20 B with; since their epilogue
     # lost ~20% of its instructions to ftz exps and 32-bit id compares, kernels.logits._exp /
     # _col_ids): held to that size so it cannot grow unseen.
-    forwards = [line for line in lines if "_fwd_kernel" in line and " fp32, " not in line]
+    forwards = [line for line in lines if "_fwd_kernel" in line and " fp32" not in line]
+    for line in (line for line in lines if " fp32 of bf16, " in line and "_fwd_kernel" in line):
+        st, ld = map(int, re.search(r"spills (\d+)/(\d+) B", line).groups())
+        assert st <= 256 and ld <= 512, line   # as measured (aot_check, triton 3.6)
     plain = [line for line in forwards if "STORE_E" not in line]
     assert plain and all("spills 0/0 B" in line for line in plain), "\n".join(forwards)
     for line in forwards:

@@ -188,6 +188,18 @@ def cases():
     yield ("fp32, dlogits, recompute", k._dlogits_kernel,
            dict({k: c for k, c in logit4.items() if k not in ("STORE_E", "E_HEADROOM")},
                 NEED_DB=False, HAS_COUNT=True, _ptrs=f32), warps4, stages4)
+    # fp32 operands holding bf16 values (fp32_lm_head over a bf16 head): the logits GEMMs in one
+    # TF32 product (cuda.logits_precision)
+    prec1 = dense.logits_precision(dense.FP32_DOT, True)
+    *_, stages1 = dense.tiles(torch.empty(0), prec1)
+    exact = dict(logit4, DOT_PREC=prec1)
+    yield ("fp32 of bf16, forward, fused (STORE_Z)", k._fwd_kernel,
+           dict(exact, HAS_COUNT=True, STORE_Z=True, _ptrs=dict(f32, z_ptr="*fp32")), warps4, stages1)
+    yield ("fp32 of bf16, forward, recompute", k._fwd_kernel,
+           dict(exact, HAS_COUNT=False, STORE_Z=False, _ptrs=f32), warps4, stages1)
+    yield ("fp32 of bf16, dlogits, recompute", k._dlogits_kernel,
+           dict({k: c for k, c in exact.items() if k not in ("STORE_E", "E_HEADROOM")},
+                NEED_DB=False, HAS_COUNT=True, _ptrs=f32), warps4, stages1)
     gm4, gh4, gk4, gwarps4, gstages4 = dense.step_tiles(4)[0]
     tiles4 = dict(DOT_PREC=dense.FP32_DOT, USE_TMA=False, BLOCK_M=gm4, BLOCK_H=gh4, BLOCK_K=gk4)
     yield ("fp32, dX step, split over V", kf._dx_split_kernel,

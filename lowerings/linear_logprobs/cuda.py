@@ -112,14 +112,19 @@ TMA = "1"
 DW_TMA_OUT = True
 
 
-def tiles(x: Tensor) -> tuple:
+def tiles(x: Tensor, prec: str = "") -> tuple:
     """TILES for x's operand dtype: 4-byte operands take half the BLOCK_K, so a pipeline stage
     holds the bytes of the 16-bit one (the 16-bit tiles in fp32 need 272 KiB of shared memory).
     BLOCK_N and BLOCK_V stay: the vocab split plan, the fused path's zoff tiles and the dlogits
-    pass follow them."""
+    pass follow them. One-product TF32 dots (prec "tf32", logits_precision) read their fp32
+    operands from shared memory, so the fused forward's and the dlogits kernel's epilogue tile
+    (128 KiB) beside 3 stages is more than a block has: 2 stages (same BLOCK_K, so the same
+    K order, the same bits in every kernel)."""
     bn, bv, bk, warps, stages = TILES
     if x.element_size() == 4:
         bk = max(16, bk // 2)
+        if prec == "tf32":
+            stages = min(stages, 2)
     return bn, bv, bk, warps, stages
 
 
@@ -127,6 +132,16 @@ def step_tiles(itemsize: int) -> tuple[tuple, tuple]:
     """(GEMM_TILES, DW_TILES) entries of the dX / dW steps for operands of `itemsize` bytes."""
     size = min(8, max(2, itemsize))
     return GEMM_TILES[size], DW_TILES[size]
+
+
+def logits_precision(prec: str, exact_tf32: bool) -> str:
+    """The logits GEMM's input_precision: "tf32" where its fp32 operands are casts of bf16 values
+    (exact_tf32: fp32_lm_head over a bf16 head, op.exact_in_tf32). A bf16 significand (8 bits)
+    is exact in TF32's 10, so one tensor-core product per K step is exact, as 3xTF32's three
+    are (its two tail products multiply zeros): the same fp32-accumulated dot at a third of the
+    MMAs and none of the operand splitting. The dX / dW GEMMs keep prec (the logits gradient is
+    not a bf16 value). prec itself otherwise."""
+    return "tf32" if exact_tf32 and prec == FP32_DOT else prec
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -249,7 +264,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     Logits z = softcap * tanh(a * logit_scale / softcap) / T, a = hidden @ weight.T + bias
     (z = a * logit_scale / T when softcap is None)."""
     x, w, prec = _prepare(hidden, weight, compute_dtype)
-    bn, bv, bk, warps, stages = tiles(x)
+    lprec = logits_precision(prec, fp32_lm_head)           # fp32_lm_head: a bf16 head, upcast
+    bn, bv, bk, warps, stages = tiles(x, lprec)
     tma = _use_tma(x, w)
     ids = ids.contiguous()                                 # read at unit stride, like bias
     bias = _bias(bias, compute_dtype)
@@ -262,7 +278,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
         x, w, bias if bias is not None else x, ids, m, s, t, zt, ids, n, v, h, x.stride(0),
         w.stride(0), *_scalars(temperature, logit_scale, softcap), cols, n_blocks, splits, 0, n, m, m, 0, 0,
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, ROUND=rounds(x, round_logits),
-        WITH_ENTROPY=with_entropy, HAS_COUNT=False, STORE_Z=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
+        WITH_ENTROPY=with_entropy, HAS_COUNT=False, STORE_Z=False, DOT_PREC=lprec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_K=bk, GROUP_N=GROUP_N, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
         num_warps=warps, num_stages=stages)
     return combine(wrap, m, s, t, zt, ids, None, with_entropy)
@@ -321,7 +337,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes; [0]-shaped where not needed.
     The dlogits kernel applies the chain rule of the scale and cap (see _dlogits_kernel)."""
     x, w, prec = _prepare(hidden, weight, compute_dtype)
-    bn, bv, bk, warps, stages = tiles(x)
+    lprec = logits_precision(prec, fp32_lm_head)           # the recomputed logits' (forward's)
+    bn, bv, bk, warps, stages = tiles(x, lprec)
     tma = _use_tma(x, w)
     # The kernel reads the [N] vectors at unit stride: autograd hands in expanded grads (the
     # grad of a .sum() is a stride-0 view of one element), so make them dense first.
@@ -360,7 +377,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 ws, dbp, ids, n, v, h, r0, r0, rows, v0, x.stride(0), w.stride(0), c,
                 *_scalars(temperature, logit_scale, softcap), n_blocks, n_vtiles, sms,
                 HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, ROUND=rounds(x, round_logits),
-                WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=False, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
+                WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=False, DOT_PREC=lprec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
                 GROUP_N=GROUP_N, num_warps=warps, num_stages=stages)
             if need_w:
                 dw_rows(dw, v0, ws, cols, x, r0, rows, g > 0)

@@ -131,7 +131,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     """(logprobs, entropy, lse), each [N] fp32, 0 at padded rows; entropy 0 unless with_entropy.
     logit_scale / softcap / round_logits / compute_dtype as in cuda.forward."""
     x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, compute_dtype)
-    bn, bv, bk, warps, stages = _dense.tiles(x)
+    lprec = _dense.logits_precision(prec, fp32_lm_head)    # the logits' (a bf16 head, upcast)
+    bn, bv, bk, warps, stages = _dense.tiles(x, lprec)
     n, h = x.shape
     v = w.shape[0]
     ids_p = ids.index_select(0, perm)                                      # [N] permuted
@@ -149,7 +150,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
             xg.stride(0), w.stride(0), *_dense._scalars(temperature, logit_scale, softcap), cols,
             n_blocks, splits, r0, n, m, m, 0, 0, HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
             ROUND=_dense.rounds(x, round_logits),
-            WITH_ENTROPY=with_entropy, HAS_COUNT=True, STORE_Z=False, DOT_PREC=prec,
+            WITH_ENTROPY=with_entropy, HAS_COUNT=True, STORE_Z=False, DOT_PREC=lprec,
             USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
             ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
             num_warps=warps, num_stages=stages)
@@ -169,7 +170,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     (gm, gh, gk, gwarps, gstages), dw_tiles = _dense.step_tiles(hidden.element_size())
     b_dtype = None if bias is None else bias.dtype                         # d_bias's dtype
     x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, compute_dtype)
-    bn, bv, bk, warps, stages = _dense.tiles(x)
+    lprec = _dense.logits_precision(prec, fp32_lm_head)    # the logits' (a bf16 head, upcast)
+    bn, bv, bk, warps, stages = _dense.tiles(x, lprec)
     n, h = x.shape
     v = w.shape[0]
     # the [N] vectors in permuted order, dense (autograd may hand in stride-0 grads)
@@ -201,7 +203,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 ws, dbp, count, rows, v, h, 0, r0, rows, v0, xg.stride(0), w.stride(0), c,
                 *_dense._scalars(temperature, logit_scale, softcap), n_blocks, n_vtiles, sms,
                 HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, ROUND=_dense.rounds(x, round_logits),
-                WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=True, DOT_PREC=prec,
+                WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=True, DOT_PREC=lprec,
                 USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
                 num_warps=warps, num_stages=stages)
             if need_w:

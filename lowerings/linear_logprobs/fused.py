@@ -145,7 +145,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                           entropy_grad: bool = True, allow_scaled: bool = True,
                           plan: Optional[tuple[Tensor, Tensor, Tensor]] = None,
                           round_logits: bool = False,
-                          compute_dtype: Optional[torch.dtype] = None) -> FusedResult:
+                          compute_dtype: Optional[torch.dtype] = None,
+                          exact_tf32: bool = False) -> FusedResult:
     """hidden [N, H], weight [V, H], ids [N] in [0, V) (any value at padded rows), bias [V],
     row_mask [N] bool (None: every row valid), ``blocks`` G (a Python int) of ``block_rows`` R
     rows (G * R >= N; R may be symbolic). ``grad_fn(r0, idx, logprobs, entropy) -> (g_lp,
@@ -176,7 +177,10 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
 
     ``round_logits``: the logits (and their gradient) in the 16-bit operands' dtype, as
     lowerings.linear_logprobs.linear_logprobs states it; ``compute_dtype``: the dtype the
-    operands are multiplied in (the grads keep the inputs' dtypes), as it states too."""
+    operands are multiplied in (the grads keep the inputs' dtypes), as it states too;
+    ``exact_tf32``: the fp32 operands hold bf16 values (fp32_lm_head over a bf16 head,
+    op.exact_in_tf32): the forward's logits GEMM takes one TF32 product (cuda.logits_precision),
+    as the op's does, so both give a row the same bits."""
     hidden, weight = hidden.detach(), weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
     n, h = hidden.shape
@@ -231,7 +235,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     step_fwd, step_bwd = _steps.block_steps(hidden)
     if hidden.is_cuda and step_fwd is _steps._block_forward:   # eager: the kernels compiled in parallel
         _fcuda.precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, dx, dxp,
-                                dw, db, blocks, r, ref, scaled, scal, need_x, need_w, need_b)
+                                dw, db, blocks, r, ref, scaled, scal, need_x, need_w, need_b,
+                                exact_tf32)
     lps, ents, lses = [], [], []
     # last block first: with the global order the blocks past the last valid row are empty and
     # the last one with valid rows is partial, so that one runs first and its dW step stores
@@ -240,7 +245,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     for b in reversed(range(blocks)):
         r0, rows = b * r, r
         lp_b, ent_b, lse_b = step_fwd(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b,
-                                      r0, rows, ref=ref, scaled=scaled, **scal)
+                                      r0, rows, ref=ref, scaled=scaled, exact_tf32=exact_tf32,
+                                      **scal)
         idx = perm.narrow(0, r0, rows)                                       # [R'] original rows
         if combine is not None:
             lp_b, ent_b, lse_b = combine(idx, lp_b, ent_b, lse_b)

@@ -117,9 +117,11 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
                   perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor, b: int,
                   r0: int, rows: int, temperature: float, with_entropy: bool,
                   logit_scale: float, softcap: Optional[float], ref: Tensor,
-                  scaled: bool, round_logits: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                  scaled: bool, round_logits: bool = False,
+                  exact_tf32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     x, w, prec = _dense._prepare(hidden, weight)   # no copies: fused.py cast them once
-    bn, bv, bk, warps, stages = _dense.tiles(x)
+    lprec = _dense.logits_precision(prec, exact_tf32)
+    bn, bv, bk, warps, stages = _dense.tiles(x, lprec)
     rounds = _dense.rounds(x, round_logits)
     if rows == 0:
         return tuple(x.new_zeros(0, dtype=torch.float32) for _ in range(3))
@@ -144,7 +146,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
         ws if scaled else _z_view(ws, rounds), zoff, ws.stride(0), zoff.stride(0),
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
         ROUND=rounds, WITH_ENTROPY=with_entropy,
-        HAS_COUNT=True, STORE_Z=True, DOT_PREC=prec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
+        HAS_COUNT=True, STORE_Z=True, DOT_PREC=lprec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
         BLOCK_K=bk, GROUP_N=_dense.GROUP_N, ref_ptr=ref,
         STORE_E=scaled, E_HEADROOM=E_HEADROOM, num_warps=warps, num_stages=stages)
     # the splits' statistics -> the block's outputs, 0 past count: the merge every CUDA path
@@ -235,7 +237,8 @@ _EAGER_SEEN: set = set()   # the eager calls' launch configurations precompiled 
 
 
 def precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, dx, dxp, dw, db,
-                     blocks, r, ref, scaled, scal, need_x, need_w, need_b) -> None:
+                     blocks, r, ref, scaled, scal, need_x, need_w, need_b,
+                     exact_tf32: bool = False) -> None:
     """An eager call's kernels, compiled by the precompile workers in parallel before the first
     block runs (a trace hands them over from the steps' fake implementations instead): one
     block's launches, captured, specialize as every block's do. Once a launch configuration:
@@ -250,7 +253,7 @@ def precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, dx
             return None
         return t.dtype, t.stride(), t.storage_offset() * t.element_size() % 16
 
-    key = (hidden.device, r, dxp.shape[0], scaled, need_x, need_w, need_b,
+    key = (hidden.device, r, dxp.shape[0], scaled, need_x, need_w, need_b, exact_tf32,
            tuple(map(spec, (hidden, weight, bias, ws, xg, dx, dxp, dw, db))),
            tuple(sorted((k, v if isinstance(v, bool) or v is None else 0)
                         for k, v in scal.items())))
@@ -261,7 +264,7 @@ def precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, dx
 
     def launches():   # host code only: no kernel runs inside precompile's capture
         block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, b * r, r, ref=ref,
-                      scaled=scaled, **scal)
+                      scaled=scaled, exact_tf32=exact_tf32, **scal)
         # a d_bias stand-in: the step's host code adds its (here unwritten) partial sums to db
         block_backward(weight, ids_p, perm, counts, ws, zoff, xg, vec(), vec(), vec(), vec(), dx,
                        dxp, dw, torch.empty_like(db), b, b * r, r, need_x=need_x, need_w=need_w,

@@ -85,15 +85,18 @@ def _block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional
                    perm: Tensor, counts: Tensor, ws: Tensor, zoff: Tensor, xg: Tensor,
                    b: int, r0: int, rows: int, temperature: float, with_entropy: bool,
                    logit_scale: float, softcap: Optional[float], ref: Tensor, scaled: bool,
-                   round_logits: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                   round_logits: bool = False, exact_tf32: bool = False
+                   ) -> tuple[Tensor, Tensor, Tensor]:
     """Block b = rows [r0, r0 + rows) of the permuted order: xg <- its hidden rows, ws <- its
     logits (scaled: as e' = exp(z - R*) but at the targets, the references in ref),
-    -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]."""
+    -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]. exact_tf32: the fp32
+    operands hold bf16 values (cuda.logits_precision; the CPU body's fp32 products are exact
+    either way)."""
     if _triton_body(hidden):
         _precompile.wait()   # the kernels the trace handed to the precompile workers
         return _fcuda.block_forward(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0,
                                     rows, temperature, with_entropy, logit_scale, softcap, ref,
-                                    scaled, round_logits)
+                                    scaled, round_logits, exact_tf32)
     idx = perm.narrow(0, r0, rows)
     x = xg.narrow(0, 0, rows)
     x.copy_(hidden.index_select(0, idx))                                     # [R', H]
@@ -111,11 +114,11 @@ fused_block_forward = torch.library.custom_op(
 
 @fused_block_forward.register_fake
 def _(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b, r0, rows, temperature,
-      with_entropy, logit_scale, softcap, ref, scaled, round_logits=False):
+      with_entropy, logit_scale, softcap, ref, scaled, round_logits=False, exact_tf32=False):
     if hidden.device.type == "cuda" and _fcuda is not None:   # its kernels, to the workers
         _precompile.precompile(_fcuda.block_forward, hidden, weight, ids_p, bias, perm, counts,
                                ws, zoff, xg, b, r0, rows, temperature, with_entropy,
-                               logit_scale, softcap, ref, scaled, round_logits)
+                               logit_scale, softcap, ref, scaled, round_logits, exact_tf32)
     dt = torch.float64 if ws.dtype == torch.float64 else torch.float32
     return tuple(hidden.new_empty(rows, dtype=dt) for _ in range(3))
 
