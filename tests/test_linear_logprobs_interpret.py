@@ -334,3 +334,33 @@ def test_round_logits_kernels_match_cpu_body(monkeypatch, rows, bias):
                 assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
         out[rl] = fwd[0]
     assert (out[True] - out[False]).abs().max() > 1e-3
+
+
+def test_row_masked_exact_tf32_plumbing(monkeypatch):
+    """fp32 operands holding bf16 values with the op's fp32_lm_head flag (op.exact_in_tf32):
+    the logits GEMMs run one TF32 product (cuda.logits_precision) and the dX / dW steps two, the
+    logits gradient split into a rounded TF32 head and its tail (kernels.tiles._dot "tf32x2").
+    The interpreter multiplies fp32 exactly, so here the split's sum must give the unsplit
+    products' values: logprobs bitwise, grads within fp32 summation-order rounding, and both
+    against the float64 golden (the GPU's TF32 products: test_lm_head_precision.py)."""
+    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=21)
+    x, w = x.bfloat16().float(), w.bfloat16().float()      # bf16 values in fp32
+    mask = MASKS["scattered"]
+    g = torch.Generator().manual_seed(22)
+    g_lp, g_ent, g_lse = (torch.randn(40, generator=g) for _ in range(3))
+    runs = {}
+    for exact in (False, True):
+        lp, ent, lse = rk.forward(x, w, ids, b, mask, 0.7, exact, True)
+        grads = rk.backward(x, w, ids, b, mask, lse, ent, g_lp, g_ent, g_lse, 0.7, exact, True,
+                            True, True, True)
+        runs[exact] = (lp, ent, lse) + grads
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][2], runs[False][2])
+    for a, c in zip(runs[True][3:], runs[False][3:]):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
+    out = golden(xr, wr, ids, br, 0.7)
+    m = mask.double()
+    ((out[0] * g_lp + out[1] * g_ent + out[2] * g_lse) * m).sum().backward()
+    for got, ref in zip(runs[True][3:], (xr.grad, wr.grad, br.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)

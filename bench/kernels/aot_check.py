@@ -214,6 +214,18 @@ def cases():
            dict(ACCUMULATE=True, ON_DEVICE=True, DOT_PREC=dense.FP32_DOT, USE_TMA=False,
                 TMA_OUT=False, BLOCK_C=fc_, BLOCK_H=fh_, BLOCK_K=fk_, GROUP_C=rows.GROUP_M,
                 _ptrs=f32), fwarps_, fstages_)
+    # ... and their two-product form where W / X hold bf16 values (cuda.gradient_precision)
+    prec2 = dense.gradient_precision(dense.FP32_DOT, True)
+    yield ("fp32 of bf16, dX step, split over V", kf._dx_split_kernel,
+           dict(tiles4, DOT_PREC=prec2, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M,
+                ROW_SCALE=False, _ptrs=f32), gwarps4, gstages4)
+    yield ("fp32 of bf16, dX step, recompute", kr._dx_step_kernel,
+           dict(tiles4, DOT_PREC=prec2, ACCUMULATE=True, STORE=True, ACC_TMA=False,
+                S_MAX=max(1, rows.DX_SPLITS), GROUP_M=rows.GROUP_M, _ptrs=f32), gwarps4, gstages4)
+    yield ("fp32 of bf16, dW step, persistent", kdw._dw_step_persistent_kernel,
+           dict(ACCUMULATE=True, ON_DEVICE=True, DOT_PREC=prec2, USE_TMA=False, TMA_OUT=False,
+                BLOCK_C=fc_, BLOCK_H=fh_, BLOCK_K=fk_, GROUP_C=rows.GROUP_M, _ptrs=f32),
+           fwarps_, fstages_)
     cr, cwarps = dense.COMBINE_TILE
     for ent in (False, True):   # S = 64 splits: 2 S0 at a 262144 vocab
         yield (f"forward splits' combine, WITH_ENTROPY={ent}", kc._combine_kernel,

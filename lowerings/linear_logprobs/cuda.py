@@ -139,9 +139,18 @@ def logits_precision(prec: str, exact_tf32: bool) -> str:
     (exact_tf32: fp32_lm_head over a bf16 head, op.exact_in_tf32). A bf16 significand (8 bits)
     is exact in TF32's 10, so one tensor-core product per K step is exact, as 3xTF32's three
     are (its two tail products multiply zeros): the same fp32-accumulated dot at a third of the
-    MMAs and none of the operand splitting. The dX / dW GEMMs keep prec (the logits gradient is
-    not a bf16 value). prec itself otherwise."""
+    MMAs and none of the operand splitting. The dX / dW GEMMs multiply the logits gradient,
+    not a bf16 value: gradient_precision. prec itself otherwise."""
     return "tf32" if exact_tf32 and prec == FP32_DOT else prec
+
+
+def gradient_precision(prec: str, exact_tf32: bool) -> str:
+    """The dX / dW GEMMs' precision (kernels.tiles._dot): "tf32x2" where their second operand
+    (W, or X's rows) holds bf16 values in fp32 (exact_tf32, as logits_precision) and the first
+    is the fp32 logits gradient: of 3xTF32's three products the one of b's tail is zero, so
+    two give its value. prec itself otherwise (a scaled X, kernels.fused_block's exp-scaled
+    backward, is not a bf16 value: its callers pass exact_tf32 False for it)."""
+    return "tf32x2" if exact_tf32 and prec == FP32_DOT else prec
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -171,6 +171,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     b_dtype = None if bias is None else bias.dtype                         # d_bias's dtype
     x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, compute_dtype)
     lprec = _dense.logits_precision(prec, fp32_lm_head)    # the logits' (a bf16 head, upcast)
+    gprec = _dense.gradient_precision(prec, fp32_lm_head)  # dX, dW: W and xg bf16 values
     bn, bv, bk, warps, stages = _dense.tiles(x, lprec)
     n, h = x.shape
     v = w.shape[0]
@@ -213,13 +214,13 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 # (dw_steps): a group's 1024 rows 2.17 against 2.23 ms, its 271-row tail 1.00
                 # against 1.34 ms, one rounding a group (bench/results/recompute_dw_ws_h100.txt)
                 _dws.launch(wrap, ws, xg, dw, count, r0, rows, v0, cols, h,
-                            dw_tiles, prec, tma, sms, GROUP_M, g > 0)
+                            dw_tiles, gprec, tma, sms, GROUP_M, g > 0)
             if need_x:
                 n_mblocks, n_hblocks = cdiv(rows, gm), cdiv(h, gh)
                 wrap(_dx_step_kernel)[(n_mblocks * n_hblocks,)](
                     ws, w, acc, dx, perm, count, r0, rows, v0, cols, v, h, ws.stride(0),
                     w.stride(0), dx.stride(0), n_mblocks, n_hblocks, sms, ACCUMULATE=v0 > 0,
-                    STORE=v0 + c >= v, DOT_PREC=prec, USE_TMA=tma, ACC_TMA=tma and DX_ACC_TMA,
+                    STORE=v0 + c >= v, DOT_PREC=gprec, USE_TMA=tma, ACC_TMA=tma and DX_ACC_TMA,
                     S_MAX=s_max, BLOCK_M=gm, BLOCK_H=gh,
                     BLOCK_K=gk, GROUP_M=GROUP_M, num_warps=gwarps, num_stages=gstages)
                 if s_max > 1 and v0 + c >= v:   # the split partials' sum, scattered to dX

@@ -180,7 +180,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     operands are multiplied in (the grads keep the inputs' dtypes), as it states too;
     ``exact_tf32``: the fp32 operands hold bf16 values (fp32_lm_head over a bf16 head,
     op.exact_in_tf32): the forward's logits GEMM takes one TF32 product (cuda.logits_precision),
-    as the op's does, so both give a row the same bits."""
+    as the op's does, so both give a row the same bits, and the dX / dW GEMMs two
+    (cuda.gradient_precision)."""
     hidden, weight = hidden.detach(), weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
     n, h = hidden.shape
@@ -254,7 +255,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         step_bwd(weight, ids_p, perm, counts, ws, zoff, xg, lse_b, ent_b,
                  g_lp.to(lse_b.dtype).contiguous(), g_ent.to(lse_b.dtype).contiguous(), dx, dxp,
                  dw, db, b, r0, rows, need_x=need_x, need_w=need_w, need_b=need_b, ref=ref,
-                 scaled=scaled, **scal)
+                 scaled=scaled, exact_tf32=exact_tf32, **scal)
         lps.insert(0, lp_b), ents.insert(0, ent_b), lses.insert(0, lse_b)
     # back to the original order (padded rows: 0, the value computed past each block's count)
     perm_n = perm.narrow(0, 0, n)

@@ -167,7 +167,10 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                    g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int, r0: int,
                    rows: int, temperature: float, with_entropy: bool, logit_scale: float,
                    softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool,
-                   ref: Tensor, scaled: bool, round_logits: bool = False) -> None:
+                   ref: Tensor, scaled: bool, round_logits: bool = False,
+                   exact_tf32: bool = False) -> None:
+    # exact_tf32: W and X hold bf16 values in fp32 (fused.py): the dX / dW GEMMs in two TF32
+    # products (cuda.gradient_precision), dW's in 3xTF32 where X's rows are scaled (not bf16)
     # round_logits: the forward stored the rounded logits themselves (exact in ws's 16-bit dtype),
     # the dlogits pass recomputes z from them as the forward did, and the dlogits go into ws in
     # that dtype before the dX / dW GEMMs (the logits gradient rounded, as TRL's head)
@@ -211,7 +214,8 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         g = counts.shape[0]
         for acc in (False, True):
             _dws.launch(_dw_capturable, ws, xg, dw, counts.narrow(0, b, g - b), 0, rows,
-                        0, v, h, dw_tiles, prec, tma, grid_sms(ws.device), _rows.GROUP_M, acc,
+                        0, v, h, dw_tiles, _dense.gradient_precision(prec, exact_tf32 and not scaled),
+                        tma, grid_sms(ws.device), _rows.GROUP_M, acc,
                         on_device=True, n_later=g - 1 - b, final=int(b == 0))
     if need_x:
         gm, gh, gk, gwarps, gstages = gemm_tiles
@@ -221,7 +225,8 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         c = ref.narrow(0, 2 * rows, rows)   # [R'] the rows' dlogits scale (read only if scaled)
         _dx_split_kernel[(n_mblocks * n_hblocks * s_max,)](
             ws, w, dxp, dx, perm_b, count, rows, v, h, ws.stride(0), w.stride(0), dx.stride(0),
-            *split, S_MAX=s_max, DOT_PREC=prec, USE_TMA=tma, BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk,
+            *split, S_MAX=s_max, DOT_PREC=_dense.gradient_precision(prec, exact_tf32), USE_TMA=tma,
+            BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk,
             GROUP_M=_rows.GROUP_M, scale_ptr=c, ROW_SCALE=scaled, num_warps=gwarps,
             num_stages=gstages)
         if s_max > 1:
@@ -268,6 +273,6 @@ def precompile_eager(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, dx
         # a d_bias stand-in: the step's host code adds its (here unwritten) partial sums to db
         block_backward(weight, ids_p, perm, counts, ws, zoff, xg, vec(), vec(), vec(), vec(), dx,
                        dxp, dw, torch.empty_like(db), b, b * r, r, need_x=need_x, need_w=need_w,
-                       need_b=need_b, ref=ref, scaled=scaled, **scal)
+                       need_b=need_b, ref=ref, scaled=scaled, exact_tf32=exact_tf32, **scal)
 
     _precompile.precompile(launches)

@@ -128,19 +128,21 @@ def _block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor,
                     g_ent: Tensor, dx: Tensor, dxp: Tensor, dw: Tensor, db: Tensor, b: int,
                     r0: int, rows: int, temperature: float, with_entropy: bool,
                     logit_scale: float, softcap: Optional[float], need_x: bool, need_w: bool,
-                    need_b: bool, ref: Tensor, scaled: bool, round_logits: bool = False) -> None:
+                    need_b: bool, ref: Tensor, scaled: bool, round_logits: bool = False,
+                    exact_tf32: bool = False) -> None:
     """ws <- dlogits of block b's valid rows; dx[perm rows] = ws @ W (dxp: scratch of the
     Triton body's split dX step); dw (+)= ws.T @ xg; db += column sums. Incoming vectors [rows]
     in the block's order. The blocks run from G - 1 down to 0: the first to run stores dW, the
     others add (the Triton body: the first with valid rows stores, decided on the device).
     scaled (Triton body): ws holds e' (fused_block_forward), xg <- c * xg, dx rows scaled by c
-    (exp_scaled)."""
+    (exp_scaled). exact_tf32: the fp32 operands hold bf16 values (the Triton body's GEMMs:
+    cuda.gradient_precision)."""
     if _triton_body(weight):
         _precompile.wait()
         return _fcuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp,
                                      g_ent, dx, dxp, dw, db, b, r0, rows, temperature,
                                      with_entropy, logit_scale, softcap, need_x, need_w, need_b,
-                                     ref, scaled, round_logits)
+                                     ref, scaled, round_logits, exact_tf32)
     cd = ws.dtype
     z = ws.narrow(0, 0, rows)[:, : weight.shape[0]]                          # [R', V]
     y = None if softcap is None else z * (temperature / softcap)             # tanh(a s / c)
@@ -176,10 +178,10 @@ fused_block_backward = torch.library.custom_op(
 @fused_block_backward.register_fake
 def _(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp, g_ent, dx, dxp, dw, db, b, r0,
       rows, temperature, with_entropy, logit_scale, softcap, need_x, need_w, need_b, ref,
-      scaled, round_logits=False):
+      scaled, round_logits=False, exact_tf32=False):
     if weight.device.type == "cuda" and _fcuda is not None:
         _precompile.precompile(_fcuda.block_backward, weight, ids_p, perm, counts, ws, zoff, xg,
                                lse, ent, g_lp, g_ent, dx, dxp, dw, db, b, r0, rows, temperature,
                                with_entropy, logit_scale, softcap, need_x, need_w, need_b, ref,
-                               scaled, round_logits)
+                               scaled, round_logits, exact_tf32)
     return None

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from lowerings.linear_logprobs.kernels.writes import writes
-from lowerings.linear_logprobs.kernels.tiles import (DW_VARYING, VARYING_PTRS, _desc, _swizzle, _swizzle_id,
+from lowerings.linear_logprobs.kernels.tiles import (DW_VARYING, VARYING_PTRS, _desc, _dot, _swizzle, _swizzle_id,
                                                      _tile, _valid_rows)
 
 
@@ -118,7 +118,7 @@ def _dw_tile(a_src, b_src, dw_ptr, dw_dst, pid_c, pid_h, n_valid, v0, cols, H, s
         k0 = ki * BLOCK_K
         a = _tile(a_src, k0, pid_c * BLOCK_C, n_valid, cols, stride_ws, USE_TMA, BLOCK_K, BLOCK_C)
         b = _tile(b_src, k0, pid_h * BLOCK_H, n_valid, H, stride_x, USE_TMA, BLOCK_K, BLOCK_H)
-        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PREC)
+        acc = _dot(tl.trans(a), b, acc, DOT_PREC)
     if TMA_OUT:
         out = acc.to(dw_ptr.dtype.element_ty)
         if ACCUMULATE:

@@ -10,7 +10,8 @@ import triton.language as tl
 
 from lowerings.linear_logprobs.kernels.logits import _dz_tile, _transform
 from lowerings.linear_logprobs.kernels.splits import _dx_splits
-from lowerings.linear_logprobs.kernels.tiles import VARYING_PTRS, _desc, _swizzle_id, _tile, _valid_rows
+from lowerings.linear_logprobs.kernels.tiles import (VARYING_PTRS, _desc, _dot, _swizzle_id, _tile,
+                                                     _valid_rows)
 
 
 @triton.jit(do_not_specialize_on_alignment=VARYING_PTRS)
@@ -113,7 +114,7 @@ def _dx_split_kernel(ws_ptr, w_ptr, part_ptr, dx_ptr, perm_ptr, count_ptr, n_row
     for k0 in range(k_lo, k_hi, BLOCK_K):
         a = _tile(a_src, pid_m * BLOCK_M, k0, n_valid, V, stride_ws, USE_TMA, BLOCK_M, BLOCK_K)
         b = _tile(b_src, k0, pid_h * BLOCK_H, V, H, stride_w, USE_TMA, BLOCK_K, BLOCK_H)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        acc = _dot(a, b, acc, DOT_PREC)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (rows < n_valid)[:, None] & (hs < H)[None, :]

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from lowerings.linear_logprobs.kernels.splits import _dx_splits
-from lowerings.linear_logprobs.kernels.tiles import VARYING_PTRS, _desc, _swizzle, _tile, _valid_rows
+from lowerings.linear_logprobs.kernels.tiles import VARYING_PTRS, _desc, _dot, _swizzle, _tile, _valid_rows
 from lowerings.linear_logprobs.kernels.writes import writes
 
 
@@ -60,7 +60,7 @@ def _dx_step_kernel(ws_ptr, w_ptr, acc_ptr, dx_ptr, perm_ptr, count_ptr, row0, n
     for k0 in range(k_lo, k_hi, BLOCK_K):
         a = _tile(a_src, m * BLOCK_M, k0, n_valid, cols, stride_ws, USE_TMA, BLOCK_M, BLOCK_K)
         b = _tile(b_src, v0 + k0, pid_h * BLOCK_H, V, H, stride_w, USE_TMA, BLOCK_K, BLOCK_H)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        acc = _dot(a, b, acc, DOT_PREC)
     if ACC_TMA and not STORE:
         # in two [BLOCK_M, BLOCK_H / 2] halves: a whole fp32 tile's staging buffer (128 KiB)
         # beside the operand stages is more shared memory than a block has

@@ -43,6 +43,24 @@ def _valid_rows(count_ptr, row0, n_rows, HAS_COUNT: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, acc, DOT_PREC: tl.constexpr):
+    """acc + a @ b (fp32 acc) in tl.dot's input_precision DOT_PREC, or "tf32x2": b's fp32 values
+    are exact in TF32 (bf16 values: fp32_lm_head over a bf16 head, cuda.gradient_precision), so
+    of 3xTF32's products a_big b_big + a_big b_small + a_small b_big the middle one is zero.
+    a_big is a rounded to TF32's 10 significand bits (+ half an ulp of TF32, then the low 13
+    bits cleared: the carry rounds up into the exponent as it should), a_small = a - a_big
+    (exact); two TF32 products, the small one first: 3xTF32's value at two thirds of its MMAs.
+    a and b finite (the logits gradient and the operands)."""
+    if DOT_PREC == "tf32x2":
+        bits = a.to(tl.int32, bitcast=True)
+        a_big = ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)     # -8192: 0xFFFFE000
+        acc = tl.dot(a - a_big, b, acc, input_precision="tf32")
+        return tl.dot(a_big, b, acc, input_precision="tf32")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _desc(ptr, rows, cols, stride, USE_TMA: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """A [rows, cols] row-major operand (row stride `stride`) read in [BR, BC] tiles that are
     zero outside it: a TMA descriptor of that shape (its zero fill does the masking) or the
