@@ -17,8 +17,11 @@ pytestmark = [pytest.mark.gpu,
     # the TRL drop-in's setting under bf16: fp32 leaves multiplied in bf16, logits rounded
     ((8, 300, 896, 151936), dict(round_logits=True, lm_head_dtype=torch.bfloat16)),
     # gemma2's softcap: the fused path's exp-scaled forward stores e (1 - y^2), its own variant
-    ((8, 300, 2304, 256000), dict(final_logit_softcapping=30.0))],
-    ids=["qwen3-8b", "qwen2.5-0.5b", "qwen2.5-0.5b-round-logits", "gemma2-2b-softcap"])
+    ((8, 300, 2304, 256000), dict(final_logit_softcapping=30.0)),
+    # fp32_lm_head over a bf16 head: one TF32 product in the logits GEMMs (cuda.logits_precision)
+    ((8, 300, 896, 151936), dict(fp32_lm_head=True))],
+    ids=["qwen3-8b", "qwen2.5-0.5b", "qwen2.5-0.5b-round-logits", "gemma2-2b-softcap",
+         "qwen2.5-0.5b-fp32-lm-head"])
 def test_rows_bitwise_independent_of_the_batch_gpu(shape, precision):
     b, t, h, v = shape
     torch._dynamo.reset()
