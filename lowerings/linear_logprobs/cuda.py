@@ -138,8 +138,8 @@ def logits_precision(prec: str, exact_tf32: bool) -> str:
     """The logits GEMM's input_precision: "tf32" where its fp32 operands are casts of bf16 values
     (exact_tf32: fp32_lm_head over a bf16 head, op.exact_in_tf32). A bf16 significand (8 bits)
     is exact in TF32's 10, so one tensor-core product per K step is exact, as 3xTF32's three
-    are (its two tail products multiply zeros): the same fp32-accumulated dot at a third of the
-    MMAs and none of the operand splitting. The dX / dW GEMMs multiply the logits gradient,
+    are (its two tail products multiply zeros): the same products, fp32-accumulated (in another
+    order: not bitwise 3xTF32's), at a third of the MMAs and none of the operand splitting. The dX / dW GEMMs multiply the logits gradient,
     not a bf16 value: gradient_precision. prec itself otherwise."""
     return "tf32" if exact_tf32 and prec == FP32_DOT else prec
 

@@ -196,7 +196,7 @@ _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 def exact_in_tf32(hidden: Tensor, weight: Tensor) -> bool:
     """Whether fp32_lm_head's fp32 copies of hidden and weight hold bf16 values: 8-bit
     significands, exact in TF32's 10, so the logits' products are exact in one TF32 tensor-core
-    product (cuda.logits_precision: a third of 3xTF32's MMAs for the same value). fp16's 11-bit
+    product (cuda.logits_precision: a third of 3xTF32's MMAs, the same accuracy). fp16's 11-bit
     and fp32's 24-bit significands are not."""
     return hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
 
@@ -240,7 +240,9 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[
     GEMMs (as it always is on CUDA). No effect with fp32 operands (fp32_lm_head included).
     (The op's own fp32_lm_head argument says more: the fp32 operands it gets are casts of a bf16
     head, exact_in_tf32, so the CUDA kernels' logits GEMMs take one TF32 product instead of
-    3xTF32's three, the same value: fp32_lm_head over fp16 or fp32 inputs passes False.)
+    3xTF32's three and the dX / dW GEMMs two (cuda.logits_precision, gradient_precision): the
+    same products less those of zeros, the same accuracy, not the same bits. fp32_lm_head over
+    fp16 or fp32 inputs passes False.)
     compute_dtype: the dtype hidden, weight and bias are multiplied in (None: their common
     dtype), with the grads accumulated in fp32 and returned in the inputs' own dtypes: fp32
     inputs with compute_dtype=torch.bfloat16 are TRL's head under bf16 autocast (fp32 hidden
