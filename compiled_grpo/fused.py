@@ -51,7 +51,7 @@ from torch import Tensor
 from compiled_grpo import distributed as _tp
 from compiled_grpo import fused_grads as _grads
 from compiled_grpo.logprobs import _prepare, check_model_scaling
-from lowerings.linear_logprobs.op import exact_in_tf32, upcast_lm_head
+from lowerings.linear_logprobs.op import upcast_lm_head
 from compiled_grpo.loss import aggregate, masked_mean
 from compiled_grpo.segments import segments_from_cu_seqlens
 from lowerings.linear_logprobs import LinearLogprobs
@@ -251,9 +251,9 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     check_model_scaling(cfg.logit_scale, cfg.final_logit_softcapping, cfg.temperature)
     if shard is not None:
         weight, bias = shard.weight, shard.bias
-    exact_tf32 = cfg.fp32_lm_head and exact_in_tf32(hidden, weight)   # as token_logprobs' op
+    exact_tf32 = False
     if cfg.fp32_lm_head:   # as token_logprobs (lowerings op.upcast_lm_head): fp32 operands and grads
-        hidden, weight, bias = upcast_lm_head(hidden, weight, bias)
+        hidden, weight, bias, exact_tf32 = upcast_lm_head(hidden, weight, bias)
     ids, _ = _prepare(hidden, weight, token_ids, bias, valid, cfg.temperature,   # checks + ids
                       vocab_size=None if shard is None else shard.vocab_size)
     lead = valid.shape                                                     # [B, T] or [N]

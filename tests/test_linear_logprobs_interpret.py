@@ -337,7 +337,7 @@ def test_round_logits_kernels_match_cpu_body(monkeypatch, rows, bias):
 
 
 def test_row_masked_exact_tf32_plumbing(monkeypatch):
-    """fp32 operands holding bf16 values with the op's fp32_lm_head flag (op.exact_in_tf32):
+    """fp32 operands holding bf16 values with the op's fp32_lm_head flag (op.upcast_lm_head):
     the logits GEMMs run one TF32 product (cuda.logits_precision) and the dX / dW steps two, the
     logits gradient split into a rounded TF32 head and its tail (kernels.tiles._dot "tf32x2").
     The interpreter multiplies fp32 exactly, so here the split's sum must give the unsplit
@@ -349,12 +349,30 @@ def test_row_masked_exact_tf32_plumbing(monkeypatch):
     mask = MASKS["scattered"]
     g = torch.Generator().manual_seed(22)
     g_lp, g_ent, g_lse = (torch.randn(40, generator=g) for _ in range(3))
-    runs = {}
+    runs, launched = {}, {}
+
+    def spy(exact):   # wrap: each launch's kernel and DOT_PREC, then the launch itself
+        def wrap(kernel):
+            def at(grid):
+                def launch(*args, **kwargs):
+                    if "DOT_PREC" in kwargs:
+                        launched[exact].add((kernel.fn.__name__, kwargs["DOT_PREC"]))
+                    return kernel[grid](*args, **kwargs)
+                return launch
+            return type("Spy", (), {"__getitem__": lambda self, grid: at(grid)})()
+        return wrap
+
     for exact in (False, True):
-        lp, ent, lse = rk.forward(x, w, ids, b, mask, 0.7, exact, True)
+        launched[exact] = set()
+        lp, ent, lse = rk.forward(x, w, ids, b, mask, 0.7, exact, True, wrap=spy(exact))
         grads = rk.backward(x, w, ids, b, mask, lse, ent, g_lp, g_ent, g_lse, 0.7, exact, True,
-                            True, True, True)
+                            True, True, True, wrap=spy(exact))
         runs[exact] = (lp, ent, lse) + grads
+    # the precisions the kernels were launched with: one product for the logits, two for dX / dW
+    assert launched[False] == {(k, tk.FP32_DOT) for k, _ in launched[False]}, launched
+    assert len(launched[True]) == 4 and {k: p for k, p in launched[True]} == {
+        "_fwd_kernel": "tf32", "_dlogits_kernel": "tf32", "_dx_step_kernel": "tf32x2",
+        "_dw_step_persistent_kernel": "tf32x2"}, launched[True]
     assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][2], runs[False][2])
     for a, c in zip(runs[True][3:], runs[False][3:]):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)

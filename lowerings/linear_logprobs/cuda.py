@@ -117,9 +117,8 @@ def tiles(x: Tensor, prec: str = "") -> tuple:
     holds the bytes of the 16-bit one (the 16-bit tiles in fp32 need 272 KiB of shared memory).
     BLOCK_N and BLOCK_V stay: the vocab split plan, the fused path's zoff tiles and the dlogits
     pass follow them. One-product TF32 dots (prec "tf32", logits_precision) read their fp32
-    operands from shared memory, so the fused forward's and the dlogits kernel's epilogue tile
-    (128 KiB) beside 3 stages is more than a block has: 2 stages (same BLOCK_K, so the same
-    K order, the same bits in every kernel)."""
+    operands from shared memory: 3 stages beside the fused forward's and the dlogits kernel's
+    128 KiB epilogue tile are more than a block has, so 2 (BLOCK_K unchanged)."""
     bn, bv, bk, warps, stages = TILES
     if x.element_size() == 4:
         bk = max(16, bk // 2)
@@ -135,21 +134,17 @@ def step_tiles(itemsize: int) -> tuple[tuple, tuple]:
 
 
 def logits_precision(prec: str, exact_tf32: bool) -> str:
-    """The logits GEMM's input_precision: "tf32" where its fp32 operands are casts of bf16 values
-    (exact_tf32: fp32_lm_head over a bf16 head, op.exact_in_tf32). A bf16 significand (8 bits)
-    is exact in TF32's 10, so one tensor-core product per K step is exact, as 3xTF32's three
-    are (its two tail products multiply zeros): the same products, fp32-accumulated (in another
-    order: not bitwise 3xTF32's), at a third of the MMAs and none of the operand splitting. The dX / dW GEMMs multiply the logits gradient,
-    not a bf16 value: gradient_precision. prec itself otherwise."""
+    """The logits GEMM's precision: "tf32" where its fp32 operands hold bf16 values (exact_tf32,
+    op.upcast_lm_head): 8-bit significands are exact in TF32, so 3xTF32's two tail products
+    multiply zeros; one product, the same accuracy (not its bits: another summation order)."""
     return "tf32" if exact_tf32 and prec == FP32_DOT else prec
 
 
 def gradient_precision(prec: str, exact_tf32: bool) -> str:
-    """The dX / dW GEMMs' precision (kernels.tiles._dot): "tf32x2" where their second operand
-    (W, or X's rows) holds bf16 values in fp32 (exact_tf32, as logits_precision) and the first
-    is the fp32 logits gradient: of 3xTF32's three products the one of b's tail is zero, so
-    two give its value. prec itself otherwise (a scaled X, kernels.fused_block's exp-scaled
-    backward, is not a bf16 value: its callers pass exact_tf32 False for it)."""
+    """The dX / dW GEMMs' precision (kernels.tiles._dot): "tf32x2" where the second operand (W,
+    X's rows) holds bf16 values and the first is the fp32 logits gradient: 3xTF32's product of
+    the second's tail is zero, two products remain. Callers whose X is scaled (the exp-scaled
+    backward) pass exact_tf32 False."""
     return "tf32x2" if exact_tf32 and prec == FP32_DOT else prec
 
 

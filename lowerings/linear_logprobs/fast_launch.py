@@ -26,8 +26,8 @@ values, defaults filled in) are kept with the key: on this project's 2-core CPU 
 Python of a recompute dX-step launch (17 positional arguments, 12 keywords) took 18 -> 11.4 us
 with a stand-in launcher (2026-11-27). Why it matters: a small head's recompute step queues
 ~470 GEMM-step launches of ~45 us of GPU each and was host-bound (H100, qwen3-0.6b: 34 ms of
-host against 22.7 ms of kernels a step, bench/results/recompute_dx_split_h100.txt); the GPU
-step's gain is not measured yet.
+host against 22.7 ms of kernels a step, bench/results/recompute_dx_split_h100.txt); on one H200
+the step timed the same as before it (24.94 / 25.07 against 24.94 / 26.70 ms, alternating).
 """
 import inspect
 from typing import Any, Callable
@@ -61,9 +61,7 @@ def _arg_key(a: Any):
         return by_type(a)
     if isinstance(a, Tensor):   # subclasses (nn.Parameter)
         return _tensor_key(a)
-    if isinstance(a, bool):   # (an int subclass: first)
-        return "u1"
-    if isinstance(a, int):
+    if isinstance(a, int):      # int subclasses (bool has none: the table took it)
         return _int_key(a)
     if isinstance(a, float):
         return "fp"

@@ -80,9 +80,8 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optio
                         ) -> tuple[Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [V, H], ids [N] int64, bias [V], row_mask [N] bool ->
     (logprobs, entropy, lse) [N], 0 at rows where row_mask is False. fp32_lm_head: hidden and
-    weight are fp32 casts of bf16 tensors (linear_logprobs passes fp32_lm_head and
-    exact_in_tf32): the logits' products are exact in one TF32 product (cuda.logits_precision);
-    the CPU body multiplies in fp32 either way."""
+    weight are fp32 casts of bf16 tensors (linear_logprobs passes upcast_lm_head's exact_tf32):
+    fewer TF32 products on CUDA (cuda.logits_precision); the CPU body multiplies in fp32."""
     scaling = dict(logit_scale=logit_scale, softcap=final_logit_softcapping,
                    round_logits=round_logits, compute_dtype=compute_dtype)
     if _rows_path(hidden, row_mask):
@@ -193,19 +192,17 @@ def _backward(ctx, g_lp, g_ent, g_lse):
 _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def exact_in_tf32(hidden: Tensor, weight: Tensor) -> bool:
-    """Whether fp32_lm_head's fp32 copies of hidden and weight hold bf16 values: 8-bit
-    significands, exact in TF32's 10, so the logits' products are exact in one TF32 tensor-core
-    product (cuda.logits_precision: a third of 3xTF32's MMAs, the same accuracy). fp16's 11-bit
-    and fp32's 24-bit significands are not."""
-    return hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-
-
-def upcast_lm_head(*tensors: Optional[Tensor]) -> tuple:
-    """fp32_lm_head's casts: bf16 / fp16 tensors to fp32 (autograd casts their grads back); fp32,
-    fp64 and None as they are. One definition for the op and the fused path."""
-    return tuple(t.float() if t is not None and t.dtype in (torch.bfloat16, torch.float16) else t
-                 for t in tensors)
+def upcast_lm_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple:
+    """fp32_lm_head's casts -> (hidden, weight, bias, exact_tf32): bf16 / fp16 tensors to fp32
+    (autograd casts their grads back); fp32, fp64 and None as they are. exact_tf32: the fp32
+    copies of hidden and weight hold bf16 values, 8-bit significands exact in TF32's 10, so the
+    CUDA kernels' logits GEMMs take one TF32 product and the dX / dW GEMMs two instead of
+    3xTF32's three (cuda.logits_precision, gradient_precision; fp16's 11-bit and fp32's 24-bit
+    significands are not). One definition for the op and the fused path."""
+    exact = hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+    up = tuple(t.float() if t is not None and t.dtype in (torch.bfloat16, torch.float16) else t
+               for t in (hidden, weight, bias))
+    return up + (exact,)
 
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor] = None,
@@ -239,7 +236,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[
     every statistic in fp32; the logits gradient is rounded to that dtype before the dX / dW
     GEMMs (as it always is on CUDA). No effect with fp32 operands (fp32_lm_head included).
     (The op's own fp32_lm_head argument says more: the fp32 operands it gets are casts of a bf16
-    head, exact_in_tf32, so the CUDA kernels' logits GEMMs take one TF32 product instead of
+    head (upcast_lm_head's exact_tf32), so the CUDA kernels' logits GEMMs take one TF32 product instead of
     3xTF32's three and the dX / dW GEMMs two (cuda.logits_precision, gradient_precision): the
     same products less those of zeros, the same accuracy, not the same bits. fp32_lm_head over
     fp16 or fp32 inputs passes False.)
@@ -247,10 +244,10 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[
     dtype), with the grads accumulated in fp32 and returned in the inputs' own dtypes: fp32
     inputs with compute_dtype=torch.bfloat16 are TRL's head under bf16 autocast (fp32 hidden
     states and lm_head, a bf16 GEMM, fp32 grads). Ignored with fp32_lm_head."""
-    exact = bool(fp32_lm_head) and exact_in_tf32(hidden, weight)
+    exact = False
     if fp32_lm_head:
         compute_dtype = None
-        hidden, weight, bias = upcast_lm_head(hidden, weight, bias)
+        hidden, weight, bias, exact = upcast_lm_head(hidden, weight, bias)
     lead = ids.shape
     h = hidden.reshape(-1, hidden.shape[-1])                               # [N, H]
     rm = None if row_mask is None else row_mask.reshape(-1).to(torch.bool)
