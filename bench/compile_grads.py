@@ -14,7 +14,9 @@ Cases: ``op-*`` are ``token_logprobs(h, W, ids, mask=mask)`` then a masked mean 
 (+ 0.01 * entropy), the composable op a user writes their own loss with; ``loss-<mode>-*`` are
 ``grpo_loss`` in that gradient mode. Suffixes: ``padded`` (the shape's mask), ``packed``
 (cu_seqlens), ``bias`` (an lm_head bias), ``cap`` (final_logit_softcapping 30), ``round``
-(round_logits: the fused forward stores the rounded logits, its dlogits pass recomputes from them).
+(round_logits: the fused forward stores the rounded logits, its dlogits pass recomputes from them),
+``fp32`` (fp32_lm_head over the bf16 head: the one- and two-product TF32 GEMMs,
+cuda.logits_precision / gradient_precision).
 """
 import argparse
 import re
@@ -28,23 +30,27 @@ from bench.shapes import SHAPES, make_inputs
 CASES = ("op-padded", "op-packed", "op-padded-bias", "op-padded-cap",
          "loss-recompute-padded", "loss-recompute-packed", "loss-recompute-padded-bias-cap",
          "loss-fused-padded", "loss-fused-packed", "loss-fused-padded-bias-cap", "loss-auto-padded",
-         "op-padded-round", "loss-fused-padded-round", "loss-fused-padded-bias-cap-round")
+         "op-padded-round", "loss-fused-padded-round", "loss-fused-padded-bias-cap-round",
+         "op-padded-fp32", "loss-recompute-padded-fp32", "loss-fused-padded-fp32")
 
 
 def _step(case: str, x, bias):
     """fn(h, W, b) -> scalar, the case's loss."""
     cap = 30.0 if "cap" in case else None
     rnd = "round" in case
+    fp32 = "fp32" in case
     packed = x.cu_seqlens is not None
     if case.startswith("op"):
         def fn(h, w, b):
             out = cg.token_logprobs(h, w, x.token_ids, b, mask=x.mask, with_entropy=True,
-                                    cu_seqlens=x.cu_seqlens, final_logit_softcapping=cap, round_logits=rnd)
+                                    cu_seqlens=x.cu_seqlens, final_logit_softcapping=cap, round_logits=rnd,
+                                    fp32_lm_head=fp32)
             m = x.mask.float()
             return ((out.logprobs + 0.01 * out.entropy) * m).sum() / m.sum()
         return fn
     mode = case.split("-")[1]
-    cfg = cg.GRPOConfig(gradient_mode=mode, beta=0.04, final_logit_softcapping=cap, round_logits=rnd)
+    cfg = cg.GRPOConfig(gradient_mode=mode, beta=0.04, final_logit_softcapping=cap, round_logits=rnd,
+                        fp32_lm_head=fp32)
     kw = dict(cu_seqlens=x.cu_seqlens) if packed else {}
 
     def fn(h, w, b):
