@@ -1,0 +1,57 @@
+"""Where an eager step's host time goes, every function (not only Triton's launcher: that is
+bench.probes.launch_overhead): small policies' eager fused steps can be host-bound.
+
+    python -m bench.probes.host_hotspots [--shape qwen2.5-0.5b] [--steps 20] [--mode fused]
+
+Prints the host time a step queued back to back and the step's wall time, then cProfile over
+`--steps` queued steps sorted by each function's own time (tottime), and torch.profiler's CPU
+ops by self time over 5 steps.
+"""
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from bench.shapes import SHAPES, dapo_step, make_inputs
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen2.5-0.5b")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--mode", default="auto", choices=["auto", "fused", "recompute"])
+    ap.add_argument("--top", type=int, default=40)
+    a = ap.parse_args()
+    import compiled_grpo as cg
+    step, _, _ = dapo_step(make_inputs(SHAPES[a.shape], torch.device("cuda"), targets="sampled"),
+                           cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=a.mode))
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    print(f"{a.shape} ({a.mode}): host {(t1 - t0) / a.steps * 1e3:.2f} ms a step queued, "
+          f"wall {(t2 - t0) / a.steps * 1e3:.2f} ms a step")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(a.steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"cProfile over {a.steps} steps, by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
