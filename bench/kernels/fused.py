@@ -267,6 +267,9 @@ def main():
             # Two-programs-a-SM tiles, (128, 128, 64, 4 or 8, 3 or 4), measured 16.4-18.7 ms
             # for the forward against 12.7-13.4 (H100, bench_fused_h100_log.txt): not swept.
             variant(dense, "TILES", (128, 256, 64, 8, 4), "TILES=(128, 256, 64, 8, 4)")
+            # At small H (K loops of 14-16 steps) 256-row tiles (256, 128, 64, 8, 3) ran the
+            # forward 5.29 / 6.16 ms against 4.42-5.23 / 6.03-6.10 (qwen2.5-0.5b / qwen3-0.6b),
+            # (128, 256, 32, 8, 4) 5.13 / 6.63 (H200, fwd_tiles_small_h200.txt): not swept.
             # BLOCK_K = 128 in two 96 KiB stages ran the forward 7.6 against 6.1-6.4 ms at
             # qwen3-0.6b, 16.9 against 11.9-12.6 at qwen3-8b (H100, epilogue_instructions_
             # 0997970.txt section 5): not swept.
