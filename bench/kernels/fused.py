@@ -221,15 +221,11 @@ def main():
               f"min {ref.min().item():.1f}, {int((ref < -48).sum())} of {n_valid} below -48; "
               f"max |error| {(lp - ref).abs().max().item():.2e}")
     if args.host_profile:
-        import cProfile
         import pstats
+
+        from bench.probes.launch_overhead import profiled
         torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(PROFILE_STEPS):
-            step()
-        prof.disable()
-        torch.cuda.synchronize()
+        prof = profiled(step, PROFILE_STEPS)
         print(f"    host profile of {PROFILE_STEPS} steps (cProfile), this project's functions:")
         pstats.Stats(prof).sort_stats("cumulative").print_stats("compiled_grpo|linear_logprobs", 30)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:

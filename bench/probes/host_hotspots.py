@@ -8,12 +8,11 @@ Prints the host time a step queued back to back and the step's wall time, then c
 ops by self time over 5 steps; --launches: one step's launches by the op that issued them.
 """
 import argparse
-import cProfile
 import pstats
-import time
 
 import torch
 
+from bench.probes.launch_overhead import queued_and_profiled
 from bench.shapes import SHAPES, dapo_step, make_inputs
 
 
@@ -31,21 +30,8 @@ def main():
                            cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=a.mode))
     for _ in range(5):
         step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        step()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    print(f"{a.shape} ({a.mode}): host {(t1 - t0) / a.steps * 1e3:.2f} ms a step queued, "
-          f"wall {(t2 - t0) / a.steps * 1e3:.2f} ms a step")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(a.steps):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
+    host, wall, prof = queued_and_profiled(step, a.steps)
+    print(f"{a.shape} ({a.mode}): host {host:.2f} ms a step queued, wall {wall:.2f} ms a step")
     print(f"cProfile over {a.steps} steps, by own time:")
     pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
