@@ -185,6 +185,41 @@ def paired_ratios(times: dict[str, list[float]], base: str) -> dict[str, float]:
     return {n: statistics.median(a / b for a, b in zip(t, times[base])) for n, t in times.items()}
 
 
+def host_times(step: Callable, steps: int) -> tuple[float, float]:
+    """(host ms a step, wall ms a step) of `steps` CUDA steps queued back to back after a
+    synchronize: a step is host-bound where the first reaches the second (the probes'
+    measure, bench.probes.launch_overhead / host_hotspots)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    host = (time.perf_counter() - t0) / steps * 1e3
+    torch.cuda.synchronize()
+    return host, (time.perf_counter() - t0) / steps * 1e3
+
+
+def host_cprofile(step: Callable, steps: int):
+    """cProfile of `steps` CUDA steps queued back to back: which Python functions a step's host
+    time goes to (bench.kernels.fused --host-profile, the probes)."""
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    return prof
+
+
+def host_op_table(step: Callable, steps: int) -> str:
+    """torch.profiler's CPU ops of `steps` CUDA steps by self time, as a table."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+
+
 def memory_step(step: Callable, x: StepInputs, device: torch.device) -> tuple[dict, Optional[torch.Tensor]]:
     """One more step, with the allocator's peak reset; its grads are the ones checked for accuracy."""
     clear_grads(x)

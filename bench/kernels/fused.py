@@ -223,16 +223,12 @@ def main():
     if args.host_profile:
         import pstats
 
-        from bench.probes.launch_overhead import profiled
+        from bench.measure import host_cprofile, host_op_table
         torch.cuda.synchronize()
-        prof = profiled(step, PROFILE_STEPS)
+        prof = host_cprofile(step, PROFILE_STEPS)
         print(f"    host profile of {PROFILE_STEPS} steps (cProfile), this project's functions:")
         pstats.Stats(prof).sort_stats("cumulative").print_stats("compiled_grpo|linear_logprobs", 30)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
-            for _ in range(PROFILE_STEPS):
-                step()
-            torch.cuda.synchronize()
-        print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+        print(host_op_table(step, PROFILE_STEPS))
         launch_cost(step)
     if args.cuda_graph:
         graph_step(step, hidden, weight, floor)

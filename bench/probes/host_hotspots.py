@@ -5,14 +5,14 @@ bench.probes.launch_overhead): small policies' eager fused steps can be host-bou
 
 Prints the host time a step queued back to back and the step's wall time, then cProfile over
 `--steps` queued steps sorted by each function's own time (tottime), and torch.profiler's CPU
-ops by self time over 5 steps; --launches: one step's launches by the op that issued them.
+ops by self time over as many; --launches: one step's launches by the op that issued them.
 """
 import argparse
 import pstats
 
 import torch
 
-from bench.probes.launch_overhead import queued_and_profiled
+from bench.measure import host_cprofile, host_op_table, host_times
 from bench.shapes import SHAPES, dapo_step, make_inputs
 
 
@@ -30,15 +30,12 @@ def main():
                            cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=a.mode))
     for _ in range(5):
         step()
-    host, wall, prof = queued_and_profiled(step, a.steps)
+    host, wall = host_times(step, a.steps)
     print(f"{a.shape} ({a.mode}): host {host:.2f} ms a step queued, wall {wall:.2f} ms a step")
+    prof = host_cprofile(step, a.steps)
     print(f"cProfile over {a.steps} steps, by own time:")
     pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    print(host_op_table(step, a.steps))
     if a.launches:
         launches(step)
 

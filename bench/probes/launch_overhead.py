@@ -11,38 +11,14 @@ JITFunction (kernel[grid](...)), through the CompiledKernel it returned (no bind
 and the binder alone: what a launch cache that skips the binding would save.
 """
 import argparse
-import cProfile
 import pstats
 import time
 
 import torch
 from triton.runtime.jit import JITFunction
 
+from bench.measure import host_cprofile, host_times
 from bench.shapes import SHAPES, dapo_step, make_inputs
-
-
-def queued_and_profiled(step, steps: int) -> tuple[float, float, cProfile.Profile]:
-    """(host ms a step, wall ms a step) over `steps` steps queued back to back after a
-    synchronize, then cProfile over as many more (bench.probes.host_hotspots uses it too)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    host = (time.perf_counter() - t0) / steps * 1e3
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / steps * 1e3
-    return host, wall, profiled(step, steps)
-
-
-def profiled(step, steps: int) -> cProfile.Profile:
-    """cProfile over `steps` steps queued back to back (synchronized after)."""
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    return prof
 
 
 def main():
@@ -67,7 +43,8 @@ def main():
         step()
     finally:
         JITFunction.run = real
-    host, wall, prof = queued_and_profiled(step, a.steps)
+    host, wall = host_times(step, a.steps)
+    prof = host_cprofile(step, a.steps)
     print(f"{a.shape}: host {host:.2f} ms a step queued, wall {wall:.2f} ms a step")
     print(f"cProfile over {a.steps} steps, triton's runtime (tottime: the function's own time):")
     pstats.Stats(prof).sort_stats("tottime").print_stats("triton", 25)
