@@ -264,7 +264,9 @@ def main():
             # (128, 256, 32, 8, 4) 5.13 / 6.63 (H200, fwd_tiles_small_h200.txt): not swept.
             # BLOCK_K = 128 in two 96 KiB stages ran the forward 7.6 against 6.1-6.4 ms at
             # qwen3-0.6b, 16.9 against 11.9-12.6 at qwen3-8b (H100, epilogue_instructions_
-            # 0997970.txt section 5): not swept.
+            # 0997970.txt section 5): not swept. Two programs a SM at small H, (128, 128, 64, 4,
+            # 3) (104 KiB, 255 registers: both fit), ran the forward 6.82 against 5.91-6.11 ms at
+            # qwen3-0.6b and 4.91 against 4.30-4.76 at qwen2.5-0.5b (H100, the same file): not swept.
         if want("dw") or args.sweep == "rows":
             # the Triton dW step where the Gluon one runs (both paths since 54fe03a: A/B of it)
             variant(dw_steps, "DW_WS", False, "dw_steps.DW_WS=False")
