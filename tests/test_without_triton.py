@@ -1,6 +1,8 @@
 """compiled_grpo imports and runs its PyTorch body where triton is not installed (pyproject asks for
 triton on Linux only): a subprocess with triton blocked runs grpo_loss (recompute and fused) and
-token_logprobs on CPU, eager and compiled (aot_eager), and every path gives the same loss."""
+token_logprobs on CPU, eager and compiled (aot_eager), and every path gives the same loss. The same
+fresh process checks that `import compiled_grpo` leaves Inductor's pattern matcher unloaded (the
+naive-fusion pass loads when first named: ~2 s of every process's import on a 2-core CPU)."""
 import subprocess
 import sys
 
@@ -9,6 +11,8 @@ import sys
 sys.modules["triton"] = None          # import triton -> ModuleNotFoundError, as on a machine without it
 import torch
 import compiled_grpo as cg
+# the naive-fusion pass (and Inductor's pattern matcher under it) loads when first named
+assert "torch._inductor.pattern_matcher" not in sys.modules, "import compiled_grpo loaded Inductor's pattern matcher"
 torch.manual_seed(0)
 B, T, H, V = 2, 8, 16, 50
 h = torch.randn(B, T, H, dtype=torch.float64, requires_grad=True)
