@@ -316,10 +316,23 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     compiled = (_grads.BLOCK_GRADS_COMPILED and _auto_device_ok(hidden)
                 and not torch.compiler.is_compiling())
 
+    # In a trace the per-token inputs are gathered into the blocks' order once (on_order) and each
+    # block's gradient reads a slice of them: G blocks' index_selects fused into their gradient
+    # kernels were most of what Inductor generated for each block (bench.probes.compile_blocks)
+    ordered = {}
+
+    def on_order(perm):   # perm [G R]: the blocks' rows
+        ordered.update((k, None if t is None else t.index_select(0, perm)) for k, t in per_tok.items())
+        if seq:
+            ordered["seg_ids"] = segments.ids.index_select(0, perm)
+
     def grad_fn(r0, idx, lp, ent):
         fn = _grads.eager_call_block_grads if compiled else _grads.block_grads
         if compiled:   # idx is perm's view at r0: storage offset 0 only for the block run last,
             idx = idx.clone()   # which would recompile the graph (0/1 specialization)
+        if compiling:
+            return fn(lp.to(dtype), ent.to(dtype), None, r0, ordered, cfg,
+                      (ordered["seg_ids"], segments.num_sequences, plan[1], block_rows) if seq else None)
         return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg,
                   (segments.ids, segments.num_sequences, plan[1], block_rows) if seq else None)
 
@@ -354,7 +367,8 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         logit_scale=cfg.logit_scale, softcap=cfg.final_logit_softcapping, need_x=need[0],
         need_w=need[1], need_b=need[2], entropy_grad=ent_w is not None,
         allow_scaled=cfg.fused_scaled_backward, plan=plan, round_logits=cfg.round_logits,
-        compute_dtype=None if cfg.fp32_lm_head else cfg.lm_head_dtype, exact_tf32=exact_tf32, **tp)
+        compute_dtype=None if cfg.fp32_lm_head else cfg.lm_head_dtype, exact_tf32=exact_tf32,
+        on_order=on_order if compiling else None, **tp)
     lp, ent, lse = (t.view(lead) for t in (res.logprobs, res.entropy, res.lse))
     tok = LinearLogprobs(lp, ent if want_entropy else None, lse)
     dx = None if res.d_hidden is None else res.d_hidden.view(hidden.shape)

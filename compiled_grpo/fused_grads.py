@@ -18,21 +18,27 @@ from compiled_grpo.segments import segments_from_ids
 def block_loss(lp, ent, idx, r0, per_tok, cfg, grouped=None):
     """The loss terms of one block's rows, sum(w * l) + sum(e * H), a scalar: lp / ent [R'] in the
     block's order, idx [R'] their original rows, per_tok the [N] inputs and weights (flat:
-    padded [B, T] inputs as B sequences of T tokens). ``grouped`` (whole sequences: seg_ids [N],
+    padded [B, T] inputs as B sequences of T tokens). idx None: per_tok (and grouped's seg_ids)
+    are already in the blocks' order, [G R] (gathered once for all blocks: fused.py in a trace),
+    and the block's rows are [r0, r0 + R'). ``grouped`` (whole sequences: seg_ids [N],
     S, counts [G], R): block b = r0 // R holds whole sequences (fused_order.pack_sequences), its
     counts[b] valid tokens in the first slots in row order (order_rows_grouped); the slots past
     them are no token of the block: masked. Their sums run over all S sequences' ids (those of
     other blocks are empty here)."""
+    def take(t):   # the block's rows of an [N] input (or of a [G R] one in the blocks' order)
+        if t is None:
+            return None
+        return t.index_select(0, idx) if idx is not None else t.narrow(0, r0, lp.shape[0])
+
     segs = live = None
     if grouped is not None:
         seg_ids, s_num, counts, rows = grouped
         live = torch.arange(lp.shape[0], device=lp.device) < counts[r0 // rows]   # [R] valid tokens
         # the slots past them go to the last sequence, masked like any token: the ids stay
         # non-decreasing (the valid slots are in row order), as Segments' sums need
-        segs = segments_from_ids(torch.where(live, seg_ids.index_select(0, idx), s_num - 1), s_num)
-    take = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+        segs = segments_from_ids(torch.where(live, take(seg_ids), s_num - 1), s_num)
     valid = take(per_tok["valid"]) if live is None else take(per_tok["valid"]) & live
-    ent_term = 0.0 if per_tok["ent_w"] is None else (per_tok["ent_w"].index_select(0, idx) * ent).sum()
+    ent_term = 0.0 if per_tok["ent_w"] is None else (take(per_tok["ent_w"]) * ent).sum()
     # per_token is 0 where not valid, so slots past a block's rows add nothing to the sum
     terms = per_token_loss(lp, take(per_tok["old"]), valid, take(per_tok["adv"]), take(per_tok["sr"]),
                            take(per_tok["ref"]), cfg, segs, sampling_logprobs=take(per_tok["samp"]))

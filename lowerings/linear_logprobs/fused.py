@@ -146,7 +146,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
                           plan: Optional[tuple[Tensor, Tensor, Tensor]] = None,
                           round_logits: bool = False,
                           compute_dtype: Optional[torch.dtype] = None,
-                          exact_tf32: bool = False) -> FusedResult:
+                          exact_tf32: bool = False,
+                          on_order: Optional[Callable[[Tensor], None]] = None) -> FusedResult:
     """hidden [N, H], weight [V, H], ids [N] in [0, V) (any value at padded rows), bias [V],
     row_mask [N] bool (None: every row valid), ``blocks`` G (a Python int) of ``block_rows`` R
     rows (G * R >= N; R may be symbolic). ``grad_fn(r0, idx, logprobs, entropy) -> (g_lp,
@@ -181,7 +182,11 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     ``exact_tf32``: the fp32 operands hold bf16 values (fp32_lm_head over a bf16 head,
     op.upcast_lm_head): the forward's logits GEMM takes one TF32 product (cuda.logits_precision),
     as the op's does, so both give a row the same bits, and the dX / dW GEMMs two
-    (cuda.gradient_precision)."""
+    (cuda.gradient_precision).
+
+    ``on_order(perm)``, if given, is called once with the blocks' row order, perm [G R] (block b's
+    idx is perm[b R : b R + R']), before the first block: a caller can gather its per-row inputs
+    into that order once instead of in every grad_fn call."""
     hidden, weight = hidden.detach(), weight.detach()
     bias = None if bias is None else bias.detach().contiguous()
     n, h = hidden.shape
@@ -213,6 +218,8 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
         # dynamic N (no guard on each block's rows)
         perm = torch.cat([perm, perm.new_zeros(blocks * block_rows - n)])   # [G R]
     ids_p = ids.index_select(0, perm).contiguous()                          # [G R]
+    if on_order is not None:
+        on_order(perm)
     cd = ws_dtype(hidden, weight)
     cuda = _steps._triton_body(hidden)
     r = block_rows
