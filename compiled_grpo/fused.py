@@ -317,8 +317,9 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
                 and not torch.compiler.is_compiling())
 
     # In a trace the per-token inputs are gathered into the blocks' order once (on_order) and each
-    # block's gradient reads a slice of them: G blocks' index_selects fused into their gradient
-    # kernels were most of what Inductor generated for each block (bench.probes.compile_blocks)
+    # block's gradient reads a slice of them: the indirect loads G blocks' index_selects put into
+    # their gradient kernels cost Inductor ~0.4 s of code generation a block (H100 host; the
+    # inlined gradient itself ~1.3 s more: bench/results/compile_blocks_h100.txt)
     ordered = {}
 
     def on_order(perm):   # perm [G R]: the blocks' rows
