@@ -3,7 +3,7 @@ token-level block's loss gradient as ONE aten graph, traced once and run by a cu
 of G inlined copies of torch.func.grad that Inductor compiles one by one.
 
     TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 TRITON_CACHE_DIR=$(mktemp -d) \\
-        python -m bench.probes.block_grads_graph [compile_blocks' arguments]
+        python -m bench.probes.block_grads_graph [--compile-graph] [compile_blocks' arguments]
 
 runs bench.probes.compile_blocks with fused_grads.block_grads patched in this process (the package
 is unchanged). How: in a trace, a block's inputs are [R] slices (the per-token inputs gathered
@@ -15,7 +15,9 @@ graph's aten ops (no functorch at run time: a compiled graph runs custom ops ins
 AOTAutograd's autograd.Function forward, where torch.func.grad cannot). Whole-sequence blocks
 keep the inlined gradient. Measured on torch 2.13 CPU only so far; whether Dynamo 2.11 accepts
 make_fx inside an assume_constant_result call is what a GPU run of this probe shows first. The
-graph's ops run eagerly (~60 small kernels a block): a real version would compile it once.
+graph's ops run eagerly (~60 small kernels a block) unless --compile-graph, where Inductor
+compiles each traced graph once, at its first run inside the compiled step
+(torch._inductor.compile on the op's real inputs).
 """
 import torch
 from torch import Tensor
@@ -52,9 +54,18 @@ def graph_key(cfg, rows: int, dtype: str, dtypes: str, device: str) -> str:
     return key
 
 
+COMPILE = False   # --compile-graph: Inductor compiles each traced graph at its first run (once)
+_COMPILED: dict = {}
+
+
 @torch.library.custom_op("probe::block_grads", mutates_args=())
 def block_grads_op(lp: Tensor, ent: Tensor, inputs: list[Tensor], key: str) -> tuple[Tensor, Tensor]:
-    g_lp, g_ent = _GRAPHS[key](lp, ent, *inputs)
+    fn = _GRAPHS[key]
+    if COMPILE:
+        if key not in _COMPILED:
+            _COMPILED[key] = torch._inductor.compile(fn, [lp, ent, *inputs])
+        fn = _COMPILED[key]
+    g_lp, g_ent = fn(lp, ent, *inputs)
     return g_lp.clone(), g_ent.clone()
 
 
@@ -78,5 +89,9 @@ def block_grads(lp, ent, idx, r0, per_tok, cfg, grouped=None):
 
 
 if __name__ == "__main__":
+    import sys
+    if "--compile-graph" in sys.argv:
+        sys.argv.remove("--compile-graph")
+        COMPILE = True
     fused_grads.block_grads = block_grads
     compile_blocks.main()
