@@ -328,12 +328,13 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             ordered["seg_ids"] = segments.ids.index_select(0, perm)
 
     def grad_fn(r0, idx, lp, ent):
+        if compiling:   # the block's slices of the inputs gathered once (on_order)
+            return _grads.block_grads(lp.to(dtype), ent.to(dtype), None, r0, ordered, cfg,
+                                      (ordered["seg_ids"], segments.num_sequences, plan[1], block_rows)
+                                      if seq else None)
         fn = _grads.eager_call_block_grads if compiled else _grads.block_grads
         if compiled:   # idx is perm's view at r0: storage offset 0 only for the block run last,
             idx = idx.clone()   # which would recompile the graph (0/1 specialization)
-        if compiling:
-            return fn(lp.to(dtype), ent.to(dtype), None, r0, ordered, cfg,
-                      (ordered["seg_ids"], segments.num_sequences, plan[1], block_rows) if seq else None)
         return fn(lp.to(dtype), ent.to(dtype), idx, r0, per_tok, cfg,
                   (segments.ids, segments.num_sequences, plan[1], block_rows) if seq else None)
 

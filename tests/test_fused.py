@@ -286,6 +286,39 @@ def test_eager_compiled_block_grads(level, monkeypatch):
     assert cnt.frame_count == 1, cnt.frame_count
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_block_grads_on_inputs_gathered_once_equal_the_per_block_gather(grouped):
+    """A trace's per-block gradient reads slices of the per-token inputs gathered into the blocks'
+    order once (fused.py's on_order: block_loss with idx None); an eager call gathers each block's
+    rows itself (idx). Bitwise the same gradients, for token-level and whole-sequence blocks."""
+    g = torch.Generator().manual_seed(3)
+    n, blocks, rows = 23, 3, 8                                     # G R = 24 slots >= N
+    perm = torch.randperm(n, generator=g)
+    perm = torch.cat([perm, perm.new_zeros(blocks * rows - n)])    # [G R], as order_rows pads
+    per_tok = dict(old=-torch.rand(n, generator=g, dtype=torch.float64) * 3,
+                   valid=torch.rand(n, generator=g) > 0.3, adv=torch.randn(n, generator=g, dtype=torch.float64),
+                   sr=None, ref=-torch.rand(n, generator=g, dtype=torch.float64) * 3,
+                   agg_w=torch.rand(n, generator=g, dtype=torch.float64),
+                   ent_w=torch.rand(n, generator=g, dtype=torch.float64), samp=None)
+    cfg = cg.GRPOConfig(loss_type="grpo", beta=0.04, entropy_coef=0.01,
+                        importance_sampling_level="sequence" if grouped else "token")
+    seg_ids = torch.arange(n) // 5                                  # 5 sequences
+    counts = torch.tensor([8, 6, 7])
+    ordered = {k: None if t is None else t.index_select(0, perm) for k, t in per_tok.items()}
+    for b in range(blocks):
+        r0 = b * rows
+        idx = perm.narrow(0, r0, rows)
+        lp = -torch.rand(rows, generator=g, dtype=torch.float64) * 4
+        ent = torch.rand(rows, generator=g, dtype=torch.float64)
+        each = FG.block_grads(lp, ent, idx, r0, per_tok, cfg,
+                              (seg_ids, 5, counts, rows) if grouped else None)
+        once = FG.block_grads(lp, ent, None, r0, ordered, cfg,
+                              (seg_ids.index_select(0, perm), 5, counts, rows) if grouped else None)
+        for a, c in zip(each, once):
+            assert torch.equal(a, c), (b, a, c)
+        assert each[0].abs().sum() > 0
+
+
 def test_eager_block_grads_past_the_recompile_limit(monkeypatch):
     """One compiled block-gradient graph per config: a process with more configs than Dynamo's
     recompile limit (2 here, 8 by default) gets the eager gradient for the later ones (with one
