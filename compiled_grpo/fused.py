@@ -268,9 +268,9 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     if sampling_ratio is not None:
         sampling_ratio = sampling_ratio.expand(lead)
     flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
-    per_tok = dict(old=flat(old_logprobs), valid=flat(valid), adv=flat(advantages),
-                   sr=flat(sampling_ratio), ref=flat(ref_logprobs), agg_w=flat(agg_w),
-                   ent_w=flat(ent_w), samp=flat(sampling_logprobs))        # [N] each
+    per_tok = dict(zip(_grads.PER_TOKEN, map(flat, (
+        old_logprobs, valid, advantages, sampling_ratio, ref_logprobs, agg_w, ent_w,
+        sampling_logprobs))))                                              # [N] each
     n = valid.numel()
     budget = _budget_rows(hidden, weight, cfg, shard)
     compiling = torch.compiler.is_compiling()
@@ -328,10 +328,11 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             ordered["seg_ids"] = segments.ids.index_select(0, perm)
 
     def grad_fn(r0, idx, lp, ent):
+        if compiling and not seq:   # token blocks: one traced graph for all (fused_grads)
+            return _grads.traced_block_grads(lp.to(dtype), ent.to(dtype), r0, ordered, cfg)
         if compiling:   # the block's slices of the inputs gathered once (on_order)
             return _grads.block_grads(lp.to(dtype), ent.to(dtype), None, r0, ordered, cfg,
-                                      (ordered["seg_ids"], segments.num_sequences, plan[1], block_rows)
-                                      if seq else None)
+                                      (ordered["seg_ids"], segments.num_sequences, plan[1], block_rows))
         fn = _grads.eager_call_block_grads if compiled else _grads.block_grads
         if compiled:   # idx is perm's view at r0: storage offset 0 only for the block run last,
             idx = idx.clone()   # which would recompile the graph (0/1 specialization)

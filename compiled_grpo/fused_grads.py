@@ -6,11 +6,16 @@ Legend: N tokens, R' rows of a block (in the block's order), S sequences, G bloc
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import warnings
 
 import torch
+from torch import Tensor
+from torch.fx.experimental.proxy_tensor import make_fx
 
+from compiled_grpo.config import GRPOConfig
 from compiled_grpo.objective import per_token_loss
 from compiled_grpo.segments import segments_from_ids
 
@@ -48,6 +53,81 @@ def block_loss(lp, ent, idx, r0, per_tok, cfg, grouped=None):
 def block_grads(lp, ent, idx, r0, per_tok, cfg, grouped=None):
     """(dL/dlp, dL/dent) [R'] of one block: autograd of the loss functions (torch.func.grad)."""
     return torch.func.grad(block_loss, argnums=(0, 1))(lp, ent, idx, r0, per_tok, cfg, grouped)
+
+
+# Inside a user's torch.compile, G token-level blocks' gradients inlined are G copies of
+# torch.func.grad(block_loss) whose kernels Inductor generates one by one (~1.5-2 s a block on an
+# H100 host: bench/results/compile_blocks_h100.txt). In a trace their inputs are [R] slices of
+# the per-token inputs gathered once (fused.py's on_order) and R is static, so every block is the
+# same function of the same shapes: traced_block_grads traces it ONCE to an aten graph (make_fx,
+# when Dynamo computes the graph's key) and each block runs that graph through the custom op
+# compiled_grpo::block_grads, opaque to Dynamo and Inductor. The op runs aten ops only: a
+# compiled graph runs custom ops inside AOTAutograd's autograd.Function forward, where
+# torch.func.grad itself cannot run, and Dynamo's nested_compile_region fails on torch 2.11
+# ("Expected FakeTensor": it collects the region's functorch-wrapped intermediates).
+PER_TOKEN = ("old", "valid", "adv", "sr", "ref", "agg_w", "ent_w", "samp")   # fused.py's per_tok
+_FIELDS = tuple(f.name for f in dataclasses.fields(GRPOConfig))
+
+
+def _config(values: list) -> GRPOConfig:
+    """A GRPOConfig back from _graph_key's json of its field values."""
+    kw = dict(zip(_FIELDS, values))
+    if kw["lm_head_dtype"] is not None:
+        kw["lm_head_dtype"] = getattr(torch, kw["lm_head_dtype"].split(".")[-1])
+    return GRPOConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()})
+
+
+@functools.lru_cache(maxsize=None)
+def _block_graph(key: str) -> torch.fx.GraphModule:
+    """The aten graph of (dL/dlp, dL/dent) of one token-level block: make_fx of block_grads on
+    zero example tensors (the loss has no branch on tensor values, so any values trace it)."""
+    values, rows, dtype, dtypes, device = json.loads(key)
+    cfg, dev = _config(values), torch.device(device)
+    present = [d != "" for d in dtypes]
+
+    def grads(lp, ent, *inputs):
+        it = iter(inputs)
+        per_tok = {k: next(it) if p else None for k, p in zip(PER_TOKEN, present)}
+        return block_grads(lp, ent, None, 0, per_tok, cfg)
+
+    zeros = lambda d: torch.zeros(rows, dtype=getattr(torch, d.split(".")[-1]), device=dev)  # noqa: E731
+    return make_fx(grads)(zeros(dtype), zeros(dtype), *(zeros(d) for d in dtypes if d))
+
+
+@torch.compiler.assume_constant_result
+def _graph_key(values: tuple, rows: int, dtype: str, dtypes: tuple, device: str) -> str:
+    """The key of the block graph (traced here, once per key): json of the config's field values
+    (torch 2.11's Dynamo cannot take the frozen config itself as a constant), R, the log-probs'
+    dtype, each PER_TOKEN input's dtype ('' where None) and the device. A constant to Dynamo."""
+    key = json.dumps([[str(v) if isinstance(v, torch.dtype) else v for v in values], rows, dtype,
+                      list(dtypes), device])
+    _block_graph(key)
+    return key
+
+
+@torch.library.custom_op("compiled_grpo::block_grads", mutates_args=())
+def _block_grads_op(lp: Tensor, ent: Tensor, inputs: list[Tensor], key: str) -> tuple[Tensor, Tensor]:
+    g_lp, g_ent = _block_graph(key)(lp, ent, *inputs)
+    return g_lp.clone(), g_ent.clone()   # a custom op's outputs may not alias its inputs
+
+
+@_block_grads_op.register_fake
+def _(lp, ent, inputs, key):
+    return torch.empty_like(lp), torch.empty_like(ent)
+
+
+def traced_block_grads(lp, ent, r0, ordered, cfg):
+    """block_grads of the token-level block [r0, r0 + R) of the inputs in the blocks' order
+    (``ordered``, fused.py's on_order) inside a trace, through the block graph traced once.
+    R must be static (fused.py's compiled blocks); a symbolic R takes the inlined gradient."""
+    rows = lp.shape[0]
+    if not isinstance(rows, int):
+        return block_grads(lp, ent, None, r0, ordered, cfg)
+    dtypes = tuple("" if ordered[k] is None else str(ordered[k].dtype) for k in PER_TOKEN)
+    inputs = [ordered[k].narrow(0, r0, rows) for k in PER_TOKEN if ordered[k] is not None]
+    key = _graph_key(tuple(getattr(cfg, n) for n in _FIELDS), rows, str(lp.dtype), dtypes,
+                     str(lp.device))
+    return _block_grads_op(lp, ent, inputs, key)
 
 
 # Eager CUDA calls run the per-block gradient as one compiled graph (dynamic shapes: one compile
