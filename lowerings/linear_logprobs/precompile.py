@@ -162,10 +162,35 @@ def precompile(host_code, *args, **kwargs) -> int:
         return 0
 
 
+def _ptxas_version(target) -> Optional[str]:
+    """The ptxas version in this process's Triton cache keys (CUDA targets), fixed now.
+
+    Triton keys a compile by the ptxas version it reads once a process (get_ptxas_version is
+    lru-cached) from TRITON_PTXAS_PATH, else its bundled ptxas. Inductor sets that variable to
+    torch's own ptxas (torch/bin/ptxas; CUDA 13.0 against Triton 3.6's 12.8 on the GPU machines)
+    just before its first in-process Triton compile, which happens in some runs (its compile
+    pool not ready yet) and not in others. A worker started before that read the bundled
+    ptxas, the parent read torch's: every adoption missed and the parent compiled all nine
+    kernels again, ~6 s of the end-to-end first call in 3 of 4 runs (one H100, bench/results/
+    compile_blocks_h100.txt). So the parent takes Inductor's choice now, before its workers
+    start, fixes its own version by reading it, and hands that version to the workers, which
+    key their compiles by it (and compile with the same ptxas, TRITON_PTXAS_PATH inherited)."""
+    if target.backend != "cuda":
+        return None
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+        _set_triton_ptxas_path()   # as Inductor would before its first in-process compile
+    except (ImportError, AttributeError):   # another torch: its own choice, read below
+        pass
+    from triton.backends.nvidia.compiler import get_ptxas_version
+    return get_ptxas_version(target.arch)
+
+
 def _start(specs: list) -> None:
     target = triton.runtime.driver.active.get_current_target()
     job = {"target": [target.backend, target.arch, target.warp_size], "cache_dir": CACHE_DIR,
-           "root": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+           "root": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+           "ptxas_version": _ptxas_version(target)}
     n = min(WORKERS, len(specs), _cpus_per_rank())
     for i in range(n):
         part = specs[i::n]

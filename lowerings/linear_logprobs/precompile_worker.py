@@ -47,6 +47,8 @@ def main(job: dict) -> int:
     t0 = time.perf_counter()
     _packages(job["root"])
     triton.knobs.cache.dir = job["cache_dir"]
+    if job.get("ptxas_version"):   # the parent's cache keys' ptxas version (precompile._ptxas_version)
+        triton.knobs.nvidia.mock_ptx_version = job["ptxas_version"]
     triton.runtime.driver.set_active(_TargetDriver(GPUTarget(*job["target"])))
     failed = 0
     for module, name, spec in job["specs"]:
