@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import functools
 import os
 import time
 
@@ -90,11 +91,11 @@ def _loss_trl(model, ids, mask, adv, old, ref, P, p, keep):
     return dapo_loss(logp[None], flat(old), flat(ref), flat(adv_t), torch.ones_like(logp)[None], p)
 
 
-def _loss_cg(model, ids, mask, adv, old, ref, P, p, keep):
+def _loss_cg(model, ids, mask, adv, old, ref, P, p, keep, config=None):
     import compiled_grpo as cg
     h = completion_hidden(model, ids, P)
     return cg.grpo_loss(h, model.lm_head.weight, ids[:, P:], adv, mask > 0, old, ref,
-                        config=_cg_config(cg, p)).loss
+                        config=config).loss
 
 
 LOSSES = {"naive": _loss_naive, "trl_chunked": _loss_trl, "compiled_grpo": _loss_cg}
@@ -106,6 +107,18 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def step_loss(base_name: str, p: Params):
+    """The provider's loss function of the step. compiled_grpo's GRPOConfig is made here, once,
+    outside the step, as a trainer does: made inside the compiled step, its dataclasses.fields
+    broke the graph, so Dynamo traced the backbone twice (a restart: 6.8-10.9 s of the H100
+    runs' first call) and the step ran as two graphs."""
+    fn = LOSSES[base_name]
+    if base_name == "compiled_grpo":
+        import compiled_grpo as cg
+        fn = functools.partial(fn, config=_cg_config(cg, p))
+    return fn
+
+
 def run_one(name, model, batch, P, p, device, reps):
     base_name = name.split("+")[0]
     if base_name == "trl_chunked":
@@ -115,7 +128,7 @@ def run_one(name, model, batch, P, p, device, reps):
             return dict(status=f"skip: trl not importable ({type(e).__name__})")
     ids, mask, adv, old, ref = batch
     keep = torch.nonzero(mask.reshape(-1) > 0)[:, 0]                       # outside the step (host sync)
-    fn = LOSSES[base_name]
+    fn = step_loss(base_name, p)
     if name.endswith("+compile"):
         torch._dynamo.reset()
         fn = torch.compile(fn)

@@ -165,6 +165,23 @@ def test_plot_or_message(tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 0
 
 
+def test_e2e_compiled_grpo_step_is_one_graph():
+    """bench.e2e's compiled_grpo step traces in one frame with fullgraph=True (the backbone and
+    the loss): no graph break of the bench's own making (its GRPOConfig is made outside the
+    step), so the compile time it reports is the step's, not a Dynamo restart's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from bench import e2e
+    model = e2e.build_model(1, 64, 200, 24, torch.device("cpu"), torch.float32)
+    ids, mask, adv, old, ref = e2e.make_batch(model, 2, 8, 16, torch.device("cpu"))
+    keep = torch.nonzero(mask.reshape(-1) > 0)[:, 0]
+    p = e2e.Params()
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("eager")
+    fn = torch.compile(e2e.step_loss("compiled_grpo", p), backend=cnt, fullgraph=True)
+    loss = fn(model, ids, mask, adv, old, ref, 8, p, keep)
+    assert torch.isfinite(loss) and cnt.frame_count == 1, cnt.frame_count
+
+
 def test_e2e_step_smoke(tmp_path):
     """bench.e2e on the tiny CPU model: the three eager providers run and agree on the loss."""
     from bench import e2e
