@@ -69,11 +69,16 @@ PER_TOKEN = ("old", "valid", "adv", "sr", "ref", "agg_w", "ent_w", "samp")   # f
 _FIELDS = tuple(f.name for f in dataclasses.fields(GRPOConfig))
 
 
+def _dtype(name: str) -> torch.dtype:
+    """torch.dtype from its str() ("torch.float32"), as _graph_key's json holds dtypes."""
+    return getattr(torch, name.split(".")[-1])
+
+
 def _config(values: list) -> GRPOConfig:
     """A GRPOConfig back from _graph_key's json of its field values."""
     kw = dict(zip(_FIELDS, values))
     if kw["lm_head_dtype"] is not None:
-        kw["lm_head_dtype"] = getattr(torch, kw["lm_head_dtype"].split(".")[-1])
+        kw["lm_head_dtype"] = _dtype(kw["lm_head_dtype"])
     return GRPOConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()})
 
 
@@ -90,7 +95,7 @@ def _block_graph(key: str) -> torch.fx.GraphModule:
         per_tok = {k: next(it) if p else None for k, p in zip(PER_TOKEN, present)}
         return block_grads(lp, ent, None, 0, per_tok, cfg)
 
-    zeros = lambda d: torch.zeros(rows, dtype=getattr(torch, d.split(".")[-1]), device=dev)  # noqa: E731
+    zeros = lambda d: torch.zeros(rows, dtype=_dtype(d), device=dev)  # noqa: E731
     return make_fx(grads)(zeros(dtype), zeros(dtype), *(zeros(d) for d in dtypes if d))
 
 

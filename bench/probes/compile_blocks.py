@@ -1,6 +1,7 @@
 """The first call of a compiled grpo_loss (the head alone, fused gradient mode) against its
-number of row blocks G: inside torch.compile each block's loss gradient is traced inline
-(compiled_grpo/fused.py's grad_fn), so AOTAutograd and Inductor compile G copies of it.
+number of row blocks G: what each block costs the compile (until 4c701af each block's loss
+gradient was traced inline, G copies for Inductor; now token-level blocks share one traced
+graph, fused_grads.traced_block_grads, and whole-sequence blocks are still inlined).
 Run each setting in a fresh process with the caches off:
 
     TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 TRITON_CACHE_DIR=$(mktemp -d) \\
@@ -9,7 +10,7 @@ Run each setting in a fresh process with the caches off:
 The default shape is bench.e2e's head (B = 8 sequences of 1792 tokens, H = 2048, V = 151936,
 bf16; 640 MiB: 6 blocks of 2048 rows, 4096 MiB: one block). Prints the first call's seconds,
 the compile phases' totals, and whether the compiled gradients equal an eager call's bitwise.
-Results: bench/results/compile_blocks.txt.
+Results: bench/results/compile_blocks_h100.txt.
 """
 import argparse
 import time
