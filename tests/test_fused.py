@@ -12,7 +12,6 @@ packed inputs (max_seqlen): tests/test_fused_packed.py.
 """
 import functools
 import itertools
-import json
 
 import pytest
 import torch
@@ -285,78 +284,6 @@ def test_eager_compiled_block_grads(level, monkeypatch):
         monkeypatch.setattr(FG, "BLOCK_GRADS_COMPILED", True)
         _assert_same(slow, fast)
     assert cnt.frame_count == 1, cnt.frame_count
-
-
-@pytest.mark.parametrize("grouped", [False, True])
-def test_block_grads_on_inputs_gathered_once_equal_the_per_block_gather(grouped):
-    """A trace's per-block gradient reads slices of the per-token inputs gathered into the blocks'
-    order once (fused.py's on_order: block_loss with idx None); an eager call gathers each block's
-    rows itself (idx). Bitwise the same gradients, for token-level and whole-sequence blocks."""
-    g = torch.Generator().manual_seed(3)
-    n, blocks, rows = 23, 3, 8                                     # G R = 24 slots >= N
-    perm = torch.randperm(n, generator=g)
-    perm = torch.cat([perm, perm.new_zeros(blocks * rows - n)])    # [G R], as order_rows pads
-    per_tok = dict(old=-torch.rand(n, generator=g, dtype=torch.float64) * 3,
-                   valid=torch.rand(n, generator=g) > 0.3, adv=torch.randn(n, generator=g, dtype=torch.float64),
-                   sr=None, ref=-torch.rand(n, generator=g, dtype=torch.float64) * 3,
-                   agg_w=torch.rand(n, generator=g, dtype=torch.float64),
-                   ent_w=torch.rand(n, generator=g, dtype=torch.float64), samp=None)
-    cfg = cg.GRPOConfig(loss_type="grpo", beta=0.04, entropy_coef=0.01,
-                        importance_sampling_level="sequence" if grouped else "token")
-    seg_ids = torch.arange(n) // 5                                  # 5 sequences
-    counts = torch.tensor([8, 6, 7])
-    ordered = {k: None if t is None else t.index_select(0, perm) for k, t in per_tok.items()}
-    for b in range(blocks):
-        r0 = b * rows
-        idx = perm.narrow(0, r0, rows)
-        lp = -torch.rand(rows, generator=g, dtype=torch.float64) * 4
-        ent = torch.rand(rows, generator=g, dtype=torch.float64)
-        each = FG.block_grads(lp, ent, idx, r0, per_tok, cfg,
-                              (seg_ids, 5, counts, rows) if grouped else None)
-        once = FG.block_grads(lp, ent, None, r0, ordered, cfg,
-                              (seg_ids.index_select(0, perm), 5, counts, rows) if grouped else None)
-        for a, c in zip(each, once):
-            assert torch.equal(a, c), (b, a, c)
-        assert each[0].abs().sum() > 0
-
-
-def test_compiled_token_blocks_run_one_traced_graph():
-    """In a trace, every token-level block's gradient is the same aten graph, traced once (make_fx
-    when Dynamo asks _graph_key) and run by compiled_grpo::block_grads: G op calls, one trace,
-    gradients equal to eager to rounding. A process whose graph registry lacks the key (a graph
-    compiled before, its key not traced here) traces it at the op's first run instead, inside the
-    compiled graph: same gradients."""
-    cfg = cg.GRPOConfig(loss_type="grpo", beta=0.04, entropy_coef=0.01, gradient_mode="fused",
-                        fused_workspace_mib=_mib(16))
-    inp = make_inputs(B=5, T=9, H=H, V=V, seed=21)                  # N = 45: 3 blocks of 16 rows
-    FG._block_graph.cache_clear()
-    torch._dynamo.reset()
-    cnt = CompileCounterWithBackend("aot_eager")
-    fn = torch.compile(lambda **kw: cg.grpo_loss(**kw, config=cfg).loss, backend=cnt, fullgraph=True,
-                       dynamic=False)
-    ref, ref_grads = _run(inp, cfg)
-    for rerun in (False, True):
-        if rerun:
-            FG._block_graph.cache_clear()
-        leaves = {k: inp[k].detach().clone().requires_grad_() for k in ("hidden", "weight")}
-        loss = fn(**dict(inp, **leaves))
-        loss.backward()
-        torch.testing.assert_close(loss, ref.loss, rtol=1e-12, atol=1e-14)
-        for k, g in zip(("hidden", "weight"), ref_grads):
-            torch.testing.assert_close(leaves[k].grad, g, rtol=1e-10, atol=1e-12)
-        assert FG._block_graph.cache_info().misses == 1
-    ops = [nd for nd in cnt.graphs[0].graph.nodes if nd.target is torch.ops.compiled_grpo.block_grads.default]
-    assert len(ops) == 3, len(ops)
-    assert cnt.frame_count == 1
-
-
-def test_block_graph_key_round_trips_the_config():
-    """_graph_key's json gives the config back field for field (a dtype, a tuple, None, floats)."""
-    cfg = cg.GRPOConfig(loss_type="dr_grpo", lm_head_dtype=torch.float32, metrics=("basic",),
-                        log_ratio_clamp=None, epsilon_high=0.28, max_completion_length=7)
-    key = FG._graph_key(tuple(getattr(cfg, n) for n in FG._FIELDS), 8, "torch.float64",
-                        ("torch.float64", "torch.bool", "torch.float64", "", "", "torch.float64", "", ""), "cpu")
-    assert FG._config(json.loads(key)[0]) == cfg
 
 
 def test_eager_block_grads_past_the_recompile_limit(monkeypatch):
