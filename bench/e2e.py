@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import functools
 import os
 import time
 
@@ -111,12 +110,18 @@ def step_loss(base_name: str, p: Params):
     """The provider's loss function of the step. compiled_grpo's GRPOConfig is made here, once,
     outside the step, as a trainer does: made inside the compiled step, its dataclasses.fields
     broke the graph, so Dynamo traced the backbone twice (a restart: 6.8-10.9 s of the H100
-    runs' first call) and the step ran as two graphs."""
+    runs' first call) and the step ran as two graphs. A closure, not functools.partial: Dynamo
+    looks a partial's function up again by its module's name, which fails when this file runs
+    under another module's name (runpy, as bench.probes.first_call runs it)."""
     fn = LOSSES[base_name]
-    if base_name == "compiled_grpo":
-        import compiled_grpo as cg
-        fn = functools.partial(fn, config=_cg_config(cg, p))
-    return fn
+    if base_name != "compiled_grpo":
+        return fn
+    import compiled_grpo as cg
+    config = _cg_config(cg, p)
+
+    def loss(*args):
+        return fn(*args, config=config)
+    return loss
 
 
 def run_one(name, model, batch, P, p, device, reps):
