@@ -14,6 +14,7 @@ import warnings
 import torch
 from torch import Tensor
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.dialect.common.cse_pass import CSEPass
 
 from compiled_grpo.config import GRPOConfig
 from compiled_grpo.objective import per_token_loss
@@ -85,7 +86,11 @@ def _config(values: list) -> GRPOConfig:
 @functools.lru_cache(maxsize=None)
 def _block_graph(key: str) -> torch.fx.GraphModule:
     """The aten graph of (dL/dlp, dL/dent) of one token-level block: make_fx of block_grads on
-    zero example tensors (the loss has no branch on tensor values, so any values trace it)."""
+    zero example tensors (the loss has no branch on tensor values, so any values trace it),
+    functionalized, then its dead and repeated ops removed (each op is a kernel launch a block
+    on CUDA: 87 -> 69 ops at bench.e2e's DAPO + k3 KL config; the same ops on the same values,
+    so the same bits: tested). Functional first, so common-subexpression elimination cannot
+    merge two tensors that an in-place op (masked_fill_) then writes."""
     values, rows, dtype, dtypes, device = json.loads(key)
     cfg, dev = _config(values), torch.device(device)
     present = [d != "" for d in dtypes]
@@ -96,7 +101,13 @@ def _block_graph(key: str) -> torch.fx.GraphModule:
         return block_grads(lp, ent, None, 0, per_tok, cfg)
 
     zeros = lambda d: torch.zeros(rows, dtype=_dtype(d), device=dev)  # noqa: E731
-    return make_fx(grads)(zeros(dtype), zeros(dtype), *(zeros(d) for d in dtypes if d))
+    gm = make_fx(torch.func.functionalize(grads, remove="mutations"))(
+        zeros(dtype), zeros(dtype), *(zeros(d) for d in dtypes if d))
+    gm.graph.eliminate_dead_code()
+    gm = CSEPass()(gm).graph_module
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
 
 
 @torch.compiler.assume_constant_result

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import compiled_grpo as cg
 from compiled_grpo import fused_grads as FG
@@ -84,3 +85,42 @@ def test_block_graph_key_round_trips_the_config():
     key = FG._graph_key(tuple(getattr(cfg, n) for n in FG._FIELDS), 8, "torch.float64",
                         ("torch.float64", "torch.bool", "torch.float64", "", "", "torch.float64", "", ""), "cpu")
     assert FG._config(json.loads(key)[0]) == cfg
+
+
+@pytest.mark.parametrize("cfg", [
+    cg.GRPOConfig(loss_type="dapo", beta=0.04),
+    cg.GRPOConfig(loss_type="grpo", beta=0.04, kl_estimator="k2", entropy_coef=0.01, delta=4.0),
+    cg.GRPOConfig(loss_type="cispo", epsilon_high=5.0, vllm_importance_sampling_mode="token_truncate"),
+    cg.GRPOConfig(loss_type="sapo"),
+], ids=["dapo-k3", "grpo-k2-entropy-delta", "cispo-sampling", "sapo"])
+def test_block_graph_is_functional_smaller_and_bitwise_the_eager_gradient(cfg):
+    """The block graph is functionalized, then dead and repeated ops go (fewer kernel launches a
+    block): no in-place op is left, it has fewer ops than make_fx's raw trace, and it gives
+    bitwise the eager torch.func gradient, on values that clip, mask and clamp."""
+    g = torch.Generator().manual_seed(5)
+    rows = 64
+    f32 = lambda: torch.randn(rows, generator=g)  # noqa: E731
+    per_tok = dict(old=-torch.rand(rows, generator=g) * 3, valid=torch.rand(rows, generator=g) > 0.2,
+                   adv=f32(), sr=None, ref=-torch.rand(rows, generator=g) * 3,
+                   agg_w=torch.rand(rows, generator=g), ent_w=torch.rand(rows, generator=g) * 0.01,
+                   samp=-torch.rand(rows, generator=g) * 3)
+    present = {k: v for k, v in per_tok.items() if v is not None}
+    dtypes = tuple("" if per_tok[k] is None else str(per_tok[k].dtype) for k in FG.PER_TOKEN)
+    key = FG._graph_key(tuple(getattr(cfg, n) for n in FG._FIELDS), rows, "torch.float32", dtypes, "cpu")
+    gm = FG._block_graph(key)
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert not [n for n in ops if n.target._schema.is_mutable], gm.code
+
+    def raw(lp, ent, *inputs):
+        it = iter(inputs)
+        return FG.block_grads(lp, ent, None, 0, {k: next(it) if k in present else None
+                                                 for k in FG.PER_TOKEN}, cfg)
+    traced = make_fx(raw)(*(torch.zeros_like(t) for t in [f32(), f32(), *present.values()]))
+    assert len(ops) < sum(1 for n in traced.graph.nodes if n.op == "call_function")
+    for _ in range(3):
+        lp = -torch.rand(rows, generator=g) * 3 + 0.5 * f32()       # ratios past the clip range
+        ent = torch.rand(rows, generator=g) * 2
+        want = FG.block_grads(lp, ent, None, 0, per_tok, cfg)
+        got = gm(lp, ent, *present.values())
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), (a - b).abs().max()
