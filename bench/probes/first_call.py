@@ -7,12 +7,25 @@ process, during `python -m bench.e2e`.
 
 --workers sets lowerings.linear_logprobs.precompile.WORKERS (0: every kernel compiles at its
 first launch, here). Prints, at exit, the seconds each part took and how many there were.
+
+    python -m bench.probes.first_call --alternate ROUNDS [--providers P ...] [--log-dir DIR] -- E2E_ARGS
+
+compares first calls fairly: ROUNDS rounds of every provider in turn (default compiled_grpo+compile,
+then TRL's trl_chunked+compile), each in a fresh process with Inductor's caches off and a fresh
+TRITON_CACHE_DIR (nothing one run compiled serves the next), and prints one row a run: first call,
+step, peak, Dynamo's attempts (a restart shows as two) and the kernels Triton compiled here for
+longer than 50 ms (the precompile workers' kernels found: 0). README's e2e row was measured
+this way (bench/results/e2e_first_call_h100_d5cfed0.txt).
 """
 import argparse
 import atexit
 import logging
+import os
+import re
 import runpy
+import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -51,11 +64,64 @@ def _report():
         print(f"  {key:<48} {n:4d} {s:8.2f}", flush=True)
 
 
+def summary(provider: str, out: str) -> dict:
+    """One run's row from its output: bench.e2e's table row of the provider, Dynamo's
+    compile_attempt lines and this probe's count of Triton compiles over 50 ms."""
+    row = dict(provider=provider, first_s=None, ms=None, peak_gib=None, status="no row")
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0] == provider:
+            ok = cells[5] == "ok"
+            row.update(status=cells[5], **({k: float(v) for k, v in
+                                            zip(("ms", "first_s", "peak_gib"), cells[1:4])} if ok else {}))
+    row["attempts"] = len(set(re.findall(r"^compile_attempt_(\d+)\s", out, re.M)))
+    slow = re.search(r"^\s*triton\.compile >50ms\s+(\d+)", out, re.M)
+    row["slow_compiles"] = int(slow.group(1)) if slow else 0
+    return row
+
+
+def alternate(rounds: int, providers: list[str], workers: int, e2e_args: list[str],
+              log_dir: str | None = None, run=subprocess.run) -> list[dict]:
+    """Each provider in turn, ROUNDS times, each run a fresh process of this probe with
+    Inductor's caches off and its own empty TRITON_CACHE_DIR; one summary row a run."""
+    rows = []
+    for r in range(rounds):
+        for p in providers:
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", TRITON_CACHE_DIR=cache)
+                cmd = [sys.executable, "-m", "bench.probes.first_call", "--workers", str(workers),
+                       "--", "--providers", p, "--compile-times", *e2e_args]
+                res = run(cmd, env=env, capture_output=True, text=True)
+            out = res.stdout + res.stderr
+            if log_dir:
+                os.makedirs(log_dir, exist_ok=True)
+                with open(os.path.join(log_dir, f"round{r + 1}.{p.replace('+', '_')}.log"), "w") as f:
+                    f.write(out)
+            rows.append(dict(summary(p, out), round=r + 1))
+            print(_row_line(rows[-1]), flush=True)
+    return rows
+
+
+def _row_line(r: dict) -> str:
+    f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
+    return (f"| {r['round']} | {r['provider']} | {f(r['first_s'], '.1f')} | {f(r['ms'], '.1f')} | "
+            f"{f(r['peak_gib'], '.2f')} | {r['attempts']} | {r['slow_compiles']} | {r['status']} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=precompile.WORKERS)
+    ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                    help="run each provider ROUNDS times in turn, a fresh process and caches each")
+    ap.add_argument("--providers", nargs="+", default=["compiled_grpo+compile", "trl_chunked+compile"])
+    ap.add_argument("--log-dir", default=None, help="with --alternate: each run's whole output here")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
+    if a.alternate:
+        print("| round | provider | first call s | step ms | peak GiB | Dynamo attempts | "
+              "Triton compiles > 50 ms here | status |\n|---:|---|---:|---:|---:|---:|---:|---|", flush=True)
+        alternate(a.alternate, a.providers, a.workers, [r for r in a.rest if r != "--"], a.log_dir)
+        return
     precompile.WORKERS = a.workers
     logging.basicConfig(format="%(message)s")
     logging.getLogger(precompile.__name__).setLevel(logging.DEBUG)   # the workers' own timings
