@@ -90,7 +90,7 @@ def _loss_trl(model, ids, mask, adv, old, ref, P, p, keep):
     return dapo_loss(logp[None], flat(old), flat(ref), flat(adv_t), torch.ones_like(logp)[None], p)
 
 
-def _loss_cg(model, ids, mask, adv, old, ref, P, p, keep, config=None):
+def _loss_cg(model, ids, mask, adv, old, ref, P, p, keep, *, config):
     import compiled_grpo as cg
     h = completion_hidden(model, ids, P)
     return cg.grpo_loss(h, model.lm_head.weight, ids[:, P:], adv, mask > 0, old, ref,
