@@ -338,4 +338,3 @@ def test_row_group_probe_splits_a_step_at_each_gather(tmp_path, capsys, monkeypa
     monkeypatch.setattr("sys.argv", ["row_groups", str(path), "--steps", "2"])
     row_groups.main()
     assert "group   2  dlogits   0.600  dw_step   0.800  dx_step   0.250  dx_split   0.002  ms" in capsys.readouterr().out
-
