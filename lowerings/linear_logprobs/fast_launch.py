@@ -19,7 +19,8 @@ the arguments, and returns the compiled kernel); later ones call that kernel's l
 the arguments in parameter order, defaults filled in, on the current stream. With a launch
 hook installed (a profiler: knobs.runtime.launch_enter_hook / launch_exit_hook) every launch
 takes Triton's path.
-ENABLED = False turns the shortcut off.
+ENABLED = False turns the shortcut off; it starts off on a Triton whose internals (the launcher's
+calling convention above) were not checked (triton_compat.INTERNALS_OK).
 The key is built with a type-dispatch table, the keywords (constexprs and options: every
 launcher's case) go into it as they are, and the parameters after the positional ones (their
 values, defaults filled in) are kept with the key: on this project's 2-core CPU machine the
@@ -37,7 +38,9 @@ from torch import Tensor
 from triton.knobs import HookChain
 from triton.runtime.jit import JITFunction
 
-ENABLED = True
+from lowerings.linear_logprobs.triton_compat import INTERNALS_OK
+
+ENABLED = INTERNALS_OK
 _NO_DEFAULT = inspect.Parameter.empty
 
 

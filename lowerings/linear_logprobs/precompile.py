@@ -46,12 +46,15 @@ from triton.runtime.jit import MockTensor
 
 from lowerings.linear_logprobs import fast_launch as _fast
 from lowerings.linear_logprobs.device import size_hint
+from lowerings.linear_logprobs.triton_compat import INTERNALS_OK
 
 log = logging.getLogger(__name__)
 
-WORKERS = 8          # worker processes a batch of new specializations, at most (and no more than
-                     # this process's CPUs shared among torchrun's LOCAL_WORLD_SIZE ranks); 0: none
-                     # (every kernel compiles at its first launch, in this process)
+# worker processes a batch of new specializations, at most (and no more than this process's CPUs
+# shared among torchrun's LOCAL_WORLD_SIZE ranks); 0: none (every kernel compiles at its first
+# launch, in this process), as on a Triton whose cache hook and preload were not checked
+# (triton_compat.INTERNALS_OK)
+WORKERS = 8 if INTERNALS_OK else 0
 WAIT_S = 120.0       # the most the first real launch waits for the workers
 # Where the workers put what they compile: Triton's cache directory as this module found it at
 # import. Not the one current when a trace starts them: Inductor points TRITON_CACHE_DIR at a

@@ -14,6 +14,9 @@ device), with a producer/consumer schedule Triton 3.6 does not build from tl.dot
                        (one MMA in flight), then the epilogue of its part: old + fp32 sum,
                        rounded to dW's dtype ONCE, TMA-stored
 
+TMA copies through triton_compat.tma_load / tma_store (Gluon's async_load / async_store; the
+pre-3.8 names on Triton 3.6 / 3.7).
+
 NC = 2 (fused_cuda's default, 4 warps each): the two consumers share each xg stage (the operand
 bytes of one 128 x 256 tile a K step) and are not locked together, so one's epilogue runs while
 the other's wgmmas go on, up to the ring's depth (three 48 KB stages: ~1.5 k cycles of one
@@ -31,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from lowerings.linear_logprobs.kernels import tiles as _k
+from lowerings.linear_logprobs.triton_compat import tma_load, tma_store   # 3.6-3.9 names
 from lowerings.linear_logprobs.kernels import dw as _kdw
 from lowerings.linear_logprobs.kernels.writes import writes
 
@@ -64,10 +68,9 @@ def _dw_ws_loader(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_buf, ready, empty, c
             bar = ready.index(s)
             mbarrier.expect(bar, NC * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             for q in gl.static_range(NC):   # each consumer's vocab rows of ws's tile
-                tma.async_copy_global_to_shared(a_desc, [k * BLOCK_K, (pid_c * NC + q) * PART_C],
-                                                bar, a_bufs.index(s * NC + q))
-            tma.async_copy_global_to_shared(b_desc, [k * BLOCK_K, pid_h * BLOCK_H], bar,
-                                            b_bufs.index(s))
+                tma_load(a_desc, [k * BLOCK_K, (pid_c * NC + q) * PART_C], bar,
+                         a_bufs.index(s * NC + q))
+            tma_load(b_desc, [k * BLOCK_K, pid_h * BLOCK_H], bar, b_bufs.index(s))
             it += 1
         if ACCUMULATE:
             # the old dW tile, once every consumer's store of the previous tile has left c_buf
@@ -76,8 +79,8 @@ def _dw_ws_loader(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_buf, ready, empty, c
             mbarrier.wait(c_empty, (t + 1) & 1)
             mbarrier.expect(c_ready, NC * c_desc.block_type.nbytes)
             for q in gl.static_range(NC):
-                tma.async_copy_global_to_shared(c_desc, [(pid_c * NC + q) * PART_C,
-                                                         pid_h * BLOCK_H], c_ready, c_buf.index(q))
+                tma_load(c_desc, [(pid_c * NC + q) * PART_C, pid_h * BLOCK_H], c_ready,
+                         c_buf.index(q))
         t += 1
 
 
@@ -125,8 +128,7 @@ def _dw_ws_consumer(a_bufs, b_bufs, c_buf, ready, empty, c_ready, c_empty, c_des
             tma.store_wait(0)
         c_part.store(acc.to(c_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [(pid_c * NC + WHICH) * PART_C, pid_h * BLOCK_H],
-                                        c_part)
+        tma_store(c_desc, [(pid_c * NC + WHICH) * PART_C, pid_h * BLOCK_H], c_part)
         t += 1
     tma.store_wait(0)
 
