@@ -36,7 +36,7 @@ def sass(label: str) -> str:
             path = os.path.join(d, "k.cubin")
             with open(path, "wb") as f:
                 f.write(c.asm["cubin"])
-            nvdisasm = os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "nvdisasm")
+            nvdisasm = knobs.nvidia.nvdisasm.path   # the wheel's, beside its ptxas
             return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
                                   check=True).stdout
     raise KeyError(f"no aot_check case {label!r}")
