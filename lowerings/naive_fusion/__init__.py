@@ -34,7 +34,9 @@ switch lies between the GEMM and its consumers, and when the dtypes are fp32/bf1
 is left alone: the CUDA kernels compute in fp32). Each replaced node gets the dtype the naive
 node had.
 Every rewrite bumps `torch._dynamo.utils.counters["compiled_grpo"]["naive_logprob_fusion"]`
-and/or `["naive_entropy_fusion"]`.
+and/or `["naive_entropy_fusion"]`. Every log_softmax / logsumexp / cross_entropy the pass leaves
+in a graph bumps `counters["compiled_grpo_unfused"][reason]` (UNFUSED_REASONS) and logs a warning
+the first time a process meets that reason.
 
 Usage: `enable_naive_logprob_fusion()` before the first call of a `torch.compile`d function
 (Dynamo caches compiled frames, so a later toggle does not recompile them).
@@ -133,9 +135,63 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
     _erase_dead(graph, [lead_ref, lp, ent, lse, *replaced])    # cascades up the naive chain
 
 
+# Why a log-prob graph was left unfused: counters["compiled_grpo_unfused"][reason], and a
+# warning the first time a process meets each reason (a torch upgrade that changes how Dynamo
+# records the user's code must not turn the pass off in silence).
+UNFUSED_REASONS = {
+    "no_gemm": "no matmul / linear the pass knows feeds the log-softmax (einsum, autocast, "
+               "or a spelling this torch records differently)",
+    "gemm_unmatched": "the GEMM is not logits = h @ W.T of a 2-D W (dtypes, shapes, layout)",
+    "logits_users": "the logits have users other than log-prob / entropy / lse consumers",
+    "region": "an in-place op, grad-mode or autocast switch lies between GEMM and consumers",
+    "matcher_error": "the matcher raised (a bug: please report it with the graph)",
+}
+_warned: set = set()
+# the ops that mark a log-prob computation (softmax alone is attention's, not counted)
+_LOGPROB_SINKS = (torch.log_softmax, torch.nn.functional.log_softmax, torch.special.log_softmax,
+                  torch.logsumexp, torch.nn.functional.cross_entropy)
+
+
+def _unfused(reason: str, node: Node) -> None:
+    counters["compiled_grpo_unfused"][reason] += 1
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("naive_logprob_fusion: a log-prob computation (%s) left unfused: %s; the "
+                    "[N, V] logits stay. Counted in torch._dynamo.utils.counters"
+                    "['compiled_grpo_unfused'][%r]; logged once.", node, UNFUSED_REASONS[reason],
+                    reason)
+
+
+def _gemm_upstream(node: Node, depth: int = 16) -> list:
+    """The matmul / linear nodes that feed `node` through at most `depth` ops."""
+    seen, frontier, found = set(), [node], []
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                if a in seen:
+                    continue
+                seen.add(a)
+                (found if _is(a, _MATMUL + _LINEAR, ("matmul", "mm")) else nxt).append(a)
+        frontier = nxt
+    return found
+
+
+def _report_unfused(graph: Graph, tried: dict) -> None:
+    """Count each log-softmax / logsumexp / cross-entropy still in the graph by why (tried: the
+    reason each GEMM the pass looked at was left alone)."""
+    for n in graph.nodes:
+        if not _is(n, _LOGPROB_SINKS, ("log_softmax", "logsumexp")):
+            continue
+        gemms = [g for g in _gemm_upstream(n) if g in tried]
+        _unfused(tried[gemms[0]] if gemms else "no_gemm", n)
+
+
 def naive_logprob_fusion_pass(graph: Graph) -> int:
-    """Rewrite every matched naive log-prob / entropy computation in `graph`; return the count."""
+    """Rewrite every matched naive log-prob / entropy computation in `graph`; return the count.
+    What it leaves is counted by reason (UNFUSED_REASONS)."""
     rewrites = 0
+    tried: dict = {}      # GEMM node -> why it was left alone
     for node in [n for n in graph.nodes if _is(n, _MATMUL + _LINEAR, ("matmul", "mm"))]:
         if getattr(node, "_erased", False):
             continue
@@ -146,14 +202,18 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
         except Exception:                           # noqa: BLE001
             log.warning("naive_logprob_fusion: matcher failed on %s; left alone", node,
                         exc_info=True)
+            tried[node] = "matcher_error"
             continue
         if m is None:
+            tried[node] = "gemm_unmatched"
             continue
         if c is None or wk["scaling"] is None:
             log.debug("naive_logprob_fusion: %s has unmatched users; left alone", wk["L"])
+            tried[node] = "logits_users"
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
         if not _region_is_clean(graph, node, max(_replaced(c), key=order.__getitem__)):
+            tried[node] = "region"
             continue
         _rewrite(graph, m, wk, c)
         rewrites += 1
@@ -164,6 +224,7 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     if rewrites:
         stable_topological_sort(graph)
         graph.lint()
+    _report_unfused(graph, tried)
     return rewrites
 
 
@@ -247,5 +308,5 @@ def naive_logprob_fusion():
             disable_naive_logprob_fusion()
 
 
-__all__ = ["NaiveLogprobFusion", "enable_naive_logprob_fusion", "disable_naive_logprob_fusion",
+__all__ = ["UNFUSED_REASONS", "NaiveLogprobFusion", "enable_naive_logprob_fusion", "disable_naive_logprob_fusion",
            "is_naive_logprob_fusion_enabled", "naive_logprob_fusion", "naive_logprob_fusion_pass"]

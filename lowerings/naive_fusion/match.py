@@ -78,12 +78,22 @@ def _cast_dtype(n: Node) -> Optional[torch.dtype]:
     return None
 
 
+# W.T / W.mT / W.H / W.mH as torch 2.15's Dynamo records them: aten ops (OpOverloadPackets) where
+# earlier releases recorded getattr(W, "T"). For a real W, H and mH are its transpose.
+_ATTR_T = tuple(getattr(torch.ops.aten, name) for name in ("numpy_T", "mT", "matrix_H", "mH")
+                if hasattr(torch.ops.aten, name))
+_ATTR_T = _ATTR_T + tuple(p.default for p in _ATTR_T if hasattr(p, "default"))
+
+
 def _transposed(n: Node) -> Optional[Node]:
-    """W for a node that is W.T / W.mT / W.t() / W.transpose(0, 1) / W.permute(1, 0) of a 2-D W."""
+    """W for a node that is W.T / W.mT / W.H / W.mH / W.t() / W.adjoint() / W.transpose(0, 1) /
+    W.permute(1, 0) of a 2-D real W."""
     v = _val(n)
-    if v is None or v.dim() != 2:
+    if v is None or v.dim() != 2 or v.is_complex():
         return None
-    if n.op == "call_function" and n.target is getattr and n.args[1] in ("T", "mT"):
+    if n.op == "call_function" and n.target is getattr and n.args[1] in ("T", "mT", "H", "mH"):
+        return n.args[0]
+    if _is(n, _ATTR_T, ("adjoint",)) and len(n.args) == 1 and not n.kwargs:
         return n.args[0]
     if _is(n, (torch.t,), ("t",)) and len(n.args) == 1:
         return n.args[0]
