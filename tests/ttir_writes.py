@@ -110,6 +110,7 @@ def _toy_kernel():
     import triton.language as tl
 
     from lowerings.linear_logprobs.launch import writes
+    from lowerings.linear_logprobs.triton_compat import tma_load, tma_store
 
     @writes()
     @triton.jit
@@ -197,15 +198,18 @@ def gluon_written_params(kernel, kwargs: dict) -> set[str]:
                         sources[a] = ["unknown"]
     for rec in ops:
         if rec["name"] == "ttg.warp_specialize":
-            # the partitions op sits in one of its regions; its regions' arguments are the captures
+            # the partitions op sits in one of its regions; its regions' arguments are the
+            # captures: the warp_specialize op's operands through Triton 3.6, the partitions
+            # op's own from 3.7 (the warp_specialize op has none there)
             for rid in rec["regions"]:
                 for bid in region_blocks.get(rid, ()):
                     for inner in ops:
                         if inner["name"] == "ttg.warp_specialize.partitions" and inner["block"] == bid:
+                            captures = rec["operands"] or inner["operands"]
                             for prid in inner["regions"]:
                                 for pbid in region_blocks.get(prid, ()):
                                     for i, a in enumerate(blocks[pbid][0]):
-                                        sources[a] = [rec["operands"][i]]
+                                        sources[a] = [captures[i]]
         if rec["name"] == "scf.while":
             for rid in rec["regions"]:
                 for bid in region_blocks.get(rid, ()):
@@ -285,6 +289,7 @@ def _gluon_toy_kernel():
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
     from lowerings.linear_logprobs.launch import writes
+    from lowerings.linear_logprobs.triton_compat import tma_load, tma_store
 
     @writes()
     @gluon.jit
@@ -296,9 +301,9 @@ def _gluon_toy_kernel():
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
         mbarrier.expect(bar, src.block_type.nbytes)
-        tma.async_copy_global_to_shared(src, [0, 0], bar, buf)
+        tma_load(src, [0, 0], bar, buf)
         mbarrier.wait(bar, 0)
         fence_async_shared()
-        tma.async_copy_shared_to_global(dst, [0, 0], buf)
+        tma_store(dst, [0, 0], buf)
         tma.store_wait(0)
     return copy_only_kernel
