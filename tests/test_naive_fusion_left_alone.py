@@ -1,9 +1,12 @@
 """Tests of lowerings/naive_fusion.py, continued (test_naive_fusion.py has the legend and the
 method): code the pass must leave alone, how it is switched on and off and chained with a user's
 pass, and the pass on a Dynamo graph of two heads."""
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -61,6 +64,34 @@ def bias_after_tanh(h, w, b, ids):
                                 broadcast_bias, bias_after_tanh])
 def test_left_alone(fn):
     check(fn, (0, 0))
+    unfused = counters["compiled_grpo_unfused"]
+    assert sum(unfused.values()) >= 1 and set(unfused) <= set(nf.UNFUSED_REASONS), dict(unfused)
+
+
+def einsum_head(h, w, b, ids):
+    return (logp_of(torch.einsum("bth,vh->btv", h, w), ids),)
+
+
+@pytest.mark.parametrize("fn,reason", [(logits_returned, "logits_users"),
+                                       (float64_code, "gemm_unmatched"),
+                                       (inplace_between, "region"), (einsum_head, "no_gemm")])
+def test_unfused_reason_counted_and_logged_once(fn, reason, caplog, monkeypatch):
+    """A log-prob graph the pass leaves unfused is counted by why and logged, once a reason a
+    process: a torch upgrade that changes how Dynamo records a spelling shows up, never a silent
+    loss of the fusion."""
+    monkeypatch.setattr(nf, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger=nf.__name__):
+        check(fn, (0, 0))
+        first = [r for r in caplog.records if reason in r.getMessage()]
+        torch._dynamo.reset()
+        check(fn, (0, 0))
+    assert counters["compiled_grpo_unfused"][reason] == 2, dict(counters["compiled_grpo_unfused"])
+    assert len(first) == 1 and len([r for r in caplog.records if reason in r.getMessage()]) == 1
+
+
+def test_fused_graph_counts_nothing_unfused():
+    check(matmul_T, (1, 0))
+    assert not counters["compiled_grpo_unfused"]
 
 
 # --- installation ---------------------------------------------------------------------------
