@@ -75,7 +75,9 @@ def main() -> int:
         with open(args.out, "w") as f:
             f.write(text)
     total, ops = loop_ops(text)
-    print(f"{args.label}: {total} instructions, main loop {sum(ops.values())}")
+    local = sum(n for op, n in ops.items() if op.startswith(("LDL", "STL")))
+    print(f"{args.label}: {total} instructions, main loop {sum(ops.values())}, "
+          f"{local} of them local-memory (spill) loads / stores")
     print(", ".join(f"{op} {n}" for op, n in ops.most_common(24)))
     return 0
 
