@@ -43,7 +43,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--targets", default="sampled", choices=shapes.TARGETS,
                     help="target token ids: uniform over V, sampled from the policy's own softmax "
-                         "(default: on-policy rollouts, peaked, what the README's numbers use), or each "
+                         "(default: on-policy rollouts, peaked, what the published numbers use), or each "
                          "row's least likely token (a stress input)")
     ap.add_argument("--gspo", action="store_true",
                     help="GSPO's sequence-level importance ratio (TRL importance_sampling_level="

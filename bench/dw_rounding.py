@@ -9,7 +9,7 @@ far smaller error); only the points where the kernels round to bf16 are rounded:
 
   recompute  the recompute path and the fused path's in-place dlogits pass: dlogits rounded once
              (bf16), X exact (it is the bf16 input)
-  exp-scaled the fused path's default (fused_scaled_backward, README "Gradient modes"): the
+  exp-scaled the fused path's default (fused_scaled_backward, docs/gradient-modes.md): the
              forward stores e = exp(z - R) (R = the target logit + 16, the target's entry
              (p_y - 1) exp(lse - R)) in bf16, and the dW GEMM reads X scaled by
              c = -g exp(R - lse), rounded to bf16 as well: two roundings a product, not one
@@ -20,7 +20,7 @@ and, a block's fp32 sum into the bf16 dW (kernels.dw._dw_tile): "one rounding a 
 reduce-add (the tile rounded, then the sum: two a block; cuda.DW_TMA_OUT, the default). Prints
 each one's relative error (Frobenius norm) against exact float64 dW.
 
-This is the error budget behind README's "1.15x the recompute mode's dW error": the scaled rows'
+This is the error budget behind docs/gradient-modes.md's "1.15x the recompute mode's dW error": the scaled rows'
 rounding is as large as the dlogits' own, and a power-of-two c (exact scaled rows) would need the
 per-token gradient before the forward stores e. Measured on H100 (bench/results/
 dw_epilogue_long_h100_bb78666.txt): dW error 3.4e-3 exp-scaled against 3.1e-3 recompute with the

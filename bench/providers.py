@@ -262,7 +262,7 @@ PROVIDERS: dict[str, Provider] = {
                  accepts=_cg_packed, sequence_level=_any_inputs),
         Provider("naive_compile+pass", _need_cg("enable_naive_logprob_fusion"), _compiled_naive(True),
                  pass_provider=True),
-        # the lm_head precision settings (README "lm_head precision"): logits rounded to bf16 as
+        # the lm_head precision settings (docs/losses-and-metrics.md, "lm_head precision"): logits rounded to bf16 as
         # trl_chunked computes them, and fp32 operands against TRL's cast_lm_head_to_fp32
         Provider("compiled_grpo_round", _need_cg("grpo_loss"), _compiled_grpo(False, round_logits=True),
                  accepts=_cg_packed, sequence_level=_any_inputs),

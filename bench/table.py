@@ -1,4 +1,4 @@
-"""Print the latest GPU run of results.csv as Markdown (for README.md).
+"""Print the latest GPU run of results.csv as Markdown (for README.md and docs/performance.md).
 
     python -m bench.table [--csv bench_out/results.csv] [--run RUN_ID] [--any-device]
 

@@ -1,6 +1,6 @@
 """compiled_grpo: a torch.compile-native GRPO loss that never materializes [tokens, vocab] logits.
 
-Public contract (README.md, "A compiled training step" and the sections after it): ``grpo_loss``, ``GRPOConfig``, ``GRPOOutput``, ``GRPOMetrics``,
+Public contract (README.md's quickstart and docs/): ``grpo_loss``, ``GRPOConfig``, ``GRPOOutput``, ``GRPOMetrics``,
 ``metric``, and the pure per-token functions ``token_logprobs``, ``importance_ratio``,
 ``kl_penalty``, ``advantage_stats``, ``policy_objective``, ``aggregate``, and TRL 1.16's options
 ``sampling_importance_weight``, ``off_policy_mask``, ``high_entropy_mask``, ``vespo_weight`` (``Segments`` /

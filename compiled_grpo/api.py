@@ -61,7 +61,7 @@ def grpo_loss(hidden: Tensor, weight: Tensor, token_ids: Tensor, advantages: Ten
               sampling_per_token_logps: Optional[Tensor] = None,
               num_items_in_batch=None, cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
               config: GRPOConfig = _DEFAULT, tp_group=None, vocab_start: Optional[int] = None) -> GRPOOutput:
-    """GRPO-family loss of ``config.loss_type`` (README: loss table).
+    """GRPO-family loss of ``config.loss_type`` (docs/losses-and-metrics.md: the loss table).
 
     hidden [B, T, H] bf16/fp16/fp32(/fp64), weight [V, H], token_ids [B, T] int64, advantages [B] or
     [B, T], mask [B, T] bool or 0/1, old/ref log-probs [B, T], bias [V], sampling_ratio [B, T] or
@@ -241,7 +241,7 @@ def _grpo_loss(logprob_fn, hidden, weight, token_ids, advantages, mask, old_logp
             flat, (token_ids, mask, old_logprobs, ref_logprobs, sampling_ratio, samp))  # [N]
         advantages = flat(advantages)  # [S] or [N]
         segments = segments_from_cu_seqlens(cu_seqlens, hidden.shape[0])
-    valid = mask_to_bool(mask)  # [B, T]; a mask other than 0/1 is rejected (README: Edge cases)
+    valid = mask_to_bool(mask)  # [B, T]; a mask other than 0/1 is rejected (docs/errors-and-edge-cases.md)
     top_entropy = cfg.top_entropy_quantile < 1.0
     want_entropy = cfg.entropy_coef > 0 or cfg.metrics_level == "with_entropy" or top_entropy
     dtype = _logprob_dtype(hidden, weight)

@@ -34,7 +34,7 @@ def _is_real(x) -> bool:
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    """Options of :func:`compiled_grpo.grpo_loss`; see README's loss table for the formulas.
+    """Options of :func:`compiled_grpo.grpo_loss`; see the loss table in docs/losses-and-metrics.md for the formulas.
 
     ``metrics`` is ``"none" | "basic" | "with_entropy"``, the name of a metric registered with
     :func:`compiled_grpo.metric`, or a tuple mixing one level and registered names, e.g.
@@ -45,7 +45,7 @@ class GRPOConfig:
     z = (hidden @ weight.T + bias) * logit_scale, then cap * tanh(z / cap), then / temperature,
     the order HF applies them and TRL divides by its temperature after.
 
-    The lm_head's precision (README "lm_head precision"), one of three:
+    The lm_head's precision (docs/losses-and-metrics.md, "lm_head precision"), one of three:
     default: 16-bit operands multiplied with fp32 accumulation, the logits kept in fp32 (the
     closest to the float64 reference); ``fp32_lm_head`` (TRL's ``cast_lm_head_to_fp32``,
     Fast-LLM's name): hidden, weight and bias cast to fp32 first (fp32-accurate products,
@@ -81,7 +81,7 @@ class GRPOConfig:
     pass (dW error as the recompute mode's).
 
     TRL 1.16 options under TRL's names and defaults (formulas in compiled_grpo/loss.py and the
-    README's loss table): ``loss_type="vespo"`` with ``vespo_k_pos`` 2.0, ``vespo_lambda_pos`` 3.0,
+    the loss table in docs/losses-and-metrics.md): ``loss_type="vespo"`` with ``vespo_k_pos`` 2.0, ``vespo_lambda_pos`` 3.0,
     ``vespo_k_neg`` 3.0, ``vespo_lambda_neg`` 2.0; ``off_policy_mask_threshold`` (None: off);
     ``top_entropy_quantile`` (1.0: every token); ``vllm_importance_sampling_correction`` (True),
     ``vllm_importance_sampling_mode`` ("sequence_mask"), ``vllm_importance_sampling_clip_min``

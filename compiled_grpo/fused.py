@@ -27,7 +27,7 @@ with T). Without it, or with T (max_seqlen) > R, "auto" uses the recompute path 
 pre-pass over all tokens would cost the same 2NHV the recompute does) and "fused" raises. The
 cost of whole sequences: blocks hold only the sequences that fit, so they are less full than
 token blocks, and every extra block adds a read-modify-write of dW (up to ~1.35 ms at
-qwen3-8b on H100, README) and a partial wave to its GEMMs. The host launches the first-fit bound
+qwen3-8b on H100, docs/performance.md) and a partial wave to its GEMMs. The host launches the first-fit bound
 min(cdiv(S, R // T), 2 cdiv(N, R) - 1) of blocks; the ones past the last sequence are empty.
 The same holds for everything else that reads a whole sequence's current log-probs
 (``sequence_coupled``: VESPO's gamma weight, the off-policy sequence mask, a sequence_* vLLM IS

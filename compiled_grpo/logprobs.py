@@ -3,7 +3,7 @@
 Shape legend: B batch, T positions, H hidden, V vocab. Logits [B, T, V] are never materialized:
 this calls ``torch.ops.compiled_grpo.linear_logprobs`` (Triton on CUDA, a chunked PyTorch loop
 elsewhere). Call it under ``torch.no_grad()`` for old/ref log-probs: a row's log-prob is bitwise
-independent of the batch it is computed in (README "Exactness"), so the on-policy ratio is
+independent of the batch it is computed in (docs/exactness.md), so the on-policy ratio is
 exactly 1 at every token.
 """
 from __future__ import annotations

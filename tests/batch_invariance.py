@@ -1,7 +1,7 @@
 """Batch invariance checks shared by the CPU test (test_batch_invariance.py) and the GPU test
 (test_batch_invariance_gpu.py), also run as a GPU report by bench/batch_invariance.py.
 
-The property (README "Exactness"): a row's log-prob and entropy are bitwise the same whatever
+The property (docs/exactness.md): a row's log-prob and entropy are bitwise the same whatever
 computed it: alone (N = 1) or in a batch of any size, at any position, padded or packed, with
 any mask, by token_logprobs or by grpo_loss in either gradient mode, eager or under
 torch.compile(fullgraph=True). The reference is each sequence computed alone ([1, T], its own

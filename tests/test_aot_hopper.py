@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # measurements, never loosened to pass: a kernel that spills more fails, a new release fails
 # until it is measured and added here (and in the README's support matrix). fp32 operands (3xTF32
 # products, labels "fp32, ...") spill ~1-2 KB a thread on every release: known, stated in the
-# README's lm_head precision table, not held here.
+# the lm_head precision table in docs/losses-and-metrics.md, not held here.
 #  - the forwards hold a 128 x 256 fp32 logits tile and the row statistics in 255 registers with
 #    none to spare; the STORE_E forwards spill one shared-memory address of the tile store,
 #    reloaded once a tile (3.6, 3.7)

@@ -232,7 +232,7 @@ def _case_subgroups(rank, group, world):
 
 
 class _GRPOHead(torch.nn.Module):
-    """FSDP2 pattern (README): the loss runs inside the module's forward, where FSDP2 has all-gathered
+    """FSDP2 pattern (docs/distributed.md): the loss runs inside the module's forward, where FSDP2 has all-gathered
     the lm_head weight to a plain tensor; its backward reduce-scatters dW to Shard(0)."""
 
     def __init__(self, lm_head):

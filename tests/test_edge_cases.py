@@ -1,6 +1,6 @@
 """Edge cases and hostile input (issue 15): empty batches, -inf logits, NaN, float masks, dtypes.
 
-Legend: B sequences, T positions, N tokens, H hidden, V vocab. README "Edge cases" states the
+Legend: B sequences, T positions, N tokens, H hidden, V vocab. docs/errors-and-edge-cases.md states the
 decisions these tests hold.
 """
 import pytest
@@ -275,7 +275,7 @@ def test_tp_group_that_is_not_usable_is_named():
 @pytest.mark.parametrize("what", ["old", "ref", "adv"])
 @pytest.mark.parametrize("val", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_inputs_at_valid_positions_one_policy_in_every_mode(what, val):
-    """README "Edge cases": NaN in old / ref log-probs or advantages at a valid position makes the
+    """docs/errors-and-edge-cases.md: NaN in old / ref log-probs or advantages at a valid position makes the
     loss NaN; +-inf follow the formulas as TRL's code does (ratio 0 or inf, then the clips and
     clamps). Either way the same loss in the recompute and fused modes, and no error."""
     g = torch.Generator().manual_seed(0)

@@ -187,7 +187,7 @@ def test_unknown_or_reserved_metric_names():
 
 
 def test_bad_argument_under_fullgraph_compile_is_a_dynamo_error_carrying_the_message():
-    """README "Edge cases": under torch.compile(fullgraph=True) a bad argument surfaces as Dynamo's
+    """docs/errors-and-edge-cases.md: under torch.compile(fullgraph=True) a bad argument surfaces as Dynamo's
     Unsupported (a RuntimeError, torch._dynamo.exc.TorchDynamoException), whose __cause__ carries
     the library's ValueError message; eager, or compiled without fullgraph, it is the ValueError."""
     import torch._dynamo

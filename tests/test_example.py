@@ -1,4 +1,4 @@
-"""examples/train_grpo_tiny.py, the README's end-to-end example, runs as the README shows it (here
+"""examples/train_grpo_tiny.py, the end-to-end example of docs/trl.md, runs as it shows it (here
 for 3 steps instead of 150): the TRL drop-in trains, prints its summary and draws its plot."""
 import os
 import subprocess

@@ -234,7 +234,7 @@ def test_fused_step_replays_as_a_cuda_graph(entropy_coef):
     """The fused step (forward and backward) captured once with torch.cuda.graph, then replayed
     on other inputs copied into the captured ones (another mask too: the blocks' valid counts
     are read on the device): loss and gradients bitwise equal to an eager step on those inputs.
-    What a host-bound small policy needs (README, "Small policies: CUDA graphs")."""
+    What a host-bound small policy needs (docs/performance.md, "Small policies and the host")."""
     a, b = _gpu_inputs(B=4, T=512, seed=3), _gpu_inputs(B=4, T=512, seed=4)
     assert not torch.equal(a["mask"], b["mask"])
     cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, entropy_coef=entropy_coef,

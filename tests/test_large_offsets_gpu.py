@@ -1,4 +1,4 @@
-"""Past 2^31 elements (README "Edge cases"): B = 16, T = 8192, V = 151936 (N V = 2.0e10) on the
+"""Past 2^31 elements (docs/errors-and-edge-cases.md): B = 16, T = 8192, V = 151936 (N V = 2.0e10) on the
 GPU, where the interpreter tests cannot go. Only two sequences (the first and the last) carry
 an advantage, so the batch's gradient is theirs alone; the same two sequences as a batch of two
 are the reference: their log-probs must be the same bits (batch invariance), their dX rows and

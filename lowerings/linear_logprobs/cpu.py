@@ -15,7 +15,7 @@ dynamic shapes. G is a Python int from N's size hint (as cuda.py's `_row_groups`
 bounds are `torch.sym_min` expressions and its rows a `narrow`, so a graph compiled for dynamic N
 serves every N (its workspace then scales as N / G).
 
-Edge cases (README "Edge cases"): N = 0 gives [0] outputs and zero grads; a -inf logit (a bias
+Edge cases (docs/errors-and-edge-cases.md): N = 0 gives [0] outputs and zero grads; a -inf logit (a bias
 of -inf banning a token, or a weight row whose logit is or overflows to -inf) has p = 0 and
 contributes 0 * log 0 = 0 to the entropy and nothing to any gradient.
 

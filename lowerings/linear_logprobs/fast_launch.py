@@ -6,7 +6,7 @@ Why. `kernel[grid](*args)` (JITFunction.run) binds and specializes every argumen
 cache key from them and the options, checks the kernel's globals, then calls the compiled
 kernel's launcher: 25-60 us a launch against 13-24 us for the launcher alone (H100,
 bench/results/launch_overhead_h100_1cf350e.txt). A small policy's eager step launches ~72 of
-them (8 row blocks x 9 kernels) and is host-bound on slower hosts (README, "Small policies").
+them (8 row blocks x 9 kernels) and is host-bound on slower hosts (docs/performance.md, "Small policies and the host").
 
 How. Each launch gets a key that distinguishes at least what Triton's specialization does: a
 tensor's dtype and 16-byte alignment, an int's i32 / i64 / u64 class, divisibility by 16 and

@@ -249,7 +249,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     # last block first: with the global order the blocks past the last valid row are empty and
     # the last one with valid rows is partial, so that one runs first and its dW step stores
     # dW (a write of [V, H]) while the full blocks after it add to it, their read of dW hidden
-    # under their GEMMs (H100, qwen3-8b, 271 of 2048 rows: 1.35 ms for its reduce-add, README)
+    # under their GEMMs (H100, qwen3-8b, 271 of 2048 rows: 1.35 ms for its reduce-add, docs/performance.md)
     for b in reversed(range(blocks)):
         r0, rows = b * r, r
         lp_b, ent_b, lse_b = step_fwd(hidden, weight, ids_p, bias, perm, counts, ws, zoff, xg, b,

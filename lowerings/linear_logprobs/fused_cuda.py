@@ -86,7 +86,7 @@ REF_TILE = (16, 256, 4)      # the target logits' dot products: (BLOCK_R, BLOCK_
 PREP_TILE = (32, 512, 4)     # c and X's scaling: (BLOCK_R, BLOCK_H, num_warps)
 # (scaled) the combine grid's column shares: the re-referenced rows' tiles are split this many
 # ways (one program a row block walking them all: H200, every row re-referenced, 7.65 ms a
-# qwen3-8b step; 16 shares: 2.60 ms; README), none of fewer than COMBINE_MIN_TILES tiles (V =
+# qwen3-8b step; 16 shares: 2.60 ms; docs/performance.md), none of fewer than COMBINE_MIN_TILES tiles (V =
 # 151936: 16 shares; the interpreter tests' few-tile rows: one, unless they patch it)
 COMBINE_SHARES, COMBINE_MIN_TILES = 16, 32
 

@@ -36,7 +36,7 @@ def block_steps(hidden: Tensor) -> tuple[Callable, Callable]:
     dispatch mode such as make_fx's or functionalization, fake or other tensor subclasses), so
     it sees two opaque, mutating steps; their bodies themselves in plain eager, where the ops'
     dispatcher, autograd, ADInplaceOrView and aliasing-check layers would only cost host time
-    (16 calls a step at 8 blocks; a small policy's eager step is host-bound: README)."""
+    (16 calls a step at 8 blocks; a small policy's eager step is host-bound: docs/performance.md)."""
     if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
             or type(hidden) is not Tensor):
         return fused_block_forward, fused_block_backward

@@ -34,7 +34,7 @@ def _combine_kernel(m_ptr, s_ptr, t_ptr, zt_ptr, count_ptr, lp_ptr, ent_ptr, lse
       - the rare rows with R* > M: every tile times e^(R - R*), the row's tiles shared by the
         grid's second dimension (a program a row block and column share; programs with no
         such row skip it after one reduction; H200, every row re-referenced: bench.kernels.fused
-        --targets least, README);
+        --targets least, docs/performance.md);
       - every valid row's target entry: e'[y] = (p[y] - 1) e^(lse - R*), p[y] from the fp32
         logprob (the loop above leaves that column to this store: no two threads write it).
     """
