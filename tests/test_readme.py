@@ -73,3 +73,14 @@ def test_docs_examples_ran():
     """The pages with code that runs (not only sketches) are the ones expected."""
     runnable = {p.stem for p in DOCS if any(not c.startswith("# sketch") for _, c in _blocks(p))}
     assert {"packed", "losses-and-metrics", "inductor-pass"} <= runnable, runnable
+
+
+def test_op_package_map_names_every_module():
+    """lowerings/linear_logprobs/__init__.py's docstring is the op folder's map: every module and
+    folder in it is named there, so a newcomer can walk the tree from it."""
+    import lowerings.linear_logprobs as pkg
+    folder = pathlib.Path(pkg.__file__).parent
+    names = [p.name for p in folder.iterdir()
+             if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and p.name != "__pycache__")]
+    missing = [n for n in names if (n if n.endswith(".py") else n + "/") not in pkg.__doc__]
+    assert not missing, missing
