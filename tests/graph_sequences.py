@@ -13,6 +13,7 @@ import lowerings.linear_logprobs.cpu as _cpu_module
 import lowerings.linear_logprobs.cuda as _cuda_module
 import lowerings.linear_logprobs.op as _op_module
 from helpers import make_inputs
+from lowerings.linear_logprobs.triton_compat import release   # 'major.minor' of any version
 
 # Layout, aliasing, dtype-cast and constant bookkeeping: dropped so the sequences show the math and
 # read the same on torch 2.11 and 2.13 (which differ in view vs reshape, alias nodes, where the
@@ -142,16 +143,13 @@ MOVED_BY_PARTITIONER = {"aten.ge", "aten.le", "aten.gt", "aten.lt", "aten.logica
                         "aten.exp"}
 
 
-def _release(version: str) -> str:
-    return ".".join(version.split("+")[0].split(".")[:2])
-
 
 class SnapshotCase:
     """A mixin for expecttest.TestCase: assertExpectedInline as written on SNAPSHOT_TORCH (where
     EXPECTTEST_ACCEPT=1 rewrites the literals), no new op kind on any other torch."""
 
     def assertExpectedInline(self, actual, expect, *args, **kwargs):
-        if _release(torch.__version__) == SNAPSHOT_TORCH or os.environ.get("EXPECTTEST_ACCEPT") \
+        if release(torch.__version__) == SNAPSHOT_TORCH or os.environ.get("EXPECTTEST_ACCEPT") \
                 or not actual.startswith("aten."):
             return super().assertExpectedInline(actual, expect, *args, **kwargs)
         new = set(actual.splitlines()) - set(expect.splitlines()) - MOVED_BY_PARTITIONER
