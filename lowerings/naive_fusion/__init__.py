@@ -152,6 +152,11 @@ _LOGPROB_SINKS = (torch.log_softmax, torch.nn.functional.log_softmax, torch.spec
                   torch.logsumexp, torch.nn.functional.cross_entropy)
 
 
+def _is_gemm(n: Node) -> bool:
+    """A matmul / mm / linear node: what the pass tries as the lm_head GEMM."""
+    return _is(n, _MATMUL + _LINEAR, ("matmul", "mm"))
+
+
 def _unfused(reason: str, node: Node) -> None:
     counters["compiled_grpo_unfused"][reason] += 1
     if reason not in _warned:
@@ -172,7 +177,7 @@ def _gemm_upstream(node: Node, depth: int = 16) -> list:
                 if a in seen:
                     continue
                 seen.add(a)
-                (found if _is(a, _MATMUL + _LINEAR, ("matmul", "mm")) else nxt).append(a)
+                (found if _is_gemm(a) else nxt).append(a)
         frontier = nxt
     return found
 
@@ -192,7 +197,7 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     What it leaves is counted by reason (UNFUSED_REASONS)."""
     rewrites = 0
     tried: dict = {}      # GEMM node -> why it was left alone
-    for node in [n for n in graph.nodes if _is(n, _MATMUL + _LINEAR, ("matmul", "mm"))]:
+    for node in [n for n in graph.nodes if _is_gemm(n)]:
         if getattr(node, "_erased", False):
             continue
         try:        # a matcher bug must cost the fusion, never the user's compile
@@ -308,5 +313,6 @@ def naive_logprob_fusion():
             disable_naive_logprob_fusion()
 
 
-__all__ = ["UNFUSED_REASONS", "NaiveLogprobFusion", "enable_naive_logprob_fusion", "disable_naive_logprob_fusion",
-           "is_naive_logprob_fusion_enabled", "naive_logprob_fusion", "naive_logprob_fusion_pass"]
+__all__ = ["UNFUSED_REASONS", "NaiveLogprobFusion", "enable_naive_logprob_fusion",
+           "disable_naive_logprob_fusion", "is_naive_logprob_fusion_enabled", "naive_logprob_fusion",
+           "naive_logprob_fusion_pass"]
