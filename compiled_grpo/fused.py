@@ -55,8 +55,8 @@ from lowerings.linear_logprobs.op import upcast_lm_head
 from compiled_grpo.loss import aggregate, masked_mean
 from compiled_grpo.segments import segments_from_cu_seqlens
 from lowerings.linear_logprobs import LinearLogprobs
-from lowerings.linear_logprobs import fused as _op
-from lowerings.linear_logprobs import fused_steps as _steps
+from lowerings.linear_logprobs.fused import schedule as _op
+from lowerings.linear_logprobs.fused import steps as _steps
 from lowerings.linear_logprobs.device import cdiv, size_hint
 
 ROW_ALIGN = 128          # block rows: a whole number of the kernels' 128-row tiles ...

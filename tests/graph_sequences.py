@@ -10,10 +10,10 @@ from torch._dynamo.testing import AotEagerAndRecordGraphs, EagerAndRecordGraphs
 
 import compiled_grpo as cg
 import lowerings.linear_logprobs.cpu as _cpu_module
-import lowerings.linear_logprobs.cuda as _cuda_module
+import lowerings.linear_logprobs.recompute.dense as _cuda_module
 import lowerings.linear_logprobs.op as _op_module
 from helpers import make_inputs
-from lowerings.linear_logprobs.triton_compat import release   # 'major.minor' of any version
+from lowerings.linear_logprobs.launching.triton_compat import release   # 'major.minor' of any version
 
 # Layout, aliasing, dtype-cast and constant bookkeeping: dropped so the sequences show the math and
 # read the same on torch 2.11 and 2.13 (which differ in view vs reshape, alias nodes, where the

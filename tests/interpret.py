@@ -22,8 +22,8 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import lowerings.linear_logprobs.cuda as tk  # noqa: E402
-import lowerings.linear_logprobs.split_plan as split_plan  # noqa: E402
+import lowerings.linear_logprobs.recompute.dense as tk  # noqa: E402
+import lowerings.linear_logprobs.recompute.plan as split_plan  # noqa: E402
 
 if not isinstance(tk._fwd_kernel, InterpretedFunction):
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from bench.kernels.aot_check import cases
-from lowerings.linear_logprobs.triton_compat import release
+from lowerings.linear_logprobs.launching.triton_compat import release
 
 ROOT = Path(__file__).resolve().parents[1]
 

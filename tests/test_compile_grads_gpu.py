@@ -3,7 +3,7 @@
 
 B=8, T=2048 (N=16384, ~40% valid), H=4096, V=151936: several row groups and vocab chunks in every
 path, so a launch that Inductor drops or misorders shows as a dX / dW / db error near 1 (the
-masked recompute path's dW was 87-91% wrong at 897d288: lowerings/linear_logprobs/launch.py).
+masked recompute path's dW was 87-91% wrong at 897d288: lowerings/linear_logprobs/launching/traced.py).
 Each case compiles with caches off; bench/compile_grads.py has the cases and the tolerance
 (5e-3 relative: compiled and eager run the same kernels; only the fused torch ops between them
 may round differently). Slow: about a minute of compile per case on an H100."""

@@ -26,7 +26,7 @@ from lowerings.linear_logprobs import _linear_logprobs_backward_op, _linear_logp
 import sys
 sys.path.insert(0, "tests")
 from ttir_writes import ttir_written_params
-import lowerings.linear_logprobs.launch as launch
+import lowerings.linear_logprobs.launching.traced as launch
 
 # every traced launch of the op, once per (kernel, constexprs), for check_declared
 recorded = {}
@@ -86,7 +86,7 @@ with mode:
     x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.empty(5000, 256, device="cuda", dtype=torch.bfloat16)   # 3 chunks, the last partial
     ids = torch.empty(n, device="cuda", dtype=torch.int64)
-    import lowerings.linear_logprobs.cuda as tk
+    import lowerings.linear_logprobs.recompute.dense as tk
     tk.CHUNK_V = 2048
     tk.DX_GROUP_BYTES = 200_000         # 2 row groups of 256 (hint) rows, the last partial
     assert tk._row_groups(n, 256) == 2
@@ -146,8 +146,8 @@ with mode:
     w = torch.empty(5000, 256, device="cuda", dtype=torch.bfloat16)
     ids = torch.empty(n, device="cuda", dtype=torch.int64)
     m = torch.empty(n, device="cuda", dtype=torch.bool)
-    import lowerings.linear_logprobs.cuda as tk
-    import lowerings.linear_logprobs.cuda_rows as rk
+    import lowerings.linear_logprobs.recompute.dense as tk
+    import lowerings.linear_logprobs.recompute.rows as rk
     tk.CHUNK_V = 2048
     rk.WS_BYTES = 1 << 30
     tk.DX_GROUP_BYTES = 200_000
@@ -172,7 +172,7 @@ assert counts["_dx_split_reduce_kernel"] == 2, counts
 assert counts["_dw_step_ws_kernel"] == 6 and counts["_gather_rows_kernel"] == 2, counts
 assert not any("clone" in k or "copy_" in k for k in counts), counts
 # ... and the Triton persistent dW step, which the other targets (and fp32 dW) take
-import lowerings.linear_logprobs.dw_steps as dws
+import lowerings.linear_logprobs.recompute.dw_steps as dws
 dws.DW_WS = False
 with mode:
     aot_function(lambda x, w, ids, lse, ent, g, m: _linear_logprobs_backward_op(

@@ -5,11 +5,11 @@ whole tile), the skip rules of a block with no valid row, bitwise repeatability.
 import pytest
 import torch
 
-from lowerings.linear_logprobs import cuda as dense
-from lowerings.linear_logprobs import dw_steps
+from lowerings.linear_logprobs.recompute import dense
+from lowerings.linear_logprobs.recompute import dw_steps
 from bench.kernels.dw_ws import triton_step as _triton_step
 from bench.kernels.dw_ws import ws_step as _ws_step
-from lowerings.linear_logprobs.cuda import cdiv
+from lowerings.linear_logprobs.recompute.dense import cdiv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),

@@ -1,4 +1,4 @@
-"""fast_launch (lowerings/linear_logprobs/fast_launch.py): a launch's key splits at least what
+"""fast_launch (lowerings/linear_logprobs/launching/fast.py): a launch's key splits at least what
 Triton's specialization splits, the first launch of a key goes through JITFunction.run, later
 ones call the compiled kernel's launcher with the arguments in parameter order. On CPU: the
 kernel's run and the driver are stand-ins (the GPU tests launch the real ones: test_fused_gpu,
@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from lowerings.linear_logprobs import fast_launch as fl
-from lowerings.linear_logprobs import precompile
+from lowerings.linear_logprobs.launching import fast as fl
+from lowerings.linear_logprobs.launching import precompile
 
 
 def _body(x_ptr, n, scale, flag, A: tl.constexpr, B: tl.constexpr = 3):

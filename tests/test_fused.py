@@ -234,7 +234,7 @@ def test_second_backward_is_an_error_when_the_scaling_is_invisible_to_autograd(m
     """The same when the in-place scaling is a write autograd cannot see (the CUDA body's Triton
     kernel; here a .data multiply): the scaling runs as a mutating custom op
     (compiled_grpo::scale_grads_), whose call bumps the gradients' version counters."""
-    from lowerings.linear_logprobs import fused_steps as lf
+    from lowerings.linear_logprobs.fused import steps as lf
 
     def invisible(tensors, g):
         for t in tensors:

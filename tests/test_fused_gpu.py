@@ -80,7 +80,7 @@ def test_three_way_gpu_narrow_h():
     """H = 896 (qwen2.5-0.5b), whose dW step takes 128-wide H tiles (dw_steps.dw_ws_tiles):
     within 2x of eager bf16's error and of the recompute path's, and the dW bits of the 256-wide
     tiles (each element's K sum is the same MMAs in the same order)."""
-    from lowerings.linear_logprobs import dw_steps
+    from lowerings.linear_logprobs.recompute import dw_steps
     assert dw_steps.dw_ws_tiles(896) == dw_steps.DW_WS_TILES_NARROW
     assert dw_steps.dw_ws_tiles(4096) == dw_steps.DW_WS_TILES
     inp = _gpu_inputs(Hd=896)
@@ -104,7 +104,7 @@ def _fused_grads(inp: dict, fast_launch: bool) -> tuple:
     """(loss, dX, dW) of grpo_loss's fused step (3 blocks: a 100 MiB workspace), the second of
     two calls, with fast_launch.ENABLED set to `fast_launch` (on: the second call's launches all
     take the compiled launcher). Also bench/probes/fast_launch.py's check."""
-    import lowerings.linear_logprobs.fast_launch as fl
+    import lowerings.linear_logprobs.launching.fast as fl
     h, w = inp["hidden"].clone().requires_grad_(), inp["weight"].clone().requires_grad_()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fl, "ENABLED", fast_launch)
@@ -120,7 +120,7 @@ def test_fast_launch_is_bitwise_tritons():
     """fast_launch (the compiled launcher after a key's first launch) against Triton's own launch
     path: loss and grads bitwise equal, H = 896 and 4096, 3 blocks, the second call of each on
     the launcher throughout."""
-    import lowerings.linear_logprobs.fast_launch as fl
+    import lowerings.linear_logprobs.launching.fast as fl
     for hd in (896, 4096):
         inp = _gpu_inputs(Hd=hd)
         got = [_fused_grads(inp, on) for on in (True, False)]
@@ -299,7 +299,7 @@ def test_dw_tma_epilogue_matches_pointer_epilogue(monkeypatch, mode):
     row blocks) against the load-add-store epilogue, on 3 row blocks of 60% valid rows, in both
     gradient modes: d_hidden bitwise equal (untouched), d_weight within the one extra bf16
     rounding a block adds, and the TMA epilogue bitwise repeatable."""
-    import lowerings.linear_logprobs.cuda as tk
+    import lowerings.linear_logprobs.recompute.dense as tk
     inp = _gpu_inputs(B=4, T=512, seed=3)
     cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=mode, fused_workspace_mib=400.0)
 

@@ -1,4 +1,4 @@
-"""The Triton kernels of the fused-gradient block steps (fused.py with fused_cuda.py's kernels)
+"""The Triton kernels of the fused-gradient block steps (fused/schedule.py with fused/blocks.py's kernels)
 under TRITON_INTERPRET=1, on CPU tensors (the setting, tiles and golden: interpret.py): the logits
 tile stored as d = z - running max (fp16 for 16-bit operands) plus per-tile maxima, dlogits formed
 in place, the Triton dW / dX steps stopping at each block's count. Checked against the float64
@@ -7,11 +7,11 @@ import pytest
 import torch
 from interpret import DTYPE_16, MASKS, golden, make, small_tiles  # noqa: F401 (autouse fixture)
 
-import lowerings.linear_logprobs.cuda as tk
-import lowerings.linear_logprobs.cuda_rows as rk
-import lowerings.linear_logprobs.fused as fk
-import lowerings.linear_logprobs.fused_cuda as fck
-import lowerings.linear_logprobs.fused_steps as fsteps
+import lowerings.linear_logprobs.recompute.dense as tk
+import lowerings.linear_logprobs.recompute.rows as rk
+import lowerings.linear_logprobs.fused.schedule as fk
+import lowerings.linear_logprobs.fused.blocks as fck
+import lowerings.linear_logprobs.fused.steps as fsteps
 import triton
 import triton.language as tl
 from lowerings.linear_logprobs.kernels.splits import _dx_splits
@@ -173,7 +173,7 @@ def test_first_fit_kernel(seed):
     first-fit-decreasing orders of random lengths (zeros included) and next_fit_blocks' block
     counts, BLOCK_G past G too."""
     import random
-    from lowerings.linear_logprobs.fused_order import first_fit_blocks, next_fit_blocks
+    from lowerings.linear_logprobs.fused.order import first_fit_blocks, next_fit_blocks
     from lowerings.linear_logprobs.kernels.fused_block import _first_fit_kernel
     rng = random.Random(seed)
     for _ in range(25):

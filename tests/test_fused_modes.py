@@ -183,7 +183,7 @@ def test_compiled_cpu_blocks_bounded_at_small_vocab(monkeypatch):
     """Off CUDA a compiled graph's token-level blocks hold at most fused.CPU_BLOCK_ROWS rows: the
     CPU body computes every row of a block, and the default 640 MiB budget at a small vocab is
     ~1M rows (bench.tp's cpu-tiny fused TP step took 7 s a call with such blocks)."""
-    from lowerings.linear_logprobs import fused as lf
+    from lowerings.linear_logprobs.fused import schedule as lf
     seen = []
     forward_rows = lf._cpu._forward_rows
 

@@ -98,7 +98,7 @@ def test_packers_match_their_sequential_rule(monkeypatch, seed, packer, referenc
     decreasing (stable: equal lengths in order), over 200 random cases a seed, zero-length
     sequences included, within next_fit_blocks' bound (which holds for any first-fit too); the
     same compiled with dynamic shapes (fullgraph: first-fit's loop is an opaque op)."""
-    from lowerings.linear_logprobs import fused_order
+    from lowerings.linear_logprobs.fused import order as fused_order
     monkeypatch.setattr(fused_order, "SEQ_PACKING", "ffd")
     fn = getattr(fused_order, packer)
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import triton
 
-import lowerings.linear_logprobs.split_plan as sp
+import lowerings.linear_logprobs.recompute.plan as sp
 
 
 def _plan(monkeypatch, v, sms, h=4096, bn=128, bv=256):
@@ -96,7 +96,7 @@ def test_block_align_eager_and_traced(monkeypatch):
     """fused.block_align on (fake) CUDA heads: whole dX waves where the budget holds one, else
     the forward's fullest waves, eager or traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    import lowerings.linear_logprobs.fused as lf
+    import lowerings.linear_logprobs.fused.schedule as lf
     from lowerings.linear_logprobs import device
     monkeypatch.setitem(device._SMS, 0, 132)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -116,7 +116,7 @@ def test_aligned_rows_in_a_dynamic_trace(monkeypatch):
     """The search inside torch.compile(fullgraph=True, dynamic=True), where H, V and the budget
     are symbolic: the eager rows (qwen2.5-0.5b: 2048 of 2176), no graph break, and another head
     recompiles (the sizes are specialized) instead of reusing rows chosen for the first."""
-    import lowerings.linear_logprobs.fused as lf
+    import lowerings.linear_logprobs.fused.schedule as lf
     from lowerings.linear_logprobs import device
     monkeypatch.setitem(device._SMS, 0, 132)
     monkeypatch.setattr(sp, "FWD_COLS_PER_SPLIT", 8192)

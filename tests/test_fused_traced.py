@@ -1,5 +1,5 @@
 """The per-block loss gradient inside a trace (compiled_grpo/fused_grads.py): the per-token
-inputs gathered into the blocks' order once (fused.py's on_order) and, for token-level blocks,
+inputs gathered into the blocks' order once (fused/schedule.py's on_order) and, for token-level blocks,
 one aten graph traced once and run by the custom op compiled_grpo::block_grads.
 """
 import json
@@ -18,7 +18,7 @@ from helpers import make_inputs
 @pytest.mark.parametrize("grouped", [False, True])
 def test_block_grads_on_inputs_gathered_once_equal_the_per_block_gather(grouped):
     """A trace's per-block gradient reads slices of the per-token inputs gathered into the blocks'
-    order once (fused.py's on_order: block_loss with idx None); an eager call gathers each block's
+    order once (fused/schedule.py's on_order: block_loss with idx None); an eager call gathers each block's
     rows itself (idx). Bitwise the same gradients, for token-level and whole-sequence blocks."""
     g = torch.Generator().manual_seed(3)
     n, blocks, rows = 23, 3, 8                                     # G R = 24 slots >= N

@@ -51,7 +51,7 @@ def small_chunks(monkeypatch):
     # N x min(CHUNK_V, V rounded up to BLOCK_V): left at 2048 it would span all of V=1009.
     monkeypatch.setattr(torch_impl, "CHUNK_V", CHUNK)
     if torch.cuda.is_available():
-        import lowerings.linear_logprobs.cuda as triton_impl
+        import lowerings.linear_logprobs.recompute.dense as triton_impl
         monkeypatch.setattr(triton_impl, "CHUNK_V", CHUNK)
 
 

@@ -241,11 +241,11 @@ def test_backward_hidden_without_grad_and_no_bias():
 
 
 def test_host_cdiv_and_next_power_of_2_match_triton():
-    """The launchers' host-side cdiv / next_power_of_2 (cuda.py: triton's are ConstexprFunctions,
+    """The launchers' host-side cdiv / next_power_of_2 (recompute/dense.py: triton's are ConstexprFunctions,
     ~6 us a host call) give triton's values, and cdiv takes a SymInt (a traced row count)."""
     import triton
 
-    from lowerings.linear_logprobs import cuda as dense
+    from lowerings.linear_logprobs.recompute import dense
     for a in (0, 1, 15, 16, 17, 271, 2048, 151936):
         for b in (1, 16, 64, 128, 256, 8192):
             assert dense.cdiv(a, b) == triton.cdiv(a, b)

@@ -94,7 +94,7 @@ def test_no_nv_allocation():
     extra = torch.cuda.max_memory_allocated() - base - grads
     # one row group's fp32 dX accumulator (32 MiB) + the dlogits workspace (24 MiB) + small;
     # N*V*2 = 1.2 GiB
-    import lowerings.linear_logprobs.cuda as tk
+    import lowerings.linear_logprobs.recompute.dense as tk
     assert extra < tk.DX_GROUP_BYTES + tk.WS_BYTES + 16 * 2**20, extra / 2**20
     assert extra < n * V * 2 / 8
 
@@ -164,7 +164,7 @@ def test_tma_matches_pointer_loads(monkeypatch):
     and lse bitwise (the same dots in the same order), the gradients within rounding (their
     GEMM steps may tile differently); N, V not multiples of any tile, so TMA's zero fill
     replaces masks."""
-    import lowerings.linear_logprobs.cuda as tk
+    import lowerings.linear_logprobs.recompute.dense as tk
     x, w, ids, b = make(777, v=50000, bias=True)
     runs = []
     for mode in ("0", "1"):
@@ -184,7 +184,7 @@ def test_tma_scratch_one_buffer_a_stream():
     reused while big enough, grown when not, its own buffer on another stream, a fresh one
     while a CUDA graph is captured; a kernel using it on a side stream and under graph replay
     gives the default stream's result."""
-    import lowerings.linear_logprobs.cuda as tk
+    import lowerings.linear_logprobs.recompute.dense as tk
     tk._SCRATCH.clear()
     s0 = torch.cuda.current_stream().cuda_stream
     a = tk._tma_alloc(1000, 128, s0)
@@ -257,7 +257,7 @@ def test_row_mask_dx_bulk_reduce_is_the_pointer_sum(monkeypatch):
     bulk reduce-add (cuda_rows.DX_ACC_TMA) or by load, add, store: the same fp32 sums, so dX,
     dW and d_bias are bitwise equal. N = 3072 at H = 4096, V = 151936: 3 row groups of 1024
     (one with padding) and 9 vocab chunks on an H100 / H200."""
-    import lowerings.linear_logprobs.cuda_rows as rk
+    import lowerings.linear_logprobs.recompute.rows as rk
     n = 3072
     x, w, ids, b = make(n, bias=True, seed=5)
     mask = _padded_mask(n, seed=6)
@@ -314,7 +314,7 @@ def test_row_mask_dx_split_k_tail_group(monkeypatch):
     splits) and the third none. dX three-way against the fp32 reference and close to the
     unsplit step's, bitwise the same on a second run, and bitwise the unsplit step's on the
     full first group's rows; dW and d_bias bitwise unchanged."""
-    import lowerings.linear_logprobs.cuda_rows as rk
+    import lowerings.linear_logprobs.recompute.rows as rk
     n = 3072
     x, w, ids, b = make(n, bias=True, seed=9)
     g = torch.Generator(device="cuda").manual_seed(10)

@@ -1,10 +1,10 @@
-"""The Triton kernels of the recompute op (linear_logprobs: cuda.py, cuda_rows.py) under
+"""The Triton kernels of the recompute op (linear_logprobs: recompute/dense.py, recompute/rows.py) under
 TRITON_INTERPRET=1, on CPU tensors (the setting, tiles and golden: interpret.py)."""
 import pytest
 import torch
 from interpret import DTYPE_16, MASKS, golden, make, small_tiles, tk  # noqa: F401 (autouse fixture)
 
-import lowerings.linear_logprobs.cuda_rows as rk
+import lowerings.linear_logprobs.recompute.rows as rk
 
 
 CASES = [  # n, h, v, bias, temperature, offset, with_entropy
@@ -278,7 +278,7 @@ def test_minus_inf_bias_bans_tokens():
 @pytest.mark.parametrize("masked", [False, True])
 def test_zero_rows(masked):
     """N = 0 (an empty batch, B = 0 or T = 0) through both launchers: empty outputs, zero dW / d_bias,
-    an empty dX (cuda.py divided by the row group's R = 0 when sizing its vocab chunks)."""
+    an empty dX (recompute/dense.py divided by the row group's R = 0 when sizing its vocab chunks)."""
     x, w, ids, b = make(0, 24, 75, torch.float32, True)
     if masked:
         mask = torch.zeros(0, dtype=torch.bool)

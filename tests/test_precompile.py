@@ -1,5 +1,5 @@
 """The fused path's kernels precompiled while a trace runs (lowerings/linear_logprobs/
-precompile.py), on a CPU machine: fake CUDA tensors, Triton's driver replaced by one that names
+launching/precompile.py), on a CPU machine: fake CUDA tensors, Triton's driver replaced by one that names
 an sm_90 target. The capture records one specialization a kernel for 8 row blocks (the
 block-varying arguments are not specialized on) and launches nothing; the workers compile them
 with triton alone; the parent adopts each without compiling it. Each script runs in a subprocess
@@ -24,7 +24,12 @@ class FakeDriver:   # the target alone: nothing here can launch
 
 triton.runtime.driver.set_active(FakeDriver())
 from torch._subclasses.fake_tensor import FakeTensorMode
-from lowerings.linear_logprobs import device, dw_steps, fused, fused_cuda, fused_steps, precompile
+from lowerings.linear_logprobs import device
+from lowerings.linear_logprobs.recompute import dw_steps
+from lowerings.linear_logprobs.fused import schedule as fused
+from lowerings.linear_logprobs.fused import blocks as fused_cuda
+from lowerings.linear_logprobs.fused import steps as fused_steps
+from lowerings.linear_logprobs.launching import precompile
 device._SMS[0] = device._SMS[None] = 132
 # the fake driver names sm_90: dw_steps takes the Gluon dW step, as on an H100
 G, R, H, V, N = 8, 256, 512, 5000, 1900
@@ -39,7 +44,7 @@ with FakeTensorMode():
     dx, dw, db = cuda(N, H, dtype=bf), cuda(V, H, dtype=bf), cuda(0)
     dxp = cuda(fused_cuda.dx_split_rows(R, H, 2), H)
 
-    def steps(scaled):   # every block's launches, last block first (as fused.py runs them)
+    def steps(scaled):   # every block's launches, last block first (as fused/schedule.py runs them)
         for b in reversed(range(G)):
             fused_cuda.block_forward(x, w, ids_p, None, perm, counts, ws, zoff, xg, b, b * R, R,
                                      0.7, False, 1.0, None, ref, scaled)
@@ -163,7 +168,7 @@ def test_capture_under_a_symbolic_batch_adds_no_guard():
 
 
 def test_recompute_launches_are_handed_over_from_the_trace():
-    """The recompute op's launches (launch.py's triton_launch, under a trace) are captured from
+    """The recompute op's launches (launching/traced.py's triton_launch, under a trace) are captured from
     its fake implementation like the fused steps'."""
     _run_trace(_RECOMPUTE)
 
@@ -176,7 +181,7 @@ def test_eager_call_hands_one_block_over_once():
 
 def test_workers_share_the_cpus_among_local_ranks(monkeypatch):
     pytest.importorskip("triton")
-    from lowerings.linear_logprobs import precompile
+    from lowerings.linear_logprobs.launching import precompile
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     alone = precompile._cpus_per_rank()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

@@ -76,11 +76,13 @@ def test_docs_examples_ran():
 
 
 def test_op_package_map_names_every_module():
-    """lowerings/linear_logprobs/__init__.py's docstring is the op folder's map: every module and
-    folder in it is named there, so a newcomer can walk the tree from it."""
+    """lowerings/linear_logprobs/__init__.py's docstring is the op folder's map: every module, in
+    its subpackage (recompute/, fused/, launching/), and the kernels/ folder are named there, so a
+    newcomer can walk the tree from it."""
     import lowerings.linear_logprobs as pkg
     folder = pathlib.Path(pkg.__file__).parent
-    names = [p.name for p in folder.iterdir()
-             if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and p.name != "__pycache__")]
-    missing = [n for n in names if (n if n.endswith(".py") else n + "/") not in pkg.__doc__]
+    names = [p.relative_to(folder).as_posix() for p in folder.rglob("*.py")
+             if p.name != "__init__.py" and "kernels" not in p.parts and "__pycache__" not in p.parts]
+    names += ["kernels/"]
+    missing = [n for n in names if n not in pkg.__doc__]
     assert not missing, missing

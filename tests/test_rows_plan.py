@@ -6,9 +6,9 @@ Legend: N tokens, H hidden, V vocab, R rows a group, C vocab columns a chunk, G 
 import pytest
 import torch
 
-from lowerings.linear_logprobs import cuda as dense
-from lowerings.linear_logprobs import cuda_rows
-from lowerings.linear_logprobs import split_plan
+from lowerings.linear_logprobs.recompute import dense
+from lowerings.linear_logprobs.recompute import rows as cuda_rows
+from lowerings.linear_logprobs.recompute import plan as split_plan
 
 MIB = 1 << 20
 HEADS = [(4096, 151936), (4096, 128256), (2304, 256000), (896, 151936), (1024, 151936),

@@ -1,4 +1,4 @@
-"""triton_compat (lowerings/linear_logprobs/triton_compat.py): the Triton releases the internals
+"""triton_compat (lowerings/linear_logprobs/launching/triton_compat.py): the Triton releases the internals
 were checked on, and what the package does on one outside them: fast launch and the precompile
 workers step aside and every launch goes through Triton's own `kernel[grid](...)`. Subprocesses:
 the pretended version must be in place before the package imports triton_compat."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lowerings.linear_logprobs import triton_compat
+from lowerings.linear_logprobs.launching import triton_compat
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,9 @@ import triton
 triton.__version__ = "3.99.0"          # a release the internals were not checked on
 import torch
 from triton.runtime.jit import JITFunction
-from lowerings.linear_logprobs import fast_launch as fl, precompile, triton_compat
+from lowerings.linear_logprobs.launching import fast as fl
+from lowerings.linear_logprobs.launching import precompile
+from lowerings.linear_logprobs.launching import triton_compat
 assert not triton_compat.INTERNALS_OK
 assert fl.ENABLED is False and precompile.WORKERS == 0
 

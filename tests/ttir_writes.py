@@ -2,7 +2,7 @@
 
 torch's own analysis (torch/_higher_order_ops/triton_kernel_wrap.py) lists a fixed set of write
 ops and reads anything else as no write: a bulk reduce-add (`tt.descriptor_reduce`) went unseen
-and Inductor dropped the dW launches that held it (lowerings/linear_logprobs/launch.py). This scan
+and Inductor dropped the dW launches that held it (lowerings/linear_logprobs/launching/traced.py). This scan
 uses torch's TTIR parser (generate_ttir, ttir_to_functions) but fails on any op that looks like a
 memory write it does not know, so a new write op breaks the test instead of passing silently.
 """
@@ -109,8 +109,8 @@ def _toy_kernel():
     import triton
     import triton.language as tl
 
-    from lowerings.linear_logprobs.launch import writes
-    from lowerings.linear_logprobs.triton_compat import tma_load, tma_store
+    from lowerings.linear_logprobs.launching.traced import writes
+    from lowerings.linear_logprobs.launching.triton_compat import tma_load, tma_store
 
     @writes()
     @triton.jit
@@ -288,8 +288,8 @@ def _gluon_toy_kernel():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-    from lowerings.linear_logprobs.launch import writes
-    from lowerings.linear_logprobs.triton_compat import tma_load, tma_store
+    from lowerings.linear_logprobs.launching.traced import writes
+    from lowerings.linear_logprobs.launching.triton_compat import tma_load, tma_store
 
     @writes()
     @gluon.jit

@@ -27,13 +27,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from lowerings.linear_logprobs import cuda as dense
-from lowerings.linear_logprobs import cuda_rows as rows
-from lowerings.linear_logprobs import fused as fused
-from lowerings.linear_logprobs import fused_steps
-from lowerings.linear_logprobs import fused_order
-from lowerings.linear_logprobs import dw_steps
-from lowerings.linear_logprobs import fused_cuda as fc
+from lowerings.linear_logprobs.recompute import dense
+from lowerings.linear_logprobs.recompute import rows
+from lowerings.linear_logprobs.fused import schedule as fused
+from lowerings.linear_logprobs.fused import steps as fused_steps
+from lowerings.linear_logprobs.fused import order as fused_order
+from lowerings.linear_logprobs.recompute import dw_steps
+from lowerings.linear_logprobs.fused import blocks as fc
 from lowerings.linear_logprobs.kernels import logits as k
 from lowerings.linear_logprobs.kernels import combine as kc
 from lowerings.linear_logprobs.kernels import dw as kdw

@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from lowerings.linear_logprobs import cuda as dense
-from lowerings.linear_logprobs import cuda_rows as rows_mod
-from lowerings.linear_logprobs import dw_steps
-from lowerings.linear_logprobs.cuda import cdiv
+from lowerings.linear_logprobs.recompute import dense
+from lowerings.linear_logprobs.recompute import rows as rows_mod
+from lowerings.linear_logprobs.recompute import dw_steps
+from lowerings.linear_logprobs.recompute.dense import cdiv
 from lowerings.linear_logprobs.kernels.dw import _dw_step_persistent_kernel
 from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel
 

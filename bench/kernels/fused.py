@@ -66,9 +66,11 @@ from bench.kernels.fused_probes import (PROFILE_STEPS, bench, block_gemms, clock
                                         graph_step, heat, launch_cost)
 from bench.shapes import SHAPES, TARGETS, _chunked_logprobs, make_inputs
 from compiled_grpo import fused as cg_fused
-from lowerings.linear_logprobs import cuda as dense
-from lowerings.linear_logprobs import cuda_rows, fast_launch
-from lowerings.linear_logprobs import dw_steps, fused_cuda
+from lowerings.linear_logprobs.recompute import dense
+from lowerings.linear_logprobs.recompute import rows as cuda_rows
+from lowerings.linear_logprobs.launching import fast as fast_launch
+from lowerings.linear_logprobs.recompute import dw_steps
+from lowerings.linear_logprobs.fused import blocks as fused_cuda
 
 
 TOP = 16            # kernel families listed one by one

@@ -15,8 +15,8 @@ import time
 import torch
 import triton
 
-import lowerings.linear_logprobs.fused_steps as lf
-import lowerings.linear_logprobs.cuda as lc
+import lowerings.linear_logprobs.fused.steps as lf
+import lowerings.linear_logprobs.recompute.dense as lc
 from bench.shapes import SHAPES, dapo_step, make_inputs
 
 pc = time.perf_counter

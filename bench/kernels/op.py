@@ -17,7 +17,7 @@ import sys
 import torch
 import triton.testing
 
-import lowerings.linear_logprobs.cuda as tk
+import lowerings.linear_logprobs.recompute.dense as tk
 from lowerings.linear_logprobs import linear_logprobs
 
 

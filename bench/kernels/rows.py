@@ -37,7 +37,8 @@ SWEEP = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (256,
 def sweep(fn):
     """Per-kernel CUDA times of one masked fwd+bwd for each GEMM-step tile config (both steps),
     then for dlogits workspaces of 16, 24 and 32 MiB (wall time and peak memory too)."""
-    from lowerings.linear_logprobs import cuda, cuda_rows
+    from lowerings.linear_logprobs.recompute import dense as cuda
+    from lowerings.linear_logprobs.recompute import rows as cuda_rows
     base = cuda.GEMM_TILES[2]
     configs = [(t, cuda_rows.WS_BYTES) for t in SWEEP] + [(base, mib << 20) for mib in (24, 32)]
     for tiles, ws in configs:

@@ -1,4 +1,4 @@
-"""fast_launch on and off (lowerings/linear_logprobs/fast_launch.py): the fused path's gradients
+"""fast_launch on and off (lowerings/linear_logprobs/launching/fast.py): the fused path's gradients
 bitwise the same, and the eager step's time where the host is the limit.
 
     python -m bench.probes.fast_launch [--shape qwen2.5-0.5b] [--rounds 2]
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-import lowerings.linear_logprobs.fast_launch as fl
+import lowerings.linear_logprobs.launching.fast as fl
 
 
 def grads_equal() -> None:

@@ -5,7 +5,7 @@ process, during `python -m bench.e2e`.
     TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 TRITON_CACHE_DIR=$(mktemp -d) \\
         python -m bench.probes.first_call [--workers N] -- --providers compiled_grpo+compile
 
---workers sets lowerings.linear_logprobs.precompile.WORKERS (0: every kernel compiles at its
+--workers sets lowerings.linear_logprobs.launching.precompile.WORKERS (0: every kernel compiles at its
 first launch, here). Prints, at exit, the seconds each part took and how many there were.
 
     python -m bench.probes.first_call --alternate ROUNDS [--providers P ...] [--log-dir DIR] -- E2E_ARGS
@@ -34,7 +34,7 @@ import triton.compiler
 import triton.compiler.compiler
 from triton.backends.nvidia import driver as nv_driver
 
-from lowerings.linear_logprobs import precompile
+from lowerings.linear_logprobs.launching import precompile
 
 _spent = defaultdict(lambda: [0, 0.0])
 

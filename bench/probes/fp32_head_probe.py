@@ -5,7 +5,7 @@ import time
 import torch
 
 import compiled_grpo as cg
-import lowerings.linear_logprobs.cuda as tk
+import lowerings.linear_logprobs.recompute.dense as tk
 from compiled_grpo.reference import reference_token_logprobs
 
 

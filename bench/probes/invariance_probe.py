@@ -5,7 +5,7 @@ import os
 import torch
 
 import compiled_grpo as cg
-import lowerings.linear_logprobs.cuda as tk
+import lowerings.linear_logprobs.recompute.dense as tk
 from tests.batch_invariance import make_batch
 
 

@@ -3,7 +3,7 @@
     python -m bench.kernels.fused --shape qwen3-8b --targets sampled --recompute --trace DIR
     python -m bench.probes.row_groups DIR/recompute.json.gz [--steps 3]
 
-The recompute path (lowerings/linear_logprobs/cuda_rows.py) launches, per row group, a row
+The recompute path (lowerings/linear_logprobs/recompute/rows.py) launches, per row group, a row
 gather, then the forward (in the forward op) or the dlogits / dW / dX steps of each vocab chunk
 (in the backward op). This splits the last profiled step's kernels at each gather and sums each
 kernel family's GPU time per group: the partial group at the end of the valid rows and the empty

@@ -2,32 +2,34 @@
 the [N, V] logits. Every module, by layer (start at op.py; each module's docstring says why):
 
   the op and its autograd
-    op.py            the triton_op pair, its autograd and the public `linear_logprobs`
+    op.py              the triton_op pair, its autograd and the public `linear_logprobs`
   the CPU body (every non-CUDA device)
-    cpu.py           the chunked pure-PyTorch forward and backward
+    cpu.py             the chunked pure-PyTorch forward and backward
   the recompute path on CUDA (the composable op: logits recomputed in the backward)
-    cuda.py          launchers: the tile tables, the forward, the row-grouped backward loop
-    cuda_rows.py     the row-masked variant: padding skipped on the device, no host sync
-    split_plan.py    the forward's vocab splits, the row groups and vocab chunks (fixed by the
-                     head and the device, never by the batch: batch invariance)
-    gemms.py         the backward's cuBLAS GEMM steps as mutable custom ops
-    dw_steps.py      the dW step's launcher, shared with the fused path (Gluon on sm_90)
+    recompute/dense.py the launchers: the forward, the row-grouped backward loop
+    recompute/rows.py  the row-masked variant: padding skipped on the device, no host sync
+    recompute/plan.py  the forward's vocab splits, the row groups and vocab chunks (fixed by the
+                       head and the device, never by the batch: batch invariance)
+    recompute/gemms.py the backward's cuBLAS GEMM steps as mutable custom ops
+    recompute/dw_steps.py  the dW step's launcher, shared with the fused path (Gluon on sm_90)
   the fused-gradient path on CUDA (grpo_loss's default: logits once, the loss's gradient in place)
-    fused.py         the schedule: row blocks, the caller's per-token gradient, dX / dW
-    fused_order.py   which rows each block takes, valid rows first, as device tensors
-    fused_steps.py   the two block steps as mutable custom ops, and the gradient scaling
-    fused_cuda.py    the steps' CUDA bodies: the Triton launches of a block
+    fused/schedule.py  the schedule: row blocks, the caller's per-token gradient, dX / dW
+    fused/order.py     which rows each block takes, valid rows first, as device tensors
+    fused/steps.py     the two block steps as mutable custom ops, and the gradient scaling
+    fused/blocks.py    the steps' CUDA bodies: the Triton launches of a block
   kernels
-    kernels/         the @triton.jit and Gluon kernels, a module by what each computes
+    kernels/           the @triton.jit and Gluon kernels, a module by what each computes
   the launch machinery
-    launch.py        traced launches with declared writes (custom ops under torch.compile)
-    fast_launch.py   eager launches through the compiled launcher, past Triton's binding
-    precompile.py    the fused path's kernels compiled in worker processes while a trace runs
-    precompile_worker.py  the worker script (triton alone, no torch)
-    triton_compat.py the Triton releases checked and every Triton internal used (torch-free)
-    device.py        host integer helpers and device facts, no triton import
-The per-kernel benchmarks and the sm_90 build check are in bench/kernels/. Known debt: cuda.py
-and split_plan.py import each other (the plans read cuda's tile tables).
+    launching/traced.py    traced launches with declared writes (custom ops under torch.compile)
+    launching/fast.py      eager launches through the compiled launcher, past Triton's binding
+    launching/precompile.py  the fused path's kernels compiled in worker processes while a
+                           trace runs
+    launching/precompile_worker.py  the worker script (triton alone, no torch)
+    launching/triton_compat.py  the Triton releases checked and every Triton internal used
+  shared by both CUDA paths and the CPU body
+    device.py          host integer helpers and device facts, no triton import
+The per-kernel benchmarks and the sm_90 build check are in bench/kernels/. Known debt:
+recompute/dense.py and recompute/plan.py import each other (the plans read dense's tile tables).
 """
 from lowerings.linear_logprobs.op import (LinearLogprobs, _linear_logprobs_backward_op,
                                           _linear_logprobs_op, linear_logprobs)

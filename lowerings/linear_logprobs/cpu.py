@@ -11,7 +11,7 @@ grpo_loss (beta 0.04, entropy metrics) forward+backward, peak RSS beyond inputs 
 (VmHWM): eager 136 MiB, was 524 MiB with [N, C] tiles; compiled 92 MiB, or 236 MiB with that
 config, whose compiled forward has a 256 MiB transient the [N, C] body shows too (not the
 op's tiles: the op alone compiled peaks at 64 MiB forward). No loop runs over N itself: a Python `range` over a SymInt would specialize it under
-dynamic shapes. G is a Python int from N's size hint (as cuda.py's `_row_groups`), each group's
+dynamic shapes. G is a Python int from N's size hint (as recompute/dense.py's `_row_groups`), each group's
 bounds are `torch.sym_min` expressions and its rows a `narrow`, so a graph compiled for dynamic N
 serves every N (its workspace then scales as N / G).
 
@@ -141,7 +141,7 @@ def _forward_rows(x: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                   temperature: float, with_entropy: bool, z_out: Optional[Tensor] = None,
                   **scaling) -> tuple[Tensor, Tensor, Tensor]:
     """(target logit, entropy or zeros, lse) of one row group: x [R, H] upcast, ids [R].
-    z_out [R, V]: also keep the logits there (the fused-gradient body, fused.py)."""
+    z_out [R, V]: also keep the logits there (the fused-gradient body, fused/schedule.py)."""
     r, v = x.shape[0], weight.shape[0]
     tiny = torch.finfo(x.dtype).min
     m = x.new_full((r,), float("-inf"))        # running max                 [R]

@@ -16,10 +16,10 @@ become zeros) and returns (d_hidden, d_weight, d_bias). lse is differentiable
 entropy slot holds zeros (not computed; the kernels skip that work) and its grad is ignored.
 
 Each op body branches on `hidden.device.type`, settled at trace time because fake tensors keep
-their device: CUDA launches the Triton kernels of `cuda.py` / `cuda_rows.py` through
+their device: CUDA launches the Triton kernels of `recompute/dense.py` / `recompute/rows.py` through
 `launch.declared`: eager, a plain launch; traced, one mutable custom op per launch whose mutated
 buffers are what the kernel declares it writes (not wrap_triton, whose inferred writes dropped
-dW launches: launch.py); every other device runs the chunked pure-PyTorch body of `cpu.py`, which
+dW launches: launching/traced.py); every other device runs the chunked pure-PyTorch body of `cpu.py`, which
 Inductor compiles like any aten code.
 Neither path allocates an [N, V] tensor (see those modules for workspace sizes), and neither
 reads a tensor value on the host, so dynamic N compiles once. Mark N dynamic on hidden and ids
@@ -29,7 +29,7 @@ alike (the outputs are viewed as ids.shape, so a static hidden would specialize 
 The recompute op's measurements and what moved them: bench/results/HISTORY.md ("The recompute
 op's design measurements"). Compile caches do not key on cuda.TMA: see there.
 Padded rows (`row_mask`, what token_logprobs / grpo_loss pass for their mask): on CUDA the op
-runs cuda_rows.py, valid rows compacted first on the device and every kernel stopping at a device
+runs recompute/rows.py, valid rows compacted first on the device and every kernel stopping at a device
 count: no FLOP and no host sync for padding.
 Numerics (tests/test_linear_logprobs_gpu.py, N=1024, full head): error vs an fp32 upcast
 reference <= 2x that of eager bf16 for logprobs, entropy, d_hidden, d_weight, d_bias; bitwise
@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from lowerings.linear_logprobs import cpu as _torch_impl
-from lowerings.linear_logprobs.launch import declared
+from lowerings.linear_logprobs.launching.traced import declared
 
 
 class LinearLogprobs(NamedTuple):
@@ -59,7 +59,7 @@ def _on_cuda(hidden: Tensor) -> bool:
 
 
 def _rows_path(hidden: Tensor, row_mask: Optional[Tensor]) -> bool:
-    """The row-masked CUDA path (cuda_rows.py) for a row mask on CUDA with 16/32-bit operands;
+    """The row-masked CUDA path (recompute/rows.py) for a row mask on CUDA with 16/32-bit operands;
     fp64 on CUDA computes every row (then zeroes the padded ones), as the CPU body does."""
     return row_mask is not None and _on_cuda(hidden) and hidden.element_size() <= 4
 
@@ -85,11 +85,11 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optio
     scaling = dict(logit_scale=logit_scale, softcap=final_logit_softcapping,
                    round_logits=round_logits, compute_dtype=compute_dtype)
     if _rows_path(hidden, row_mask):
-        from lowerings.linear_logprobs import cuda_rows
+        from lowerings.linear_logprobs.recompute import rows as cuda_rows
         return cuda_rows.forward(hidden, weight, ids, bias, row_mask, temperature, fp32_lm_head,
                                  with_entropy, wrap=declared, **scaling)
     if _on_cuda(hidden):
-        from lowerings.linear_logprobs import cuda as _dense
+        from lowerings.linear_logprobs.recompute import dense as _dense
         out = _dense.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
                              with_entropy, wrap=declared, **scaling)
     else:
@@ -132,7 +132,7 @@ def _linear_logprobs_backward_op(
     scaling = dict(logit_scale=logit_scale, softcap=final_logit_softcapping,
                    round_logits=round_logits, compute_dtype=compute_dtype)
     if _rows_path(hidden, row_mask):
-        from lowerings.linear_logprobs import cuda_rows
+        from lowerings.linear_logprobs.recompute import rows as cuda_rows
         return cuda_rows.backward(hidden, weight, ids, bias, row_mask, lse, entropy,
                                   grad_logprobs, grad_entropy, grad_lse, temperature,
                                   fp32_lm_head, with_entropy, need_hidden, need_weight,
@@ -140,7 +140,7 @@ def _linear_logprobs_backward_op(
     grad_logprobs, grad_entropy, grad_lse = _mask_rows(row_mask, grad_logprobs, grad_entropy,
                                                        grad_lse)
     if _on_cuda(hidden):
-        from lowerings.linear_logprobs import cuda as _dense
+        from lowerings.linear_logprobs.recompute import dense as _dense
         return _dense.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
                                grad_entropy, grad_lse, temperature, fp32_lm_head,
                                with_entropy, need_hidden, need_weight, need_bias,
@@ -223,7 +223,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[
 
     row_mask [...] bool: rows where it is False are padding. Their logprobs, entropy and lse
     are 0, their incoming grads are ignored and they get zero d_hidden; on CUDA they also cost
-    no FLOPs (cuda_rows.py: valid rows ordered first on the device, kernels that stop at a
+    no FLOPs (recompute/rows.py: valid rows ordered first on the device, kernels that stop at a
     device count, no host sync). Elsewhere every row is computed and the padded ones zeroed.
 
     logit_scale, final_logit_softcapping (HF / TRL names; Cohere-style scaled heads, Gemma 2/3's

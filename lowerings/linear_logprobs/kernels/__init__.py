@@ -9,8 +9,8 @@
 - fused_block.py  the fused-gradient block steps: in-place dlogits, dX split, exp-scaling, ...
 - splits.py       the dX steps' split over V (both paths'): its count, the partials' ordered sum
 - tiles.py        the shared tile addressing, and the arguments no kernel specializes on
-- writes.py       the `writes` declaration of each kernel's written pointers (launch.py)
+- writes.py       the `writes` declaration of each kernel's written pointers (launching/traced.py)
 
-The launchers (cuda.py, cuda_rows.py, fused_cuda.py) import from here; no kernel imports a
+The launchers (recompute/dense.py, recompute/rows.py, fused/blocks.py) import from here; no kernel imports a
 launcher.
 """

@@ -1,5 +1,5 @@
-"""The dW steps of the row-masked and fused-gradient CUDA paths (launchers: cuda_rows.py,
-fused_cuda.py): dW[v0 : v0 + cols] (+)= ws[:n].T @ xg[:n] over a row group's n valid rows, as a
+"""The dW steps of the row-masked and fused-gradient CUDA paths (launchers: recompute/rows.py,
+fused/blocks.py): dW[v0 : v0 + cols] (+)= ws[:n].T @ xg[:n] over a row group's n valid rows, as a
 grid of output tiles or a persistent grid walking them, and the epilogue both share.
 
 Legend: n valid rows of the group (its K loop), C = cols vocab rows of dW, H hidden.

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from lowerings.linear_logprobs.kernels import tiles as _k
-from lowerings.linear_logprobs.triton_compat import tma_load, tma_store   # 3.6-3.9 names
+from lowerings.linear_logprobs.launching.triton_compat import tma_load, tma_store   # 3.6-3.9 names
 from lowerings.linear_logprobs.kernels import dw as _kdw
 from lowerings.linear_logprobs.kernels.writes import writes
 

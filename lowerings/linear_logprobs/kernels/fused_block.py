@@ -1,4 +1,4 @@
-"""The @triton.jit kernels of the fused-gradient block steps (launchers: fused_cuda.py; the
+"""The @triton.jit kernels of the fused-gradient block steps (launchers: fused/blocks.py; the
 helpers they share with the recompute path's kernels are in kernels/logits.py, the dW step in
 kernels/dw.py).
 
@@ -129,7 +129,7 @@ def _dx_split_kernel(ws_ptr, w_ptr, part_ptr, dx_ptr, perm_ptr, count_ptr, n_row
         tl.store(part_ptr + prow[:, None] * H + hs[None, :], acc, mask=mask)
 
 
-# --- the exp-scaled backward (fused_cuda.py; GRPOConfig.fused_scaled_backward) ------------------
+# --- the exp-scaled backward (fused/blocks.py; GRPOConfig.fused_scaled_backward) ------------------
 #
 # Without an entropy gradient or a softcap, a row's dlogits are
 #     dz[v] = (g_lp (1[v = y] - p[v])) s / T,   p[v] = e^(z[v] - lse)

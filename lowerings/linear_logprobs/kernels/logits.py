@@ -1,4 +1,4 @@
-"""The @triton.jit kernels of `compiled_grpo::linear_logprobs` on CUDA (launchers: cuda.py).
+"""The @triton.jit kernels of `compiled_grpo::linear_logprobs` on CUDA (launchers: recompute/dense.py).
 
 Legend: N tokens (dynamic), H hidden, V vocab (static), BN/BV/BK tile sizes.
 """
@@ -186,7 +186,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     """Statistics of rows [0, N) of x (ids alike) into column out_row0 + row of the [S, out_n]
     buffers. HAS_COUNT: only the first clamp(count - out_row0, 0, N) rows are valid (rows
     compacted valid-first, count on the device); programs past them exit at once.
-    STORE_Z (the fused-gradient path, fused.py): each logits tile also goes to z [N, stride_z]
+    STORE_Z (the fused-gradient path, fused/schedule.py): each logits tile also goes to z [N, stride_z]
     relative to the running row max after it, d = z - m_sh <= 0, in z's dtype (fp16 for 16-bit
     operands), and m_sh to zoff[row, tile] fp32 [N, n_ztiles]: z = d + zoff exactly where p
     is large (d near 0), and an error |d| * 2^-11 where p <= e^d is small (stored from the
@@ -201,8 +201,8 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, count
     The vocab-tile loop is flattened with its K loop, so the pipeliner issues the next tile's
     operand loads during this tile's statistics epilogue (H100, qwen3-8b fused step: 40.2
     against 41.0-41.2 ms unflattened; HISTORY.md).
-    (No parameter has a default: the recompute op's traced launches (launch.py) name
-    every one.) STORE_E (with STORE_Z; the exp-scaled backward, fused_cuda.py): the tile goes to
+    (No parameter has a default: the recompute op's traced launches (launching/traced.py) name
+    every one.) STORE_E (with STORE_Z; the exp-scaled backward, fused/blocks.py): the tile goes to
     z in z's dtype as e = exp(z - R) with R = max(M, m_sh - E_HEADROOM), M = ref[row] a per-row
     reference (the target logit plus a lead), and R to zoff[row, tile]: e <= e^E_HEADROOM, and
     R = M in every tile of a row whose max stays under M + E_HEADROOM, so such a row's dlogits
@@ -309,7 +309,7 @@ def _dlogits_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, glp_ptr, gen
     blocks are not visited, so ws keeps stale values there that the GEMM steps never read, and
     dbp keeps its rows there as the launcher made them (zeros: the launchers allocate dbp
     zeroed once a row group, and a group's chunks visit the same row blocks).
-    A persistent grid of n_programs (one a SM; launchers: cuda.py, cuda_rows.py): each walks
+    A persistent grid of n_programs (one a SM; launchers: recompute/dense.py, recompute/rows.py): each walks
     the tiles of the n_blocks x n_vtiles grid's row blocks with a valid row, tile_id = pid,
     pid + n_programs, ..., through one flattened (tile, K step) loop, so Triton's pipeliner
     issues the next tile's operand loads while this tile's epilogue (exp, the dz formula, the

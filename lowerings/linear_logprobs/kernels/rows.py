@@ -1,5 +1,5 @@
-"""The row-masked paths' @triton.jit kernels besides the logits tiles (launchers: cuda_rows.py,
-fused_cuda.py through cuda_rows._gather): the row gather of the valid rows, and the recompute
+"""The row-masked paths' @triton.jit kernels besides the logits tiles (launchers: recompute/rows.py,
+fused/blocks.py through cuda_rows._gather): the row gather of the valid rows, and the recompute
 backward's dX step over one vocab chunk.
 
 Legend: R rows of a row group (its n valid ones first, n on the device), H hidden, V vocab,

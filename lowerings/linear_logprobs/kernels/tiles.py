@@ -9,7 +9,7 @@ import triton.language as tl
 # pointer (counts.narrow(0, b, 1), 16-byte aligned at every other b) and the dW steps' block
 # position (n_later, final: each 1 at one block). Specialized, they made Triton compile the fused
 # path's 9 kernels 24 times for 8 row blocks, 10 of them the Gluon dW step (counted with
-# precompile.py's capture), for nothing: count is one scalar load, the others two flags.
+# launching/precompile.py's capture), for nothing: count is one scalar load, the others two flags.
 VARYING_PTRS = ("count_ptr",)
 DW_VARYING = ("n_later", "final")
 

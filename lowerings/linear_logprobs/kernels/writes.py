@@ -1,4 +1,4 @@
-"""The `writes` declaration of a kernel's written pointer parameters (launch.py reads it). Here,
+"""The `writes` declaration of a kernel's written pointer parameters (launching/traced.py reads it). Here,
 beside the kernels and free of torch, so that the precompile worker imports the kernels with
 triton alone (precompile_worker.py)."""
 

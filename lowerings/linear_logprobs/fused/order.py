@@ -1,4 +1,4 @@
-"""The row order of the fused-gradient schedule (fused.py): which rows each row block takes, valid
+"""The row order of the fused-gradient schedule (fused/schedule.py): which rows each row block takes, valid
 rows first, as device tensors (no host sync): perm (slot -> row), counts (valid rows a block)
 and, for groups of rows of any size, slot (row -> slot); and which block each packed sequence
 goes to (pack_sequences: first-fit decreasing; next_fit_sequences: next-fit in order).
@@ -19,7 +19,7 @@ SEQ_PACKING = "ffd"
 def valid_rows_first(row_mask: Tensor) -> tuple[Tensor, Tensor]:
     """perm [N] int64, valid rows first in their original order (a stable device sort, no host
     sync), and count [1] int32, the number of valid rows (the row-masked recompute path,
-    cuda_rows.py, and order_rows)."""
+    recompute/rows.py, and order_rows)."""
     perm = torch.argsort(row_mask.to(torch.uint8), descending=True, stable=True)  # [N]
     return perm, row_mask.sum(dtype=torch.int32).reshape(1)
 

@@ -1,5 +1,5 @@
 """The backward's per-step cuBLAS GEMMs of `compiled_grpo::linear_logprobs` on CUDA, and their
-mutable custom-op wrappers for tracing (see cuda.py for the loop that calls
+mutable custom-op wrappers for tracing (see recompute/dense.py for the loop that calls
 them). Legend: R rows of a row group, C' columns of a vocab chunk, H hidden."""
 import torch
 from torch import Tensor

@@ -33,13 +33,13 @@ once per block (G roundings, as the recompute path's row groups); dX rows once. 
 bitwise deterministic.
 
 The blocks are a Python loop of G (static, from N's size hint) steps, each two mutable custom
-ops (fused_steps.py's ``fused_block_forward`` / ``fused_block_backward``, opaque to Inductor: they launch the
+ops (fused/steps.py's ``fused_block_forward`` / ``fused_block_backward``, opaque to Inductor: they launch the
 Triton kernels themselves on CUDA and run PyTorch on CPU); ``grad_fn`` between them is plain
 torch code that Dynamo traces (compiled_grpo uses torch.func.grad of the loss functions). The
 ops mutate the workspace and the gradient buffers in place, so under torch.compile they become
-auto_functionalized nodes that Inductor reinplaces (as gemms.py). Plain eager calls run the ops'
+auto_functionalized nodes that Inductor reinplaces (as recompute/gemms.py). Plain eager calls run the ops'
 bodies directly (fused_steps.block_steps: the same code, without the op layers' host time). The ops' fake
-implementations, which a trace calls, also hand the steps' kernels to precompile.py's workers, so
+implementations, which a trace calls, also hand the steps' kernels to launching/precompile.py's workers, so
 they compile while the rest of the step does (an eager call hands one block's over first).
 """
 from typing import Callable, NamedTuple, Optional
@@ -50,15 +50,15 @@ from torch import Tensor
 from lowerings.linear_logprobs import cpu as _cpu
 from lowerings.linear_logprobs.device import cdiv, size_hint, sm_count, static_int   # sm_count: wave_rows, callers
 try:   # the Triton side: absent triton (a CPU-only install off Linux) the PyTorch body runs alone
-    from lowerings.linear_logprobs import cuda as _dense
-    from lowerings.linear_logprobs import split_plan as _plan
-    from lowerings.linear_logprobs import fused_cuda as _fcuda
+    from lowerings.linear_logprobs.recompute import dense as _dense
+    from lowerings.linear_logprobs.recompute import plan as _plan
+    from lowerings.linear_logprobs.fused import blocks as _fcuda
 except ModuleNotFoundError as e:
     if e.name != "triton":
         raise
     _dense = _plan = _fcuda = None
-from lowerings.linear_logprobs import fused_steps as _steps
-from lowerings.linear_logprobs.fused_order import (next_fit_blocks, order_rows, order_rows_grouped,  # noqa: F401 (callers)
+from lowerings.linear_logprobs.fused import steps as _steps
+from lowerings.linear_logprobs.fused.order import (next_fit_blocks, order_rows, order_rows_grouped,  # noqa: F401 (callers)
                                                    pack_sequences)
 
 

@@ -1,4 +1,4 @@
-"""CUDA bodies of the fused-gradient block steps (fused.py): Triton kernels launched directly
+"""CUDA bodies of the fused-gradient block steps (fused/schedule.py): Triton kernels launched directly
 (the steps are opaque custom ops; tests call these functions on CPU tensors under
 TRITON_INTERPRET=1).
 
@@ -29,7 +29,7 @@ hidden, V vocab, Vp = ws's row stride (V rounded up to 64: TMA-legal).
 
 Every kernel stops at n, so a block's cost is that of its valid rows (2 + 4 = 6 n H V FLOPs).
 Every launch goes through precompile.capturable (and so fast_launch: the compiled launcher after
-a key's first launch); precompile_eager hands an eager call's kernels to precompile.py's workers
+a key's first launch); precompile_eager hands an eager call's kernels to launching/precompile.py's workers
 before its first block (a trace does it from the steps' fakes).
 """
 from typing import Optional
@@ -37,21 +37,21 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lowerings.linear_logprobs import cuda as _dense
-from lowerings.linear_logprobs import split_plan as _plan
-from lowerings.linear_logprobs.cuda import cdiv, next_power_of_2
+from lowerings.linear_logprobs.recompute import dense as _dense
+from lowerings.linear_logprobs.recompute import plan as _plan
+from lowerings.linear_logprobs.recompute.dense import cdiv, next_power_of_2
 from lowerings.linear_logprobs.device import grid_sms
-from lowerings.linear_logprobs import cuda_rows as _rows
-from lowerings.linear_logprobs import dw_steps as _dws
+from lowerings.linear_logprobs.recompute import rows as _rows
+from lowerings.linear_logprobs.recompute import dw_steps as _dws
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
 from lowerings.linear_logprobs.kernels.logits import _fwd_kernel
 from lowerings.linear_logprobs.kernels.fused_block import (_dx_split_kernel, _exp_prep_kernel,
                                                            _fused_dlogits_kernel, _target_ref_kernel)
 from lowerings.linear_logprobs.kernels.splits import _dx_split_reduce_kernel
-from lowerings.linear_logprobs import precompile as _precompile
-from lowerings.linear_logprobs.precompile import capturable
+from lowerings.linear_logprobs.launching import precompile as _precompile
+from lowerings.linear_logprobs.launching.precompile import capturable
 
-# the kernels as launched below: their own launch, unless precompile.py is capturing it
+# the kernels as launched below: their own launch, unless launching/precompile.py is capturing it
 (_combine_kernel, _fwd_kernel, _dx_split_kernel, _dx_split_reduce_kernel, _exp_prep_kernel,
  _fused_dlogits_kernel, _target_ref_kernel) = map(
     capturable, (_combine_kernel, _fwd_kernel, _dx_split_kernel, _dx_split_reduce_kernel,
@@ -119,7 +119,7 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
                   logit_scale: float, softcap: Optional[float], ref: Tensor,
                   scaled: bool, round_logits: bool = False,
                   exact_tf32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    x, w, prec = _dense._prepare(hidden, weight)   # no copies: fused.py cast them once
+    x, w, prec = _dense._prepare(hidden, weight)   # no copies: fused/schedule.py cast them once
     lprec = _dense.logits_precision(prec, exact_tf32)
     bn, bv, bk, warps, stages = _dense.tiles(x, lprec)
     rounds = _dense.rounds(x, round_logits)
@@ -169,17 +169,17 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                    softcap: Optional[float], need_x: bool, need_w: bool, need_b: bool,
                    ref: Tensor, scaled: bool, round_logits: bool = False,
                    exact_tf32: bool = False) -> None:
-    # exact_tf32: W and X hold bf16 values in fp32 (fused.py): the dX / dW GEMMs in two TF32
+    # exact_tf32: W and X hold bf16 values in fp32 (fused/schedule.py): the dX / dW GEMMs in two TF32
     # products (cuda.gradient_precision), dW's in 3xTF32 where X's rows are scaled (not bf16)
     # round_logits: the forward stored the rounded logits themselves (exact in ws's 16-bit dtype),
     # the dlogits pass recomputes z from them as the forward did, and the dlogits go into ws in
     # that dtype before the dX / dW GEMMs (the logits gradient rounded, as TRL's head)
     if rows == 0:
-        if need_w and b == counts.shape[0] - 1:   # the first block run (fused.py: last to first)
+        if need_w and b == counts.shape[0] - 1:   # the first block run (fused/schedule.py: last to first)
             dw.zero_()
         return
     v, h = weight.shape
-    w = weight                       # in ws's dtype already: fused.py casts the operands once
+    w = weight                       # in ws's dtype already: fused/schedule.py casts the operands once
     tma = _dense._use_tma(xg, w)
     prec = _dense.dot_precision(ws.dtype)
     count = counts.narrow(0, b, 1)
@@ -207,7 +207,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     # tiles (the 2-byte ones with an fp32 dW tile overflow shared memory: 272 KiB, H200)
     dw_tiles = _dense.step_tiles(max(ws.element_size(), dw.element_size()))[1]
     if need_w:
-        # The blocks run last to first (fused.py). Whether dW already holds a sum is read on the
+        # The blocks run last to first (fused/schedule.py). Whether dW already holds a sum is read on the
         # device from the counts of the blocks after b, which ran before it: the step is
         # launched storing and adding, and one of the two works (kernels.dw._dw_skips; the
         # other's programs exit at once). The first block with valid rows stores.

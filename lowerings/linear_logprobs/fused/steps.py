@@ -1,6 +1,6 @@
-"""The fused path's two block steps (fused.py's schedule) as mutable custom ops and their
+"""The fused path's two block steps (fused/schedule.py's schedule) as mutable custom ops and their
 bodies, and the incoming gradient's scaling of the gradients they store: the Triton body
-(fused_cuda.py) on CUDA tensors, the PyTorch body (cpu.py) elsewhere.
+(fused/blocks.py) on CUDA tensors, the PyTorch body (cpu.py) elsewhere.
 
 Legend: R' rows of a block (its n valid ones first, n = counts[b] on the device), H hidden,
 V vocab.
@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from lowerings.linear_logprobs import cpu as _cpu
 from lowerings.linear_logprobs.device import cdiv, grid_sms
 try:   # the Triton side: absent triton (a CPU-only install off Linux) the PyTorch body runs alone
-    from lowerings.linear_logprobs import fused_cuda as _fcuda
-    from lowerings.linear_logprobs import precompile as _precompile
+    from lowerings.linear_logprobs.fused import blocks as _fcuda
+    from lowerings.linear_logprobs.launching import precompile as _precompile
 except ModuleNotFoundError as e:
     if e.name != "triton":
         raise
@@ -23,8 +23,8 @@ except ModuleNotFoundError as e:
 
 
 def _triton_body(t: Tensor) -> bool:
-    """The block steps run fused_cuda.py's Triton kernels on CUDA tensors (the interpreter tests
-    patch this to run them on CPU tensors), the PyTorch body elsewhere; fused.py's workspace and
+    """The block steps run fused/blocks.py's Triton kernels on CUDA tensors (the interpreter tests
+    patch this to run them on CPU tensors), the PyTorch body elsewhere; fused/schedule.py's workspace and
     plan helpers ask it too, so one patch moves the whole schedule."""
     if t.device.type == "cuda" and _fcuda is None:
         raise RuntimeError("compiled_grpo's CUDA kernels need triton (pip install triton==3.6.0)")

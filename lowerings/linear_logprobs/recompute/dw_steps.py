@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import triton
 from torch import Tensor
 
-from lowerings.linear_logprobs import cuda as _dense
+from lowerings.linear_logprobs.recompute import dense as _dense
 from lowerings.linear_logprobs.device import cdiv
 from lowerings.linear_logprobs.kernels.dw import _dw_step_persistent_kernel
 from lowerings.linear_logprobs.kernels.dw_gluon import _dw_step_ws_kernel

@@ -1,13 +1,13 @@
 """The fused path's Triton kernels compiled in worker processes while torch.compile traces.
 
 Why. The fused block steps are opaque custom ops that launch their Triton kernels themselves
-(fused.py), so Inductor never sees those kernels: each was compiled at its first launch, one
+(fused/schedule.py), so Inductor never sees those kernels: each was compiled at its first launch, one
 after another, inside the compiled step's first call, with its launcher (a C module a
 signature, built with gcc). On one H100 that was 9.4 s of the end-to-end step's first call
 (47.3 s against TRL's 38.7 s; bench/results/e2e_first_call_h100_410cb80.txt), while Dynamo and
 Inductor took the same time for both.
 
-How. The steps' fake implementations (fused.py; and launch.py's triton_launch for the recompute
+How. The steps' fake implementations (fused/schedule.py; and launching/traced.py's triton_launch for the recompute
 path), which the trace calls anyway, run each step's CUDA host code inside `capture()`, where a
 launch of a `capturable` kernel is not run: Triton's binder specializes its arguments as the
 real launch will (dtypes, 16-byte alignment read from the tensors' storage offsets, ints equal
@@ -22,7 +22,7 @@ cache with its launcher, where the launch finds it (H100: 38.5 s to the first re
 The workers never change what runs: the parent compiles every kernel it launches from the same
 source and only finds the result cached; a specialization the capture missed (a tensor whose
 storage is not 16-byte aligned, say) compiles at its launch, as without workers. An eager call
-(nothing traced) captures one block's launches before its first block (fused_cuda.py
+(nothing traced) captures one block's launches before its first block (fused/blocks.py
 precompile_eager) and waits for the workers at once: they compile in parallel, not one after
 another.
 """
@@ -44,9 +44,9 @@ import triton
 from torch import Tensor
 from triton.runtime.jit import MockTensor
 
-from lowerings.linear_logprobs import fast_launch as _fast
+from lowerings.linear_logprobs.launching import fast as _fast
 from lowerings.linear_logprobs.device import size_hint
-from lowerings.linear_logprobs.triton_compat import INTERNALS_OK
+from lowerings.linear_logprobs.launching.triton_compat import INTERNALS_OK
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ WAIT_S = 120.0       # the most the first real launch waits for the workers
 # temporary directory while it compiles (torch._inductor.utils.fresh_cache), and the parent's
 # launches look in the usual one, so the workers' kernels were found only now and then.
 CACHE_DIR = triton.knobs.cache.dir
+# The checkout (or site-packages) root holding lowerings/: the workers import kernels/ from it.
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "precompile_worker.py")
 
 # the launches captured in this context: a list of (module, qualname, specialization JSON)
@@ -192,7 +194,7 @@ def _ptxas_version(target) -> Optional[str]:
 def _start(specs: list) -> None:
     target = triton.runtime.driver.active.get_current_target()
     job = {"target": [target.backend, target.arch, target.warp_size], "cache_dir": CACHE_DIR,
-           "root": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+           "root": _ROOT,
            "ptxas_version": _ptxas_version(target)}
     n = min(WORKERS, len(specs), _cpus_per_rank())
     for i in range(n):

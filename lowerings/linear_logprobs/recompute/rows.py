@@ -5,7 +5,7 @@ of a backward chunk, n the valid rows (a device scalar, never read on the host).
 
 Real RL batches are 30-60% padding (completion lengths vary). With `row_mask` [N] bool the op
 orders the rows valid-first on the device (a stable sort of ~row_mask: perm [N], original order
-kept inside each class) and counts them (count [1] int32), then runs cuda.py's row-group
+kept inside each class) and counts them (count [1] int32), then runs recompute/dense.py's row-group
 schedule over the permuted rows, every kernel reading count and stopping at it:
 
   per group g (rows [g R, (g + 1) R) of the permuted order, n_g = clamp(count - g R, 0, R)):
@@ -41,12 +41,12 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from lowerings.linear_logprobs import cuda as _dense
-from lowerings.linear_logprobs import dw_steps as _dws
-from lowerings.linear_logprobs import split_plan as _split
-from lowerings.linear_logprobs.cuda import cdiv, size_hint
+from lowerings.linear_logprobs.recompute import dense as _dense
+from lowerings.linear_logprobs.recompute import dw_steps as _dws
+from lowerings.linear_logprobs.recompute import plan as _split
+from lowerings.linear_logprobs.recompute.dense import cdiv, size_hint
 from lowerings.linear_logprobs.device import cuda_sms, grid_sms
-from lowerings.linear_logprobs.fused_order import valid_rows_first
+from lowerings.linear_logprobs.fused.order import valid_rows_first
 from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
 from lowerings.linear_logprobs.kernels.rows import _dx_step_kernel, _gather_rows_kernel
 from lowerings.linear_logprobs.kernels.splits import _dx_split_reduce_kernel

@@ -6,14 +6,14 @@ the tiles and the SM count, never by N (batch invariance).
 Legend: V vocab, H hidden, R block rows, S vocab splits, BN / BV the forward's row / vocab
 tiles, S0 = cdiv(V, FWD_COLS_PER_SPLIT).
 
-cuda.py imports this module and this module reads cuda.step_tiles (the dX step's tiles) at call
+recompute/dense.py imports this module and this module reads cuda.step_tiles (the dX step's tiles) at call
 time: both import orders work.
 """
 from typing import Optional
 
 import torch
 
-from lowerings.linear_logprobs import cuda as _cuda
+from lowerings.linear_logprobs.recompute import dense as _cuda
 from lowerings.linear_logprobs.device import cdiv, cuda_sms, size_hint
 
 FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see fwd_split_plan for the pick
@@ -102,7 +102,7 @@ def block_plan(v: int, h: int, itemsize: int, bn: int, bv: int, sms: int) -> tup
 _SPLIT_PLANS: dict[tuple, tuple[int, int, int]] = {}
 
 
-# The recompute path's row groups and vocab chunks (cuda_rows.py): a cost model in K steps of
+# The recompute path's row groups and vocab chunks (recompute/rows.py): a cost model in K steps of
 # one GEMM tile (128 x 256 x 64 for bf16) on one SM. Each (group, chunk) step runs three grids:
 # the dlogits tiles (K = H), the dX tiles (K = the chunk's columns, then an fp32 read-modify-write
 # of the accumulator) and the persistent dW tiles (K = the group's rows, then dW's read-modify-

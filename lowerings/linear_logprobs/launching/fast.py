@@ -1,6 +1,6 @@
 """Launching this package's Triton kernels through their compiled launcher, past Triton's
 per-launch binding: host time of small policies' eager steps and of the recompute op's many
-launches (the fused path through precompile.capturable, the recompute op through launch.py).
+launches (the fused path through precompile.capturable, the recompute op through launching/traced.py).
 
 Why. `kernel[grid](*args)` (JITFunction.run) binds and specializes every argument, builds the
 cache key from them and the options, checks the kernel's globals, then calls the compiled
@@ -38,7 +38,7 @@ from torch import Tensor
 from triton.knobs import HookChain
 from triton.runtime.jit import JITFunction
 
-from lowerings.linear_logprobs.triton_compat import INTERNALS_OK
+from lowerings.linear_logprobs.launching.triton_compat import INTERNALS_OK
 
 ENABLED = INTERNALS_OK
 _NO_DEFAULT = inspect.Parameter.empty

@@ -1,4 +1,4 @@
-"""The precompile worker (precompile.py): compiles kernel specializations for a target into a
+"""The precompile worker (launching/precompile.py): compiles kernel specializations for a target into a
 Triton cache directory, with triton alone. Run as a script, not a module:
 
     python .../precompile_worker.py < job.json    # {"target", "cache_dir", "root", "specs"}

@@ -33,8 +33,8 @@ from torch import Tensor
 
 from lowerings.linear_logprobs.kernels.writes import writes  # noqa: F401 (the kernels' declaration)
 try:   # a CPU-only install without triton launches nothing here
-    from lowerings.linear_logprobs import fast_launch as _fast
-    from lowerings.linear_logprobs import precompile as _precompile
+    from lowerings.linear_logprobs.launching import fast as _fast
+    from lowerings.linear_logprobs.launching import precompile as _precompile
 except ModuleNotFoundError as e:
     if e.name != "triton":
         raise
@@ -44,7 +44,7 @@ except ModuleNotFoundError as e:
 def _declaration(kernel) -> tuple[tuple, dict]:
     if not hasattr(kernel, "declared_writes"):
         raise TypeError(f"Triton kernel {kernel.fn.__name__} declares no writes "
-                        f"(decorate it with lowerings.linear_logprobs.launch.writes)")
+                        f"(decorate it with lowerings.linear_logprobs.launching.traced.writes)")
     return kernel.declared_writes
 
 
@@ -139,7 +139,7 @@ def triton_launch(spec: str, grid: Sequence[int], writes: list[Tensor], reads: l
     over `grid`; it writes the `writes` buffers (and no other)."""
     kernel, args, options = _call(spec, writes, reads, ints, floats)
     if writes and writes[0].is_cuda:
-        from lowerings.linear_logprobs.cuda import _ensure_allocator
+        from lowerings.linear_logprobs.recompute.dense import _ensure_allocator
         _ensure_allocator()   # in-kernel TMA descriptors need Triton's scratch allocator
         _precompile.wait()    # the kernels the trace handed to the precompile workers
     _fast.launcher(kernel)[tuple(grid)](*args, **options)

@@ -8,7 +8,7 @@ tile GEMM (fp32 accumulator, K loop over H) for each vocab tile of its split and
 online fp32 statistics per row: max m, sum exp(z - m), sum exp(z - m) * z (only when entropy is
 asked: a constexpr), and the target logit. The S partial statistics ([S, N] fp32, 16 bytes a
 row and split) are merged by one small kernel (_combine_kernel, shared by every CUDA path), in
-a fixed order, no atomics. The split plan is fixed by the head's shape, tiles and SM count (split_plan.py):
+a fixed order, no atomics. The split plan is fixed by the head's shape, tiles and SM count (recompute/plan.py):
 a row's log-prob, entropy and lse are bitwise the same whatever N, mask, packing, path or
 torch.compile (batch invariance; tests/test_batch_invariance_gpu.py).
 
@@ -35,7 +35,7 @@ A frozen weight skips step 2, a hidden without grad skips step 3.
 Under torch.compile steps 2, 3 and the dX store are small mutable custom ops (`_dw_rows_op`,
 `_dx_acc_op`, `_dx_store_op`, mutates_args on dW / acc / dX): functionalization turns them into
 auto_functionalized nodes that Inductor reinplaces, so the compiled backward writes the one dW,
-acc and dX buffers in place like eager (see gemms.py). The workspace ws is
+acc and dX buffers in place like eager (see recompute/gemms.py). The workspace ws is
 one buffer rewritten by every step's kernel (reinplaced too), which also orders step i+1's
 kernel after step i's GEMMs.
 
@@ -67,16 +67,16 @@ from torch import Tensor
 from lowerings.linear_logprobs.cpu import round_dtype
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
 from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
-from lowerings.linear_logprobs import split_plan as _plan
+from lowerings.linear_logprobs.recompute import plan as _plan
 from lowerings.linear_logprobs.device import (cdiv, grid_sms, next_power_of_2, size_hint,  # noqa: F401 (callers)
                                              sm_count)
-from lowerings.linear_logprobs.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
+from lowerings.linear_logprobs.recompute.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
                                               _dx_acc_op, _dx_store_impl, _dx_store_op)
 
 # Tiles of the logits GEMM: (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages). Overridable for
 # the interpreter tests (tiles of 16) and for tuning runs (set the attribute, as the sweeps do).
 TILES = (128, 256, 64, 8, 3)
-# Tiles of the masked and fused paths' two GEMM steps (dX, dW: cuda_rows.py, fused_cuda.py),
+# Tiles of the masked and fused paths' two GEMM steps (dX, dW: recompute/rows.py, fused/blocks.py),
 # (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages) by operand size in bytes (tuning runs set
 # the attributes, as bench.kernels.rows --sweep; the interpreter tests patch them).
 GEMM_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3), 8: (64, 64, 32, 4, 2)}  # dX step

@@ -8,12 +8,12 @@ wheels pin it: torch 2.11 -> 3.6 (the GPU machines), 2.13 -> 3.7, 2.14 -> 3.8, 2
 Internals used, each read in the source of every CHECKED release (the same names, arguments and
 order in 3.6.0, 3.7.1, 3.8.0 and 3.9.0):
 
-  fast_launch.py  triton.knobs.HookChain (an installed launch hook: .calls);
+  launching/fast.py  triton.knobs.HookChain (an installed launch hook: .calls);
                   triton.runtime.jit.JITFunction (.params[i].is_constexpr / .name, .signature);
                   the CompiledKernel that `kernel[grid](...)` returns: .run(grid_x, grid_y,
                   grid_z, stream, .function, .packed_metadata, launch_metadata, enter_hook,
                   exit_hook, *args), as JITFunction.run calls it
-  precompile.py   triton.knobs.runtime.jit_cache_hook(key=, repr=, fn=, compile=,
+  launching/precompile.py   triton.knobs.runtime.jit_cache_hook(key=, repr=, fn=, compile=,
                   is_manual_warmup=, already_compiled=) with fn.module / fn.name and
                   compile["specialization_data"]; JITFunction.warmup / .preload;
                   triton.runtime.jit.MockTensor; triton.knobs.cache.dir / .scope();
