@@ -19,7 +19,7 @@ hand-written derivative exists: these are autograd's gradients of the loss funct
 Sequence-level importance sampling (GSPO) couples a sequence's tokens through its mean
 log-ratio, so a block must hold whole sequences: padded rows of [B, T] (B sequences of T) and
 packed sequences alike are packed first-fit decreasing by their valid tokens into blocks of R
-slots (lowerings' fused_order.pack_sequences: on the device, no host sync; order_rows_grouped
+slots (lowerings' fused/order.py pack_sequences: on the device, no host sync; order_rows_grouped
 puts each block's valid tokens in its slots, masked tokens get none), and the block's gradient
 sums per sequence with ``Segments``. Every sequence must fit a block, which packed inputs
 guarantee on the host with ``max_seqlen`` (grpo_loss's argument, flash-attn's name; padded ones

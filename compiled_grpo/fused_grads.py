@@ -27,7 +27,7 @@ def block_loss(lp, ent, idx, r0, per_tok, cfg, grouped=None):
     padded [B, T] inputs as B sequences of T tokens). idx None: per_tok (and grouped's seg_ids)
     are already in the blocks' order, [G R] (gathered once for all blocks: fused.py in a trace),
     and the block's rows are [r0, r0 + R'). ``grouped`` (whole sequences: seg_ids [N],
-    S, counts [G], R): block b = r0 // R holds whole sequences (fused_order.pack_sequences), its
+    S, counts [G], R): block b = r0 // R holds whole sequences (lowerings' fused/order.py), its
     counts[b] valid tokens in the first slots in row order (order_rows_grouped); the slots past
     them are no token of the block: masked. Their sums run over all S sequences' ids (those of
     other blocks are empty here)."""

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+import lowerings.linear_logprobs.tuning as tuning  # noqa: E402
 import lowerings.linear_logprobs.recompute.dense as tk  # noqa: E402
 import lowerings.linear_logprobs.recompute.plan as split_plan  # noqa: E402
 
@@ -46,10 +47,10 @@ _interp._patch_lang_tensor = _patch_lang_tensor
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(tk, "TILES", (16, 16, 16, 1, 1))
+    monkeypatch.setattr(tuning, "TILES", (16, 16, 16, 1, 1))
     monkeypatch.setattr(split_plan, "FWD_COLS_PER_SPLIT", 48)
-    monkeypatch.setattr(tk, "CHUNK_V", 32)
-    monkeypatch.setattr(tk, "GROUP_N", 2)    # 2 row blocks: the last group is partial
+    monkeypatch.setattr(tuning, "CHUNK_V", 32)
+    monkeypatch.setattr(tuning, "GROUP_N", 2)    # 2 row blocks: the last group is partial
 
 
 def golden(x, w, ids, b, temperature, scale=1.0, cap=None):

@@ -21,6 +21,7 @@ from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
 from torch._inductor.fx_utils import FakeTensorUpdater
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+import lowerings.linear_logprobs.tuning as tuning
 from lowerings.linear_logprobs import _linear_logprobs_backward_op, _linear_logprobs_op
 
 import sys
@@ -87,13 +88,13 @@ with mode:
     w = torch.empty(5000, 256, device="cuda", dtype=torch.bfloat16)   # 3 chunks, the last partial
     ids = torch.empty(n, device="cuda", dtype=torch.int64)
     import lowerings.linear_logprobs.recompute.dense as tk
-    tk.CHUNK_V = 2048
-    tk.DX_GROUP_BYTES = 200_000         # 2 row groups of 256 (hint) rows, the last partial
+    tuning.CHUNK_V = 2048
+    tuning.DX_GROUP_BYTES = 200_000         # 2 row groups of 256 (hint) rows, the last partial
     assert tk._row_groups(n, 256) == 2
-    assert tk.TMA == "1" and tk._use_tma(x, w)     # the TMA kernels' TTIR traces (sm_90 target)
-    tk.TMA = "eager"
+    assert tuning.TMA == "1" and tk._use_tma(x, w)     # the TMA kernels' TTIR traces (sm_90 target)
+    tuning.TMA = "eager"
     assert not tk._use_tma(x, w)                   # "eager": pointer kernels while tracing
-    tk.TMA = "1"
+    tuning.TMA = "1"
     grab = lambda gm, args: graphs.append(gm) or gm
     lp, ent, lse = aot_function(lambda x, w, ids: _linear_logprobs_op(
         x, w, ids, None, 0.7, False, True), grab)(x, w, ids)
@@ -137,7 +138,7 @@ def test_cuda_backward_trace_in_place_and_symbolic_n():
     _run_trace(_CUDA_TRACE)
 
 
-# The row-masked CUDA path (cuda_rows.py) traced the same way: valid-first sort, per-group gather,
+# The row-masked CUDA path (recompute/rows.py) traced the same way: valid-first sort, per-group gather,
 # Triton dlogits / dW / dX steps.
 _CUDA_ROWS_TRACE = _TRACE_PRELUDE + r'''
 with mode:
@@ -148,9 +149,9 @@ with mode:
     m = torch.empty(n, device="cuda", dtype=torch.bool)
     import lowerings.linear_logprobs.recompute.dense as tk
     import lowerings.linear_logprobs.recompute.rows as rk
-    tk.CHUNK_V = 2048
+    tuning.CHUNK_V = 2048
     rk.WS_BYTES = 1 << 30
-    tk.DX_GROUP_BYTES = 200_000
+    tuning.DX_GROUP_BYTES = 200_000
     grab = lambda gm, args: graphs.append(gm) or gm
     lp, ent, lse = aot_function(lambda x, w, ids, m: _linear_logprobs_op(
         x, w, ids, None, 0.7, False, True, m), grab)(x, w, ids, m)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import compiled_grpo as cg
+import lowerings.linear_logprobs.tuning as tuning
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -295,7 +296,7 @@ def test_incoming_gradient_scales_stored_grads():
                     reason="TMA needs sm_90+")
 @pytest.mark.parametrize("mode", ["fused", "recompute"])
 def test_dw_tma_epilogue_matches_pointer_epilogue(monkeypatch, mode):
-    """The dW steps' TMA epilogue (cuda.DW_TMA_OUT: bulk store, then L2 reduce-adds of later
+    """The dW steps' TMA epilogue (tuning.DW_TMA_OUT: bulk store, then L2 reduce-adds of later
     row blocks) against the load-add-store epilogue, on 3 row blocks of 60% valid rows, in both
     gradient modes: d_hidden bitwise equal (untouched), d_weight within the one extra bf16
     rounding a block adds, and the TMA epilogue bitwise repeatable."""
@@ -311,7 +312,7 @@ def test_dw_tma_epilogue_matches_pointer_epilogue(monkeypatch, mode):
 
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(tk, "DW_TMA_OUT", on)
+        monkeypatch.setattr(tuning, "DW_TMA_OUT", on)
         runs[on] = grads()
     assert torch.equal(runs[True][0], runs[False][0])
     dw_tma, dw_ptr = runs[True][1].float(), runs[False][1].float()

@@ -7,6 +7,7 @@ import pytest
 import torch
 from interpret import DTYPE_16, MASKS, golden, make, small_tiles  # noqa: F401 (autouse fixture)
 
+import lowerings.linear_logprobs.tuning as tuning
 import lowerings.linear_logprobs.recompute.dense as tk
 import lowerings.linear_logprobs.recompute.rows as rk
 import lowerings.linear_logprobs.fused.schedule as fk
@@ -23,8 +24,8 @@ def _fused_run(monkeypatch, x, w, ids, b, mask, blocks, block_rows, whole_blocks
     groups, as whole sequences get); else the global valid-first order. Returns the result, the
     random incoming gradients and the rows grad_fn saw: every row in slot order (global order),
     or each block's valid rows (whole blocks: its other slots are masked by the caller)."""
-    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
-    monkeypatch.setattr(tk, "DW_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tuning, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tuning, "DW_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     monkeypatch.setattr(fck, "DLOGITS_TILE", dlogits_tile)
     monkeypatch.setattr(fsteps, "_triton_body", lambda t: True)
     g = torch.Generator().manual_seed(11)
@@ -369,7 +370,7 @@ def test_fused_round_logits_recomputes_the_forward_logits(monkeypatch, cap):
     stored as themselves, fused_cuda._z_view), so the grads are the recompute kernels' to fp32
     summation order. Stored as d = z - max in fp16 (the default path's workspace) they were
     off by |d| 2^-11 where p is small: 4.8e-5 in dX and dW on an H100 (trl_head_probe.py)."""
-    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tuning, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     g = torch.Generator().manual_seed(5)
     n, h, v = 40, 24, 75
     x = (torch.randn(n, h, generator=g) * 2).to(DTYPE_16).float()

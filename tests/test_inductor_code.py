@@ -27,6 +27,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import compiled_grpo as cg
+import lowerings.linear_logprobs.tuning as tuning
 import lowerings.linear_logprobs.cpu as torch_impl
 from helpers import DEVICES, make_inputs
 
@@ -52,7 +53,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(torch_impl, "CHUNK_V", CHUNK)
     if torch.cuda.is_available():
         import lowerings.linear_logprobs.recompute.dense as triton_impl
-        monkeypatch.setattr(triton_impl, "CHUNK_V", CHUNK)
+        monkeypatch.setattr(tuning, "CHUNK_V", CHUNK)
 
 
 def _inputs(device):

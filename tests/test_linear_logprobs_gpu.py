@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
+import lowerings.linear_logprobs.tuning as tuning
 from lowerings.linear_logprobs import linear_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -95,7 +96,7 @@ def test_no_nv_allocation():
     # one row group's fp32 dX accumulator (32 MiB) + the dlogits workspace (24 MiB) + small;
     # N*V*2 = 1.2 GiB
     import lowerings.linear_logprobs.recompute.dense as tk
-    assert extra < tk.DX_GROUP_BYTES + tk.WS_BYTES + 16 * 2**20, extra / 2**20
+    assert extra < tuning.DX_GROUP_BYTES + tuning.WS_BYTES + 16 * 2**20, extra / 2**20
     assert extra < n * V * 2 / 8
 
 
@@ -168,7 +169,7 @@ def test_tma_matches_pointer_loads(monkeypatch):
     x, w, ids, b = make(777, v=50000, bias=True)
     runs = []
     for mode in ("0", "1"):
-        monkeypatch.setattr(tk, "TMA", mode)
+        monkeypatch.setattr(tuning, "TMA", mode)
         assert tk._use_tma(x, w) == (mode == "1")
         xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
         out = linear_logprobs(xg, wg, ids, bg, temperature=0.7, with_entropy=True)
@@ -221,7 +222,7 @@ def _padded_mask(n, t=256, seed=0):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_row_mask_three_way(bias, compiled):
-    """The row-masked path (cuda_rows.py) on the valid rows against the fp32 reference, three-way
+    """The row-masked path (recompute/rows.py) on the valid rows against the fp32 reference, three-way
     as above; padded rows: outputs 0, d_hidden 0, whatever their incoming grads (random here)."""
     n = 3072
     x, w, ids, b = make(n, bias=bias)

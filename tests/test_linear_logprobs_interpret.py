@@ -2,7 +2,7 @@
 TRITON_INTERPRET=1, on CPU tensors (the setting, tiles and golden: interpret.py)."""
 import pytest
 import torch
-from interpret import DTYPE_16, MASKS, golden, make, small_tiles, tk  # noqa: F401 (autouse fixture)
+from interpret import DTYPE_16, MASKS, golden, make, small_tiles, tk, tuning  # noqa: F401 (autouse fixture)
 
 import lowerings.linear_logprobs.recompute.rows as rk
 
@@ -89,7 +89,7 @@ def test_dlogits_grid_size_changes_no_bit(monkeypatch, masked):
     tensors): a program walks tiles pid, pid + programs, ... . Its gradients are bitwise the same
     for 1, 3 and 7 programs (a tile's values do not depend on which program computes it), d_bias
     included, in the dense and the row-masked (padded rows compacted last) backward."""
-    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tuning, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=7)
     mask = MASKS["scattered"]
     g = torch.Generator().manual_seed(8)
@@ -124,7 +124,7 @@ def test_row_groups(monkeypatch, dtype, group_rows, groups):
     g_lp, g_ent, g_lse = (torch.randn(40, generator=g) for _ in range(3))
     args = (x, w, ids, b, lse, ent, g_lp, g_ent, g_lse, 0.7, False, True, True, True, True)
     one = tk.backward(*args)
-    monkeypatch.setattr(tk, "DX_GROUP_BYTES", group_rows * 24 * 4)
+    monkeypatch.setattr(tuning, "DX_GROUP_BYTES", group_rows * 24 * 4)
     assert tk._row_groups(40, 24) == groups
     three = tk.backward(*args)
     for a, c in zip(one, three):
@@ -143,8 +143,8 @@ def test_row_masked_path(monkeypatch, kind, group_rows):
     float64 golden on the valid rows; padded rows give 0 outputs, 0 dX rows and nothing in
     dW / d_bias, whatever their incoming grads. group_rows=16: 3 row groups, so the count
     ends inside a group and later groups are empty."""
-    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
-    monkeypatch.setattr(tk, "DX_GROUP_BYTES", group_rows * 24 * 4)
+    monkeypatch.setattr(tuning, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tuning, "DX_GROUP_BYTES", group_rows * 24 * 4)
     mask = MASKS[kind]
     x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=3)
     lp, ent, lse = rk.forward(x, w, ids, b, mask, 0.7, False, True)
@@ -174,7 +174,7 @@ def test_row_masked_dx_split_k(monkeypatch, n_valid):
     float64 golden and against the unsplit step: bitwise where the group does not split (40),
     otherwise close and not bitwise (the split ran: its fp32 partials round otherwise); dW and
     d_bias bitwise unchanged; the padded rows' dX stays 0."""
-    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tuning, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     x, w, ids, b = make(64, 24, 75, torch.float32, True, seed=11)
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(12))
     mask = torch.zeros(64, dtype=torch.bool)
@@ -201,7 +201,7 @@ def test_row_masked_dx_split_k(monkeypatch, n_valid):
 
 
 def test_row_masked_half_no_weight_grad(monkeypatch):
-    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tuning, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     mask = MASKS["scattered"]
     x, w, ids, b = make(40, 32, 75, DTYPE_16, False)
     lp, ent, lse = rk.forward(x, w, ids, None, mask, 1.0, False, True)
@@ -224,7 +224,7 @@ def test_row_masked_half_no_weight_grad(monkeypatch):
 @pytest.mark.parametrize("scale,cap,bias,rows", [(0.5, None, True, False), (0.5, 3.0, True, False),
                                                  (1.0, 30.0, False, False), (1.7, 3.0, True, True)])
 def test_scale_and_softcap(monkeypatch, scale, cap, bias, rows):
-    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tuning, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     x, w, ids, b = make(40, 24, 75, torch.float32, bias, seed=6)
     mask = MASKS["scattered"] if rows else torch.ones(40, dtype=torch.bool)
     kw = dict(logit_scale=scale, softcap=cap)
@@ -303,7 +303,7 @@ def test_round_logits_kernels_match_cpu_body(monkeypatch, rows, bias):
     round the same fp32 values: values agree to fp32 transcendental rounding and grads to the
     16-bit rounding of the dlogits, while the rounding moves the log-probs by far more."""
     from lowerings.linear_logprobs import cpu
-    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tuning, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     g = torch.Generator().manual_seed(11)
     n, h, v = 40, 24, 75
     x = torch.randint(-64, 65, (n, h), generator=g).to(DTYPE_16)
@@ -343,7 +343,7 @@ def test_row_masked_exact_tf32_plumbing(monkeypatch):
     The interpreter multiplies fp32 exactly, so here the split's sum must give the unsplit
     products' values: logprobs bitwise, grads within fp32 summation-order rounding, and both
     against the float64 golden (the GPU's TF32 products: test_lm_head_precision.py)."""
-    monkeypatch.setattr(tk, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
+    monkeypatch.setattr(tuning, "GEMM_TILES", {k: (16, 16, 16, 1, 1) for k in (2, 4, 8)})
     x, w, ids, b = make(40, 24, 75, torch.float32, True, seed=21)
     x, w = x.bfloat16().float(), w.bfloat16().float()      # bf16 values in fp32
     mask = MASKS["scattered"]

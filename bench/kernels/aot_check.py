@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
+import lowerings.linear_logprobs.tuning as tuning
 from lowerings.linear_logprobs.recompute import dense
 from lowerings.linear_logprobs.recompute import rows
 from lowerings.linear_logprobs.fused import schedule as fused
@@ -84,10 +85,10 @@ def _signature(fn, consts: dict, ptrs: Optional[dict] = None) -> tuple[dict, dic
 
 def cases():
     """(label, kernel, constexprs, num_warps, num_stages) of each launch configuration."""
-    bn, bv, bk, warps, stages = dense.TILES
-    gemm, dw = dense.step_tiles(2)
+    bn, bv, bk, warps, stages = tuning.TILES
+    gemm, dw = tuning.step_tiles(2)
     logit = dict(HAS_BIAS=False, HAS_CAP=False, ROUND=False, WITH_ENTROPY=True, DOT_PREC="tf32", USE_TMA=True,
-                 BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=dense.GROUP_N, STORE_E=False,
+                 BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=tuning.GROUP_N, STORE_E=False,
                  E_HEADROOM=fc.E_HEADROOM)
     fused_fwd = recompute = {}   # one forward kernel, one split plan (split_plan.fwd_split_plan)
     yield ("forward, fused (STORE_Z)", k._fwd_kernel,
@@ -136,7 +137,7 @@ def cases():
     # an fp32 dW of bf16 operands (lm_head_dtype: an fp32 lm_head multiplied in bf16): the fused
     # path takes the 4-byte dW tiles for it (fused_cuda.block_backward; the 2-byte ones need
     # 272 KiB of shared memory with an fp32 dW tile)
-    fc_, fh_, fk_, fwarps_, fstages_ = dense.step_tiles(4)[1]
+    fc_, fh_, fk_, fwarps_, fstages_ = tuning.step_tiles(4)[1]
     for acc in (False, True):
         yield (f"dW step, persistent, fused, fp32 dW, ACCUMULATE={acc}", kdw._dw_step_persistent_kernel,
                dict(ACCUMULATE=acc, ON_DEVICE=True, DOT_PREC="tf32", USE_TMA=True, TMA_OUT=False,
@@ -176,8 +177,8 @@ def cases():
     # fp32 operands (fp32 inputs, fp32_lm_head): FP32_DOT products through pointers (TMA takes
     # 16-bit operands only), the 4-byte tiles (cuda.tiles, cuda.step_tiles(4))
     f32 = {n: "*fp32" for n in ("x_ptr", "w_ptr", "b_ptr", "ws_ptr", "dw_ptr", "dx_ptr")}
-    bn4, bv4, bk4, warps4, stages4 = dense.tiles(torch.empty(0))
-    logit4 = dict(logit, DOT_PREC=dense.FP32_DOT, USE_TMA=False, BLOCK_K=bk4)
+    bn4, bv4, bk4, warps4, stages4 = tuning.tiles(torch.empty(0))
+    logit4 = dict(logit, DOT_PREC=tuning.FP32_DOT, USE_TMA=False, BLOCK_K=bk4)
     yield ("fp32, forward, fused (STORE_Z)", k._fwd_kernel,
            dict(logit4, HAS_COUNT=True, STORE_Z=True,
                 _ptrs=dict(f32, z_ptr="*fp32")), warps4, stages4)
@@ -189,8 +190,8 @@ def cases():
                 NEED_DB=False, HAS_COUNT=True, _ptrs=f32), warps4, stages4)
     # fp32 operands holding bf16 values (fp32_lm_head over a bf16 head): the logits GEMMs in one
     # TF32 product (cuda.logits_precision)
-    prec1 = dense.logits_precision(dense.FP32_DOT, True)
-    *_, stages1 = dense.tiles(torch.empty(0), prec1)
+    prec1 = tuning.logits_precision(tuning.FP32_DOT, True)
+    *_, stages1 = tuning.tiles(torch.empty(0), prec1)
     exact = dict(logit4, DOT_PREC=prec1)
     yield ("fp32 of bf16, forward, fused (STORE_Z)", k._fwd_kernel,
            dict(exact, HAS_COUNT=True, STORE_Z=True, _ptrs=dict(f32, z_ptr="*fp32")), warps4, stages1)
@@ -199,8 +200,8 @@ def cases():
     yield ("fp32 of bf16, dlogits, recompute", k._dlogits_kernel,
            dict({k: c for k, c in exact.items() if k not in ("STORE_E", "E_HEADROOM")},
                 NEED_DB=False, HAS_COUNT=True, _ptrs=f32), warps4, stages1)
-    gm4, gh4, gk4, gwarps4, gstages4 = dense.step_tiles(4)[0]
-    tiles4 = dict(DOT_PREC=dense.FP32_DOT, USE_TMA=False, BLOCK_M=gm4, BLOCK_H=gh4, BLOCK_K=gk4)
+    gm4, gh4, gk4, gwarps4, gstages4 = tuning.step_tiles(4)[0]
+    tiles4 = dict(DOT_PREC=tuning.FP32_DOT, USE_TMA=False, BLOCK_M=gm4, BLOCK_H=gh4, BLOCK_K=gk4)
     yield ("fp32, dX step, split over V", kf._dx_split_kernel,
            dict(tiles4, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M, ROW_SCALE=False,
                 _ptrs=f32), gwarps4, gstages4)
@@ -208,13 +209,13 @@ def cases():
            dict(tiles4, ACCUMULATE=True, STORE=True, ACC_TMA=False, S_MAX=max(1, rows.DX_SPLITS),
                 GROUP_M=rows.GROUP_M, _ptrs=f32),
            gwarps4, gstages4)
-    fc_, fh_, fk_, fwarps_, fstages_ = dense.step_tiles(4)[1]
+    fc_, fh_, fk_, fwarps_, fstages_ = tuning.step_tiles(4)[1]
     yield ("fp32, dW step, persistent, fused", kdw._dw_step_persistent_kernel,
-           dict(ACCUMULATE=True, ON_DEVICE=True, DOT_PREC=dense.FP32_DOT, USE_TMA=False,
+           dict(ACCUMULATE=True, ON_DEVICE=True, DOT_PREC=tuning.FP32_DOT, USE_TMA=False,
                 TMA_OUT=False, BLOCK_C=fc_, BLOCK_H=fh_, BLOCK_K=fk_, GROUP_C=rows.GROUP_M,
                 _ptrs=f32), fwarps_, fstages_)
     # ... and their two-product form where W / X hold bf16 values (cuda.gradient_precision)
-    prec2 = dense.gradient_precision(dense.FP32_DOT, True)
+    prec2 = tuning.gradient_precision(tuning.FP32_DOT, True)
     yield ("fp32 of bf16, dX step, split over V", kf._dx_split_kernel,
            dict(tiles4, DOT_PREC=prec2, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M,
                 ROW_SCALE=False, _ptrs=f32), gwarps4, gstages4)
@@ -225,7 +226,7 @@ def cases():
            dict(ACCUMULATE=True, ON_DEVICE=True, DOT_PREC=prec2, USE_TMA=False, TMA_OUT=False,
                 BLOCK_C=fc_, BLOCK_H=fh_, BLOCK_K=fk_, GROUP_C=rows.GROUP_M, _ptrs=f32),
            fwarps_, fstages_)
-    cr, cwarps = dense.COMBINE_TILE
+    cr, cwarps = tuning.COMBINE_TILE
     for ent in (False, True):   # S = 64 splits: 2 S0 at a 262144 vocab
         yield (f"forward splits' combine, WITH_ENTROPY={ent}", kc._combine_kernel,
                dict(WITH_ENTROPY=ent, HAS_COUNT=True, BLOCK_R=cr, BLOCK_S=64, STORE_E=True,

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+import lowerings.linear_logprobs.tuning as tuning
 from lowerings.linear_logprobs.recompute import dense
 from lowerings.linear_logprobs.recompute import rows as rows_mod
 from lowerings.linear_logprobs.recompute import dw_steps
@@ -29,7 +30,7 @@ def triton_step(ws, xg, dw, counts, rows, acc):
     """The Triton persistent dW step (kernels.dw, TMA operands and the TMA reduce-add epilogue)
     over the first counts[0] of `rows` rows, storing or adding (acc)."""
     v, h = dw.shape
-    wc, wh, wk, warps, stages = dense.step_tiles(2)[1]
+    wc, wh, wk, warps, stages = tuning.step_tiles(2)[1]
     n_cblocks, n_hblocks = cdiv(v, wc), cdiv(h, wh)
     n_prog = min(n_cblocks * n_hblocks, dense.sm_count(ws.device.index))
     _dw_step_persistent_kernel[(n_prog,)](

@@ -66,6 +66,7 @@ from bench.kernels.fused_probes import (PROFILE_STEPS, bench, block_gemms, clock
                                         graph_step, heat, launch_cost)
 from bench.shapes import SHAPES, TARGETS, _chunked_logprobs, make_inputs
 from compiled_grpo import fused as cg_fused
+import lowerings.linear_logprobs.tuning as tuning
 from lowerings.linear_logprobs.recompute import dense
 from lowerings.linear_logprobs.recompute import rows as cuda_rows
 from lowerings.linear_logprobs.launching import fast as fast_launch
@@ -260,7 +261,7 @@ def main():
         if want("fwd"):
             # Two-programs-a-SM tiles, (128, 128, 64, 4 or 8, 3 or 4), measured 16.4-18.7 ms
             # for the forward against 12.7-13.4 (H100, bench_fused_h100_log.txt): not swept.
-            variant(dense, "TILES", (128, 256, 64, 8, 4), "TILES=(128, 256, 64, 8, 4)")
+            variant(tuning, "TILES", (128, 256, 64, 8, 4), "TILES=(128, 256, 64, 8, 4)")
             # At small H (K loops of 14-16 steps) 256-row tiles (256, 128, 64, 8, 3) ran the
             # forward 5.29 / 6.16 ms against 4.42-5.23 / 6.03-6.10 (qwen2.5-0.5b / qwen3-0.6b),
             # (128, 256, 32, 8, 4) 5.13 / 6.63 (H200, fwd_tiles_small_h200.txt): not swept.
@@ -273,12 +274,12 @@ def main():
             # the Triton dW step where the Gluon one runs (both paths since 54fe03a: A/B of it)
             variant(dw_steps, "DW_WS", False, "dw_steps.DW_WS=False")
         if want("dw"):
-            variant(dense, "DW_TMA_OUT", not dense.DW_TMA_OUT, f"DW_TMA_OUT={not dense.DW_TMA_OUT}")
+            variant(tuning, "DW_TMA_OUT", not tuning.DW_TMA_OUT, f"DW_TMA_OUT={not tuning.DW_TMA_OUT}")
         for tile in [(64, 256, 8), (16, 256, 4), (32, 256, 4)] * want("dlogits"):
             variant(fused_cuda, "DLOGITS_TILE", tile, f"DLOGITS_TILE={tile}")
         for tiles in [(128, 256, 64, 8, 4), (128, 256, 128, 8, 2), (256, 128, 64, 8, 3),
                       (128, 128, 64, 4, 3)] * want("dw"):
-            variant(dense, "DW_TILES", {**dense.DW_TILES, 2: tiles},
+            variant(tuning, "DW_TILES", {**tuning.DW_TILES, 2: tiles},
                     f"DW_TILES[bf16]={tiles}")
         for tiles in [dw_steps.DW_WS_TILES, dw_steps.DW_WS_TILES_NARROW] * want("dw"):
             # the Gluon dW step's two tile shapes, whatever H picks (dw_steps.dw_ws_tiles)
@@ -291,7 +292,7 @@ def main():
             for mib in (48, 72):
                 variant(cuda_rows, "ROWS_BYTES", mib << 20, f"cuda_rows.ROWS_BYTES={mib} MiB")
         for tiles in [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3)] * want("dx"):
-            variant(dense, "GEMM_TILES", {**dense.GEMM_TILES, 2: tiles},
+            variant(tuning, "GEMM_TILES", {**tuning.GEMM_TILES, 2: tiles},
                     f"GEMM_TILES[bf16]={tiles}")
         measure("default again (drift over the sweep)")
 

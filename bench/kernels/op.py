@@ -17,6 +17,7 @@ import sys
 import torch
 import triton.testing
 
+import lowerings.linear_logprobs.tuning as tuning
 import lowerings.linear_logprobs.recompute.dense as tk
 from lowerings.linear_logprobs import linear_logprobs
 
@@ -94,13 +95,13 @@ def main():
                   f"{4 * tflop / tfb * 1e3:.0f} TFLOP/s counting 8NHV)", flush=True)
 
     modes = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--tma=")),
-                 [tk.TMA])
-    if len(modes) > 1:   # the compile caches do not key on tk.TMA (see there)
+                 [tuning.TMA])
+    if len(modes) > 1:   # the compile caches do not key on tuning.TMA (see there)
         torch._inductor.config.force_disable_caches = True
     for mode in modes:
-        tk.TMA = mode
+        tuning.TMA = mode
         torch._dynamo.reset()
-        report(f"tma={tk.TMA} tiles={tk.TILES} chunk={tk.CHUNK_V}")
+        report(f"tma={tuning.TMA} tiles={tuning.TILES} chunk={tuning.CHUNK_V}")
         # peak memory beyond inputs and gradients, fwd+bwd with entropy
         fwd_bwd(True)
         grads = xg.grad.numel() * 2 + wg.grad.numel() * 2
@@ -112,12 +113,12 @@ def main():
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base - grads
         if "--profile" in sys.argv:
-            profile(f"eager tma={tk.TMA}", lambda: fwd_bwd(True))
+            profile(f"eager tma={tuning.TMA}", lambda: fwd_bwd(True))
             kernel_stats()
-        print(f"tma={tk.TMA} eager peak beyond inputs+grads: {extra / 2**20:.1f} MiB (N*V bf16 "
+        print(f"tma={tuning.TMA} eager peak beyond inputs+grads: {extra / 2**20:.1f} MiB (N*V bf16 "
               f"would be {n * v * 2 / 2**20:.0f} MiB; "
               f"row groups "
-              f"{tk._row_groups(n, h)}, dX group acc {tk.DX_GROUP_BYTES / 2**20:.0f} MiB)", flush=True)
+              f"{tk._row_groups(n, h)}, dX group acc {tuning.DX_GROUP_BYTES / 2**20:.0f} MiB)", flush=True)
 
         if "--compile" in sys.argv:   # fullgraph compile of the same loss: Inductor sees kernels
             def loss_fn(x, w, ids, g_lp, g_ent):
@@ -131,7 +132,7 @@ def main():
             try:
                 c_fwd_bwd()                                   # compile
             except Exception as e:  # report and go on to the next mode
-                print(f"tma={tk.TMA} compiled: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"tma={tuning.TMA} compiled: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             tc = bench(c_fwd_bwd)
             # peak of one call (do_bench's own 256 MB cache-flush buffer stays out of it)
@@ -143,33 +144,33 @@ def main():
             torch.cuda.synchronize()
             extra = torch.cuda.max_memory_allocated() - base - grads
             if "--profile" in sys.argv:
-                profile(f"compiled tma={tk.TMA}", c_fwd_bwd)
-            print(f"tma={tk.TMA} compiled entropy=True fwd+bwd {tc:.2f} ms ({tc / floor:.3f}x "
+                profile(f"compiled tma={tuning.TMA}", c_fwd_bwd)
+            print(f"tma={tuning.TMA} compiled entropy=True fwd+bwd {tc:.2f} ms ({tc / floor:.3f}x "
                   f"floor), peak beyond inputs+grads {extra / 2**20:.1f} MiB", flush=True)
 
     if "--sweep" in sys.argv or "--sweep=bwd" in sys.argv:
-        base_tiles, base_chunk = tk.TILES, tk.CHUNK_V
+        base_tiles, base_chunk = tuning.TILES, tuning.CHUNK_V
         tile_sweep = [(128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (128, 256, 32, 8, 4)]
         for tiles in [] if "--sweep=bwd" in sys.argv else tile_sweep:
-            tk.TILES = tiles
+            tuning.TILES = tiles
             try:
-                report(f"tiles={tiles} chunk={tk.CHUNK_V}")
+                report(f"tiles={tiles} chunk={tuning.CHUNK_V}")
             except Exception as e:  # out of shared memory etc.
                 print(f"tiles={tiles}: {type(e).__name__}: {str(e)[:120]}")
-        tk.TILES = base_tiles
+        tuning.TILES = base_tiles
         for group in () if "--sweep=bwd" in sys.argv else (8, 32):
-            tk.GROUP_N = group
-            report(f"tiles={tk.TILES} chunk={tk.CHUNK_V} group={group}")
-        tk.GROUP_N = 16
+            tuning.GROUP_N = group
+            report(f"tiles={tuning.TILES} chunk={tuning.CHUNK_V} group={group}")
+        tuning.GROUP_N = 16
         for chunk in (2048, 8192):
-            tk.CHUNK_V = chunk
-            report(f"tiles={tk.TILES} chunk={chunk}")
-        tk.CHUNK_V = base_chunk
-        base_group = tk.DX_GROUP_BYTES
+            tuning.CHUNK_V = chunk
+            report(f"tiles={tuning.TILES} chunk={chunk}")
+        tuning.CHUNK_V = base_chunk
+        base_group = tuning.DX_GROUP_BYTES
         for mib in (16, 64):
-            tk.DX_GROUP_BYTES = mib << 20
-            report(f"tiles={tk.TILES} chunk={tk.CHUNK_V} dx group {mib} MiB")
-        tk.DX_GROUP_BYTES = base_group
+            tuning.DX_GROUP_BYTES = mib << 20
+            report(f"tiles={tuning.TILES} chunk={tuning.CHUNK_V} dx group {mib} MiB")
+        tuning.DX_GROUP_BYTES = base_group
 
 
 if __name__ == "__main__":

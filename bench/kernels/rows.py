@@ -16,6 +16,7 @@ import sys
 import torch
 import triton.testing
 
+import lowerings.linear_logprobs.tuning as tuning
 from lowerings.linear_logprobs import linear_logprobs
 
 
@@ -39,11 +40,11 @@ def sweep(fn):
     then for dlogits workspaces of 16, 24 and 32 MiB (wall time and peak memory too)."""
     from lowerings.linear_logprobs.recompute import dense as cuda
     from lowerings.linear_logprobs.recompute import rows as cuda_rows
-    base = cuda.GEMM_TILES[2]
+    base = tuning.GEMM_TILES[2]
     configs = [(t, cuda_rows.WS_BYTES) for t in SWEEP] + [(base, mib << 20) for mib in (24, 32)]
     for tiles, ws in configs:
-        cuda.GEMM_TILES = {**cuda.GEMM_TILES, 2: tiles}
-        cuda.DW_TILES = {**cuda.DW_TILES, 2: tiles}
+        tuning.GEMM_TILES = {**tuning.GEMM_TILES, 2: tiles}
+        tuning.DW_TILES = {**tuning.DW_TILES, 2: tiles}
         cuda_rows.WS_BYTES = ws
         try:
             fn()

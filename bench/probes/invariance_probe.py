@@ -5,6 +5,7 @@ import os
 import torch
 
 import compiled_grpo as cg
+import lowerings.linear_logprobs.tuning as tuning
 import lowerings.linear_logprobs.recompute.dense as tk
 from tests.batch_invariance import make_batch
 
@@ -28,7 +29,7 @@ def main():
     x, y = hidden.reshape(-1, 4096), ids.reshape(-1)
     with torch.no_grad():
         for tma in ("1", "0"):
-            tk.TMA = tma
+            tuning.TMA = tma
             ref = cg.token_logprobs(x, weight, y, with_entropy=True)       # N = 16384
             for n in (16383, 16368, 16000, 8001, 129, 127, 17, 16, 2, 1):
                 o = cg.token_logprobs(x[:n], weight, y[:n], with_entropy=True)
@@ -42,7 +43,7 @@ def main():
             m = torch.ones(16384, dtype=torch.bool, device="cuda")
             o = cg.token_logprobs(x, weight, y, mask=m, with_entropy=True)
             print(f"TMA={tma} rows all-valid: lp {diff(o.logprobs, ref.logprobs)} ent {diff(o.entropy, ref.entropy)}")
-        tk.TMA = "1"
+        tuning.TMA = "1"
         ref = cg.token_logprobs(hidden, weight, ids, mask=mask, with_entropy=True)
         for scaled in (True, False):
             cfg = cg.GRPOConfig(loss_type="dapo", gradient_mode="fused", metrics="with_entropy",

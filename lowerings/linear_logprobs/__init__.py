@@ -26,10 +26,12 @@ the [N, V] logits. Every module, by layer (start at op.py; each module's docstri
                            trace runs
     launching/precompile_worker.py  the worker script (triton alone, no torch)
     launching/triton_compat.py  the Triton releases checked and every Triton internal used
-  shared by both CUDA paths and the CPU body
+  shared
+    tuning.py          the tile tables, workspace budgets and TMA switches both CUDA paths read
+                       (at call time: tuning runs and the interpreter tests set them here)
     device.py          host integer helpers and device facts, no triton import
-The per-kernel benchmarks and the sm_90 build check are in bench/kernels/. Known debt:
-recompute/dense.py and recompute/plan.py import each other (the plans read dense's tile tables).
+The per-kernel benchmarks and the sm_90 build check are in bench/kernels/. No module imports one
+that imports it back (tests/test_layout.py).
 """
 from lowerings.linear_logprobs.op import (LinearLogprobs, _linear_logprobs_backward_op,
                                           _linear_logprobs_op, linear_logprobs)

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lowerings.linear_logprobs import tuning as _tune
 from lowerings.linear_logprobs.recompute import dense as _dense
 from lowerings.linear_logprobs.recompute import plan as _plan
 from lowerings.linear_logprobs.recompute.dense import cdiv, next_power_of_2
@@ -102,7 +103,7 @@ def dx_split_rows(rows, h: int, itemsize: int) -> int:
     padded to the dX step's BLOCK_M, as _dx_splits pads them); 0 without splitting."""
     if DX_SPLITS <= 1:
         return 0
-    bm = _dense.step_tiles(itemsize)[0][0]
+    bm = _tune.step_tiles(itemsize)[0][0]
     return min(DX_SPLIT_BYTES // (4 * h), DX_SPLITS * (cdiv(rows, bm) * bm))
 
 
@@ -120,8 +121,8 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
                   scaled: bool, round_logits: bool = False,
                   exact_tf32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     x, w, prec = _dense._prepare(hidden, weight)   # no copies: fused/schedule.py cast them once
-    lprec = _dense.logits_precision(prec, exact_tf32)
-    bn, bv, bk, warps, stages = _dense.tiles(x, lprec)
+    lprec = _tune.logits_precision(prec, exact_tf32)
+    bn, bv, bk, warps, stages = _tune.tiles(x, lprec)
     rounds = _dense.rounds(x, round_logits)
     if rows == 0:
         return tuple(x.new_zeros(0, dtype=torch.float32) for _ in range(3))
@@ -147,12 +148,12 @@ def block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
         ROUND=rounds, WITH_ENTROPY=with_entropy,
         HAS_COUNT=True, STORE_Z=True, DOT_PREC=lprec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
-        BLOCK_K=bk, GROUP_N=_dense.GROUP_N, ref_ptr=ref,
+        BLOCK_K=bk, GROUP_N=_tune.GROUP_N, ref_ptr=ref,
         STORE_E=scaled, E_HEADROOM=E_HEADROOM, num_warps=warps, num_stages=stages)
     # the splits' statistics -> the block's outputs, 0 past count: the merge every CUDA path
     # shares (cuda.combine), plus the exp-scaled backward's re-referencing when scaled
     lp, ent, lse = (x.new_empty(rows, dtype=torch.float32) for _ in range(3))  # [R']
-    cr, cwarps = _dense.COMBINE_TILE
+    cr, cwarps = _tune.COMBINE_TILE
     shares = combine_shares(zoff.stride(0)) if scaled else 1
     _combine_kernel[(cdiv(rows, cr), shares)](
         m, s, t, zt, count, lp, ent, lse, rows, splits, WITH_ENTROPY=with_entropy,
@@ -181,7 +182,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
     v, h = weight.shape
     w = weight                       # in ws's dtype already: fused/schedule.py casts the operands once
     tma = _dense._use_tma(xg, w)
-    prec = _dense.dot_precision(ws.dtype)
+    prec = _tune.dot_precision(ws.dtype)
     count = counts.narrow(0, b, 1)
     inv_temp, cap_pre, cap_post = _dense._scalars(temperature, logit_scale, softcap)
     rounds = _dense.rounds(w, round_logits)
@@ -200,12 +201,12 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         _fused_dlogits_kernel[(n_rb, cdiv(v, ev))](
             _z_view(ws, rounds), ws, zoff, ids_b, lse, ent, g_lp, g_ent, dbp, count, rows, v,
             ws.stride(0), zoff.stride(0), inv_temp, cap_pre, cap_post, HAS_CAP=softcap is not None,
-            ROUND=rounds, WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_dense.TILES[1],
+            ROUND=rounds, WITH_ENTROPY=with_entropy, NEED_DB=need_b, TILE_V=_tune.TILES[1],
             BLOCK_N=en, BLOCK_V=ev, num_warps=ewarps)
-    gemm_tiles = _dense.step_tiles(ws.element_size())[0]
+    gemm_tiles = _tune.step_tiles(ws.element_size())[0]
     # an fp32 dW of 16-bit operands (lm_head_dtype): the fp32 epilogue tile needs the 4-byte
     # tiles (the 2-byte ones with an fp32 dW tile overflow shared memory: 272 KiB, H200)
-    dw_tiles = _dense.step_tiles(max(ws.element_size(), dw.element_size()))[1]
+    dw_tiles = _tune.step_tiles(max(ws.element_size(), dw.element_size()))[1]
     if need_w:
         # The blocks run last to first (fused/schedule.py). Whether dW already holds a sum is read on the
         # device from the counts of the blocks after b, which ran before it: the step is
@@ -214,7 +215,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         g = counts.shape[0]
         for acc in (False, True):
             _dws.launch(_dw_capturable, ws, xg, dw, counts.narrow(0, b, g - b), 0, rows,
-                        0, v, h, dw_tiles, _dense.gradient_precision(prec, exact_tf32 and not scaled),
+                        0, v, h, dw_tiles, _tune.gradient_precision(prec, exact_tf32 and not scaled),
                         tma, grid_sms(ws.device), _rows.GROUP_M, acc,
                         on_device=True, n_later=g - 1 - b, final=int(b == 0))
     if need_x:
@@ -225,7 +226,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
         c = ref.narrow(0, 2 * rows, rows)   # [R'] the rows' dlogits scale (read only if scaled)
         _dx_split_kernel[(n_mblocks * n_hblocks * s_max,)](
             ws, w, dxp, dx, perm_b, count, rows, v, h, ws.stride(0), w.stride(0), dx.stride(0),
-            *split, S_MAX=s_max, DOT_PREC=_dense.gradient_precision(prec, exact_tf32), USE_TMA=tma,
+            *split, S_MAX=s_max, DOT_PREC=_tune.gradient_precision(prec, exact_tf32), USE_TMA=tma,
             BLOCK_M=gm, BLOCK_H=gh, BLOCK_K=gk,
             GROUP_M=_rows.GROUP_M, scale_ptr=c, ROW_SCALE=scaled, num_warps=gwarps,
             num_stages=gstages)

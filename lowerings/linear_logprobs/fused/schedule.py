@@ -47,6 +47,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from lowerings.linear_logprobs import tuning as _tune
 from lowerings.linear_logprobs import cpu as _cpu
 from lowerings.linear_logprobs.device import cdiv, size_hint, sm_count, static_int   # sm_count: wave_rows, callers
 try:   # the Triton side: absent triton (a CPU-only install off Linux) the PyTorch body runs alone
@@ -129,7 +130,7 @@ def aligned_rows(h, v, budget, itemsize: int, sms: int, index: Optional[int]) ->
 def _search_rows(budget: int, v: int, h: int, itemsize: int, sms: int, index: Optional[int]) -> int:
     """split_plan.block_rows under the head's split plan: host arithmetic on ints, a constant to
     Dynamo (called, not traced: its loops would otherwise unroll into the trace)."""
-    bn, bv = _dense.TILES[:2]
+    bn, bv = _tune.TILES[:2]
     splits = _plan.fwd_split_plan(v, h, itemsize, bn, bv, torch.device("cuda", index))
     return _plan.block_rows(budget, v, h, itemsize, bn, bv, sms, splits)
 
@@ -224,7 +225,7 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     cuda = _steps._triton_body(hidden)
     r = block_rows
     ws = hidden.new_empty((r, ws_cols(hidden, v)), dtype=cd)                 # [R, V]
-    n_tiles = cdiv(v, _dense.TILES[1]) if cuda else 1
+    n_tiles = cdiv(v, _tune.TILES[1]) if cuda else 1
     zoff = hidden.new_empty((r, n_tiles), dtype=torch.float32)               # [R, V / BV]
     xg = hidden.new_empty((r, h), dtype=cd)                                   # [R, H]
     dx = hidden.new_zeros((n, h), dtype=h_dtype) if need_x else hidden.new_empty(0, dtype=h_dtype)

@@ -64,6 +64,7 @@ import torch._guards
 import triton
 from torch import Tensor
 
+from lowerings.linear_logprobs import tuning as _tune
 from lowerings.linear_logprobs.cpu import round_dtype
 from lowerings.linear_logprobs.kernels.combine import _combine_kernel
 from lowerings.linear_logprobs.kernels.logits import _dlogits_kernel, _fwd_kernel
@@ -72,87 +73,6 @@ from lowerings.linear_logprobs.device import (cdiv, grid_sms, next_power_of_2, s
                                              sm_count)
 from lowerings.linear_logprobs.recompute.gemms import (_dw_rows_impl, _dw_rows_op, _dx_acc_impl,
                                               _dx_acc_op, _dx_store_impl, _dx_store_op)
-
-# Tiles of the logits GEMM: (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages). Overridable for
-# the interpreter tests (tiles of 16) and for tuning runs (set the attribute, as the sweeps do).
-TILES = (128, 256, 64, 8, 3)
-# Tiles of the masked and fused paths' two GEMM steps (dX, dW: recompute/rows.py, fused/blocks.py),
-# (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages) by operand size in bytes (tuning runs set
-# the attributes, as bench.kernels.rows --sweep; the interpreter tests patch them).
-GEMM_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3), 8: (64, 64, 32, 4, 2)}  # dX step
-DW_TILES = dict(GEMM_TILES)                                                             # dW step
-# fp32 operands (fp32 inputs, fp32_lm_head): the products in 3xTF32 (each operand split into a
-# tf32 head and tail, three tensor-core products: fp32-accurate to a few ulp), not IEEE fp32
-# FMAs (20.0 s a qwen3-8b step on H200, bench/results/lm_head_precision_h200.txt). Their tiles
-# take half the BLOCK_K (see tiles()); "ieee" restores the FMA products.
-FP32_DOT = "tf32x3"
-GROUP_N = 16                # row blocks per program group (L2 reuse, see kernels.tiles._swizzle)
-COMBINE_TILE = (32, 4)      # the splits' merge (_combine_kernel): (BLOCK_R, num_warps), fixed
-CHUNK_V = 6144              # backward vocab columns a step: workspace R * CHUNK_V elements
-# Budget of the backward's fp32 dX accumulator, one row group of R = cdiv(N, G) rows (see
-# _row_groups): 32 MiB is 2048 rows at H=4096. Raising it gives fewer groups (fewer roundings
-# of dW) for more memory.
-DX_GROUP_BYTES = 32 << 20
-WS_BYTES = 24 << 20         # the backward's dlogits workspace R * C: C shrinks to fit it ...
-# ... unless that would make more than MAX_STEPS (row group, chunk) steps: the loops unroll into
-# the compiled graph, so steps bound its size and compile time. Past N ~ 20k rows (H=4096,
-# V=151936) memory then grows with N instead (about 280 MiB at N=131072) and G stops at
-# MAX_ROW_GROUPS (also the bound on dW's roundings).
-MAX_STEPS = 256
-MAX_ROW_GROUPS = 16
-# TMA loads of the logits-tile operands on sm_90+: "1" eager and compiled (default), "eager"
-# only outside torch.compile tracing, "0" never (the pointer path). Read at call time
-# (benchmarks toggle it). Inductor's FX graph / AOTAutograd caches key on the traced program,
-# not on this setting: after changing it, compile with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1
-# (a cache hit otherwise replays the kernels of the earlier setting; that is what once made TMA
-# look no faster under compile).
-TMA = "1"
-# The dW steps' epilogue through TMA (kernels.dw._dw_tile, TMA_OUT): the old dW is added by the L2
-# (a bulk reduce-add) instead of loaded by the program. False keeps the load-add-store epilogue.
-DW_TMA_OUT = True
-
-
-def tiles(x: Tensor, prec: str = "") -> tuple:
-    """TILES for x's operand dtype: 4-byte operands take half the BLOCK_K, so a pipeline stage
-    holds the bytes of the 16-bit one (the 16-bit tiles in fp32 need 272 KiB of shared memory).
-    BLOCK_N and BLOCK_V stay: the vocab split plan, the fused path's zoff tiles and the dlogits
-    pass follow them. One-product TF32 dots (prec "tf32", logits_precision) read their fp32
-    operands from shared memory: 3 stages beside the fused forward's and the dlogits kernel's
-    128 KiB epilogue tile are more than a block has, so 2 (BLOCK_K unchanged)."""
-    bn, bv, bk, warps, stages = TILES
-    if x.element_size() == 4:
-        bk = max(16, bk // 2)
-        if prec == "tf32":
-            stages = min(stages, 2)
-    return bn, bv, bk, warps, stages
-
-
-def step_tiles(itemsize: int) -> tuple[tuple, tuple]:
-    """(GEMM_TILES, DW_TILES) entries of the dX / dW steps for operands of `itemsize` bytes."""
-    size = min(8, max(2, itemsize))
-    return GEMM_TILES[size], DW_TILES[size]
-
-
-def logits_precision(prec: str, exact_tf32: bool) -> str:
-    """The logits GEMM's precision: "tf32" where its fp32 operands hold bf16 values (exact_tf32,
-    op.upcast_lm_head): 8-bit significands are exact in TF32, so 3xTF32's two tail products
-    multiply zeros; one product, the same accuracy (not its bits: another summation order)."""
-    return "tf32" if exact_tf32 and prec == FP32_DOT else prec
-
-
-def gradient_precision(prec: str, exact_tf32: bool) -> str:
-    """The dX / dW GEMMs' precision (kernels.tiles._dot): "tf32x2" where the second operand (W,
-    X's rows) holds bf16 values and the first is the fp32 logits gradient: 3xTF32's product of
-    the second's tail is zero, two products remain. Callers whose X is scaled (the exp-scaled
-    backward) pass exact_tf32 False."""
-    return "tf32x2" if exact_tf32 and prec == FP32_DOT else prec
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input_precision for operands of `dtype`: FP32_DOT for fp32, tf32 (ignored by
-    16-bit dots) otherwise."""
-    return FP32_DOT if dtype == torch.float32 else "tf32"
-
 
 def _bias(bias: Optional[Tensor], compute_dtype: Optional[torch.dtype]) -> Optional[Tensor]:
     """The bias as the kernels read it: dense, in compute_dtype when one is given (its value
@@ -167,7 +87,7 @@ def _prepare(hidden: Tensor, weight: Tensor, compute_dtype: Optional[torch.dtype
     a mixed-dtype head is cast once) and the dot precision. The grads keep the inputs' dtypes."""
     dt = compute_dtype or torch.promote_types(hidden.dtype, weight.dtype)
     x, w = hidden.to(dt).contiguous(), weight.to(dt).contiguous()
-    return x, w, dot_precision(dt)
+    return x, w, _tune.dot_precision(dt)
 
 
 # Triton's global scratch, one buffer a (device, stream), reused by every launch on it (see
@@ -218,7 +138,7 @@ def _use_tma(x: Tensor, w: Tensor) -> bool:
     fake-driver trace on CPU takes this path too), 16-bit operands, 16-byte aligned rows and
     storage offsets (TMA's requirements; a symbolic offset falls back to pointers, adding no
     guard). Off under TRITON_INTERPRET (CPU tensors) and per TMA above."""
-    if TMA == "0" or not x.is_cuda or x.element_size() != 2 or (TMA == "eager" and _tracing(x)):
+    if _tune.TMA == "0" or not x.is_cuda or x.element_size() != 2 or (_tune.TMA == "eager" and _tracing(x)):
         return False
     target = triton.runtime.driver.active.get_current_target()
     if target.backend != "cuda" or not isinstance(target.arch, int) or target.arch < 90:
@@ -239,7 +159,7 @@ def _tma_aligned(t: Tensor) -> bool:
 def _dw_tma_out(tma: bool, dw: Tensor) -> bool:
     """The dW steps write dW through a tensor map (kernels.dw._dw_tile's TMA_OUT: bulk stores and
     L2 reduce-adds) when the operands take TMA and dW is addressable (DW_TMA_OUT)."""
-    return tma and DW_TMA_OUT and dw.element_size() == 2 and _tma_aligned(dw)
+    return tma and _tune.DW_TMA_OUT and dw.element_size() == 2 and _tma_aligned(dw)
 
 
 def rounds(x: Tensor, round_logits: bool) -> bool:
@@ -268,8 +188,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     Logits z = softcap * tanh(a * logit_scale / softcap) / T, a = hidden @ weight.T + bias
     (z = a * logit_scale / T when softcap is None)."""
     x, w, prec = _prepare(hidden, weight, compute_dtype)
-    lprec = logits_precision(prec, fp32_lm_head)           # fp32_lm_head: a bf16 head, upcast
-    bn, bv, bk, warps, stages = tiles(x, lprec)
+    lprec = _tune.logits_precision(prec, fp32_lm_head)           # fp32_lm_head: a bf16 head, upcast
+    bn, bv, bk, warps, stages = _tune.tiles(x, lprec)
     tma = _use_tma(x, w)
     ids = ids.contiguous()                                 # read at unit stride, like bias
     bias = _bias(bias, compute_dtype)
@@ -283,7 +203,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
         w.stride(0), *_scalars(temperature, logit_scale, softcap), cols, n_blocks, splits, 0, n, m, m, 0, 0,
         HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, ROUND=rounds(x, round_logits),
         WITH_ENTROPY=with_entropy, HAS_COUNT=False, STORE_Z=False, DOT_PREC=lprec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv,
-        BLOCK_K=bk, GROUP_N=GROUP_N, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
+        BLOCK_K=bk, GROUP_N=_tune.GROUP_N, ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
         num_warps=warps, num_stages=stages)
     return combine(wrap, m, s, t, zt, ids, None, with_entropy)
 
@@ -296,7 +216,7 @@ def combine(wrap: Callable, m: Tensor, s: Tensor, t: Tensor, zt: Tensor, ids: Te
     past it are 0 (the row-masked path's padding, ordered last)."""
     splits, n = m.shape
     lp, ent, lse = (m.new_empty(n) for _ in range(3))                     # [N] fp32
-    cr, cwarps = COMBINE_TILE
+    cr, cwarps = _tune.COMBINE_TILE
     wrap(_combine_kernel)[(cdiv(n, cr), 1)](
         m, s, t, zt, count if count is not None else ids, lp, ent, lse, n, splits,
         WITH_ENTROPY=with_entropy, HAS_COUNT=count is not None, BLOCK_R=cr,
@@ -314,21 +234,21 @@ def _row_groups(n, h: int, budget: int = 0) -> int:
     cdiv(N, G) * H * 4 bytes, fits DX_GROUP_BYTES. A symbolic N takes the size hint it was
     traced with (G is a Python int: the loops unroll at trace time), so a graph compiled for
     dynamic N keeps that G for every N it runs (any N is correct; memory scales as N / G)."""
-    return min(MAX_ROW_GROUPS, max(1, cdiv(size_hint(n) * h * 4, budget or DX_GROUP_BYTES)))
+    return min(_tune.MAX_ROW_GROUPS, max(1, cdiv(size_hint(n) * h * 4, budget or _tune.DX_GROUP_BYTES)))
 
 
 def _chunk_cols(v: int, r, groups: int, elem_bytes: int, bv: int, ws_bytes: int = 0) -> int:
     """C, the backward's vocab columns a step: CHUNK_V, shrunk so that the workspace [R, C]
     fits ws_bytes (WS_BYTES by default), grown so that there are at most MAX_STEPS (group,
     chunk) steps."""
-    fit = (ws_bytes or WS_BYTES) // (max(1, size_hint(r)) * elem_bytes) // bv * bv   # C of the budget (N = 0: R = 0)
-    return bound_cols(min(CHUNK_V, fit), v, groups, bv)
+    fit = (ws_bytes or _tune.WS_BYTES) // (max(1, size_hint(r)) * elem_bytes) // bv * bv   # C of the budget (N = 0: R = 0)
+    return bound_cols(min(_tune.CHUNK_V, fit), v, groups, bv)
 
 
 def bound_cols(c: int, v: int, groups: int, bv: int) -> int:
     """C, at least BV and the columns that keep the backward within MAX_STEPS (group, chunk)
     steps, at most V in whole BV tiles."""
-    few_steps = cdiv(cdiv(v * groups, MAX_STEPS), bv) * bv  # C of MAX_STEPS
+    few_steps = cdiv(cdiv(v * groups, _tune.MAX_STEPS), bv) * bv  # C of MAX_STEPS
     return min(max(c, few_steps, bv), cdiv(v, bv) * bv)
 
 
@@ -341,8 +261,8 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes; [0]-shaped where not needed.
     The dlogits kernel applies the chain rule of the scale and cap (see _dlogits_kernel)."""
     x, w, prec = _prepare(hidden, weight, compute_dtype)
-    lprec = logits_precision(prec, fp32_lm_head)           # the recomputed logits' (forward's)
-    bn, bv, bk, warps, stages = tiles(x, lprec)
+    lprec = _tune.logits_precision(prec, fp32_lm_head)           # the recomputed logits' (forward's)
+    bn, bv, bk, warps, stages = _tune.tiles(x, lprec)
     tma = _use_tma(x, w)
     # The kernel reads the [N] vectors at unit stride: autograd hands in expanded grads (the
     # grad of a .sum() is a stride-0 view of one element), so make them dense first.
@@ -382,7 +302,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 *_scalars(temperature, logit_scale, softcap), n_blocks, n_vtiles, sms,
                 HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, ROUND=rounds(x, round_logits),
                 WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=False, DOT_PREC=lprec, USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
-                GROUP_N=GROUP_N, num_warps=warps, num_stages=stages)
+                GROUP_N=_tune.GROUP_N, num_warps=warps, num_stages=stages)
             if need_w:
                 dw_rows(dw, v0, ws, cols, x, r0, rows, g > 0)
             if need_x:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from lowerings.linear_logprobs.recompute import dense as _cuda
+from lowerings.linear_logprobs import tuning as _tune
 from lowerings.linear_logprobs.device import cdiv, cuda_sms, size_hint
 
 FWD_COLS_PER_SPLIT = 8192   # fewest splits S0 = cdiv(V, 8192); see fwd_split_plan for the pick
@@ -53,7 +53,7 @@ BLOCK_COST_ROWS = 128
 def dx_wave_rows(h: int, itemsize: int, sms: int) -> int:
     """Rows whose fused dX step fills whole waves: floor(SMs / H blocks) row tiles of the step's
     BLOCK_M (H100 / H200, H = 4096, bf16: 8 x 128 = 1024)."""
-    bm, bh = _cuda.step_tiles(itemsize)[0][:2]
+    bm, bh = _tune.step_tiles(itemsize)[0][:2]
     return max(1, sms // cdiv(h, bh)) * bm
 
 
@@ -122,8 +122,8 @@ ROWS_MAX_CHUNKS = 64  # chunk counts searched
 def _rows_cost(r: int, c: int, v: int, h: int, itemsize: int, sms: int) -> float:
     """Modeled time a row (K-step units) of the recompute backward with row groups of r rows and
     vocab chunks of c columns (the last chunk holds the rest)."""
-    bn, bv, bk = _cuda.TILES[:3]
-    (gm, gh, gk, *_), (wc, wh, wk, *_) = _cuda.step_tiles(itemsize)
+    bn, bv, bk = _tune.TILES[:3]
+    (gm, gh, gk, *_), (wc, wh, wk, *_) = _tune.step_tiles(itemsize)
     e = ROWS_EPILOGUE
     total = 0
     for cols, count in ((c, v // c), (v % c, 1)):
@@ -140,7 +140,7 @@ def rows_chunk(r: int, v: int, h: int, itemsize: int, sms: int, ws_bytes: int) -
     """C, the recompute backward's vocab columns a chunk for row groups of r rows: of the chunk
     counts k = 1 .. ROWS_MAX_CHUNKS, C = cdiv(V, k) in whole BV tiles within ws_bytes of
     workspace [r, C], the one of least modeled cost (_rows_cost); BV when none fits."""
-    bv = _cuda.TILES[1]
+    bv = _tune.TILES[1]
     fits = [cdiv(cdiv(v, k), bv) * bv for k in range(1, ROWS_MAX_CHUNKS + 1)]
     fits = [c for c in fits if r * c * itemsize <= ws_bytes]
     if not fits:
@@ -157,10 +157,10 @@ def rows_plan(v: int, h: int, itemsize: int, sms: int, budget: int,
     read-modify-write a group). H100 / H200, qwen3-8b head, bf16, masked, 60 MiB: R = 1024
     (the dX grid one wave of 128 tiles), C = 16896 (9 chunks; dlogits 4 waves, dW 16 tiles a
     program). Memoized; fixed by the head, the dtype and the device, never by N."""
-    key = (v, h, itemsize, sms, budget, gathered, _cuda.TILES, _cuda.step_tiles(itemsize),
+    key = (v, h, itemsize, sms, budget, gathered, _tune.TILES, _tune.step_tiles(itemsize),
            tuple(ROWS_EPILOGUE.values()), ROWS_HOST_STEP)
     if key not in _ROWS_PLANS:
-        step = max(_cuda.TILES[0], _cuda.step_tiles(itemsize)[0][0])   # whole row tiles of both
+        step = max(_tune.TILES[0], _tune.step_tiles(itemsize)[0][0])   # whole row tiles of both
         row_bytes = h * (4 + itemsize * gathered)
         best = None
         for r in range(step, max(step, budget // row_bytes) + 1, step):

@@ -41,6 +41,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from lowerings.linear_logprobs import tuning as _tune
 from lowerings.linear_logprobs.recompute import dense as _dense
 from lowerings.linear_logprobs.recompute import dw_steps as _dws
 from lowerings.linear_logprobs.recompute import plan as _split
@@ -84,28 +85,28 @@ DX_ACC_TMA = True
 DX_SPLITS = 8
 # Off CUDA (the interpreter tests, fake-target traces on a CPU machine: no SM count to plan for)
 # the budget rule of the dense backward: a 24 MiB accumulator (R = 1536 at H = 4096) and a
-# WS_BYTES workspace, C at most cuda.CHUNK_V.
+# WS_BYTES workspace, C at most tuning.CHUNK_V.
 ROWS_DX_GROUP_BYTES = 24 << 20
 
 
 def _plan(n, h: int, v: int, itemsize: int, device: torch.device) -> tuple[int, object, int]:
     """(G, R, C): G row groups of R rows (R a whole number of row tiles; symbolic with N) and
-    vocab chunks of C columns. Past cuda.MAX_ROW_GROUPS groups R grows with N (memory too), and
-    C grows past cuda.MAX_STEPS (group, chunk) steps, as the dense backward's: both bound the
+    vocab chunks of C columns. Past tuning.MAX_ROW_GROUPS groups R grows with N (memory too), and
+    C grows past tuning.MAX_STEPS (group, chunk) steps, as the dense backward's: both bound the
     unrolled loops of a compiled graph."""
-    bn = max(_dense.TILES[0], _dense.step_tiles(itemsize)[0][0])   # whole row tiles of both grids
+    bn = max(_tune.TILES[0], _tune.step_tiles(itemsize)[0][0])   # whole row tiles of both grids
     sms = cuda_sms(device)
     if not sms:   # the dense backward's budget rule
-        groups = _dense._row_groups(n, h, min(_dense.DX_GROUP_BYTES, ROWS_DX_GROUP_BYTES))
+        groups = _dense._row_groups(n, h, min(_tune.DX_GROUP_BYTES, ROWS_DX_GROUP_BYTES))
         r = cdiv(cdiv(n, groups), bn) * bn
-        return groups, r, _dense._chunk_cols(v, r, groups, itemsize, _dense.TILES[1], WS_BYTES)
+        return groups, r, _dense._chunk_cols(v, r, groups, itemsize, _tune.TILES[1], WS_BYTES)
     r_plan, c = _split.rows_plan(v, h, itemsize, sms, ROWS_BYTES, True)
-    groups = min(_dense.MAX_ROW_GROUPS, max(1, cdiv(size_hint(n), r_plan)))
+    groups = min(_tune.MAX_ROW_GROUPS, max(1, cdiv(size_hint(n), r_plan)))
     r = cdiv(cdiv(n, groups), bn) * bn
     if size_hint(r) != r_plan:   # fewer rows than the plan's, or past MAX_ROW_GROUPS: C for R
         c = _split.rows_chunk(size_hint(r), v, h, itemsize, sms,
                               ROWS_BYTES - size_hint(r) * h * (4 + itemsize))
-    return groups, r, _dense.bound_cols(c, v, groups, _dense.TILES[1])
+    return groups, r, _dense.bound_cols(c, v, groups, _tune.TILES[1])
 
 
 def _unpermute(perm: Tensor, row_mask: Tensor, v: Tensor) -> Tensor:
@@ -131,8 +132,8 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
     """(logprobs, entropy, lse), each [N] fp32, 0 at padded rows; entropy 0 unless with_entropy.
     logit_scale / softcap / round_logits / compute_dtype as in cuda.forward."""
     x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, compute_dtype)
-    lprec = _dense.logits_precision(prec, fp32_lm_head)    # the logits' (a bf16 head, upcast)
-    bn, bv, bk, warps, stages = _dense.tiles(x, lprec)
+    lprec = _tune.logits_precision(prec, fp32_lm_head)    # the logits' (a bf16 head, upcast)
+    bn, bv, bk, warps, stages = _tune.tiles(x, lprec)
     n, h = x.shape
     v = w.shape[0]
     ids_p = ids.index_select(0, perm)                                      # [N] permuted
@@ -151,7 +152,7 @@ def forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
             n_blocks, splits, r0, n, m, m, 0, 0, HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
             ROUND=_dense.rounds(x, round_logits),
             WITH_ENTROPY=with_entropy, HAS_COUNT=True, STORE_Z=False, DOT_PREC=lprec,
-            USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
+            USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_tune.GROUP_N,
             ref_ptr=m, STORE_E=False, E_HEADROOM=0.0,
             num_warps=warps, num_stages=stages)
     lp, ent, lse = _dense.combine(wrap, m, s, t, zt, ids_p, count, with_entropy)  # [N] permuted
@@ -167,12 +168,12 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
              softcap: Optional[float] = None, round_logits: bool = False,
              compute_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dX [N, H], dW [V, H], db [V]) in the inputs' dtypes, from the valid rows only."""
-    (gm, gh, gk, gwarps, gstages), dw_tiles = _dense.step_tiles(hidden.element_size())
+    (gm, gh, gk, gwarps, gstages), dw_tiles = _tune.step_tiles(hidden.element_size())
     b_dtype = None if bias is None else bias.dtype                         # d_bias's dtype
     x, w, prec, tma, bias, perm, count = _operands(hidden, weight, bias, row_mask, compute_dtype)
-    lprec = _dense.logits_precision(prec, fp32_lm_head)    # the logits' (a bf16 head, upcast)
-    gprec = _dense.gradient_precision(prec, fp32_lm_head)  # dX, dW: W and xg bf16 values
-    bn, bv, bk, warps, stages = _dense.tiles(x, lprec)
+    lprec = _tune.logits_precision(prec, fp32_lm_head)    # the logits' (a bf16 head, upcast)
+    gprec = _tune.gradient_precision(prec, fp32_lm_head)  # dX, dW: W and xg bf16 values
+    bn, bv, bk, warps, stages = _tune.tiles(x, lprec)
     n, h = x.shape
     v = w.shape[0]
     # the [N] vectors in permuted order, dense (autograd may hand in stride-0 grads)
@@ -205,7 +206,7 @@ def backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor]
                 *_dense._scalars(temperature, logit_scale, softcap), n_blocks, n_vtiles, sms,
                 HAS_BIAS=bias is not None, HAS_CAP=softcap is not None, ROUND=_dense.rounds(x, round_logits),
                 WITH_ENTROPY=with_entropy, NEED_DB=need_b, HAS_COUNT=True, DOT_PREC=lprec,
-                USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_dense.GROUP_N,
+                USE_TMA=tma, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=_tune.GROUP_N,
                 num_warps=warps, num_stages=stages)
             if need_w:
                 # a persistent grid (one program a SM walking the chunk's tiles): H100, qwen3-8b
