@@ -16,7 +16,7 @@ Cases: ``op-*`` are ``token_logprobs(h, W, ids, mask=mask)`` then a masked mean 
 (cu_seqlens), ``bias`` (an lm_head bias), ``cap`` (final_logit_softcapping 30), ``round``
 (round_logits: the fused forward stores the rounded logits, its dlogits pass recomputes from them),
 ``fp32`` (fp32_lm_head over the bf16 head: the one- and two-product TF32 GEMMs,
-cuda.logits_precision / gradient_precision).
+tuning.logits_precision / gradient_precision).
 """
 import argparse
 import re

@@ -17,7 +17,7 @@ far smaller error); only the points where the kernels round to bf16 are rounded:
 
 and, a block's fp32 sum into the bf16 dW (kernels.dw._dw_tile): "one rounding a product sum"
 (final only), the pointer epilogue's load-add-store (one rounding a block) and the TMA
-reduce-add (the tile rounded, then the sum: two a block; cuda.DW_TMA_OUT, the default). Prints
+reduce-add (the tile rounded, then the sum: two a block; tuning.DW_TMA_OUT, the default). Prints
 each one's relative error (Frobenius norm) against exact float64 dW.
 
 This is the error budget behind docs/gradient-modes.md's "1.15x the recompute mode's dW error": the scaled rows'

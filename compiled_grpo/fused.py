@@ -51,6 +51,7 @@ from torch import Tensor
 from compiled_grpo import distributed as _tp
 from compiled_grpo import fused_grads as _grads
 from compiled_grpo.logprobs import _prepare, check_model_scaling
+from lowerings.linear_logprobs.device import static_value
 from lowerings.linear_logprobs.op import upcast_lm_head
 from compiled_grpo.loss import aggregate, masked_mean
 from compiled_grpo.segments import segments_from_cu_seqlens
@@ -76,7 +77,7 @@ def _plan_vocab(weight: Tensor, shard) -> int:
 
 def _budget_rows(hidden: Tensor, weight: Tensor, cfg, shard=None) -> int:
     """R of the workspace budget: fused_workspace_mib / (V * element size), whole tiles."""
-    rows = int(cfg.fused_workspace_mib * 2**20) // _op.ws_row_bytes(hidden, weight, _plan_vocab(weight, shard))
+    rows = int(static_value(cfg.fused_workspace_mib) * 2**20) // _op.ws_row_bytes(hidden, weight, _plan_vocab(weight, shard))
     align = ROW_ALIGN if rows >= ROW_ALIGN else MIN_ROWS
     return max(MIN_ROWS, rows // align * align)
 

@@ -19,6 +19,7 @@ from torch.fx.passes.dialect.common.cse_pass import CSEPass
 from compiled_grpo.config import GRPOConfig
 from compiled_grpo.objective import per_token_loss
 from compiled_grpo.segments import segments_from_ids
+from lowerings.linear_logprobs.device import static_value
 
 
 def block_loss(lp, ent, idx, r0, per_tok, cfg, grouped=None):
@@ -139,9 +140,10 @@ def traced_block_grads(lp, ent, r0, ordered, cfg):
     rows = lp.shape[0]
     if not isinstance(rows, int):
         return block_grads(lp, ent, None, r0, ordered, cfg)
+    fields = tuple(static_value(getattr(cfg, n)) for n in _FIELDS)   # constants for the key
     dtypes = tuple("" if ordered[k] is None else str(ordered[k].dtype) for k in PER_TOKEN)
     inputs = [ordered[k].narrow(0, r0, rows) for k in PER_TOKEN if ordered[k] is not None]
-    key = _graph_key(tuple(getattr(cfg, n) for n in _FIELDS), rows, str(lp.dtype), dtypes,
+    key = _graph_key(fields, rows, str(lp.dtype), dtypes,
                      str(lp.device))
     return _block_grads_op(lp, ent, inputs, key)
 

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu,
     ((8, 300, 896, 151936), dict(round_logits=True, lm_head_dtype=torch.bfloat16)),
     # gemma2's softcap: the fused path's exp-scaled forward stores e (1 - y^2), its own variant
     ((8, 300, 2304, 256000), dict(final_logit_softcapping=30.0)),
-    # fp32_lm_head over a bf16 head: one TF32 product in the logits GEMMs (cuda.logits_precision)
+    # fp32_lm_head over a bf16 head: one TF32 product in the logits GEMMs (tuning.logits_precision)
     ((8, 300, 896, 151936), dict(fp32_lm_head=True))],
     ids=["qwen3-8b", "qwen2.5-0.5b", "qwen2.5-0.5b-round-logits", "gemma2-2b-softcap",
          "qwen2.5-0.5b-fp32-lm-head"])

@@ -199,3 +199,34 @@ def test_token_logprobs_no_grad_fullgraph(kwargs, backend, device):
         if e is not None:
             assert not a.requires_grad
             torch.testing.assert_close(a, e, rtol=rtol, atol=atol)
+
+
+# Configs one step function meets in turn (a sweep, a schedule, two trainers' settings): each
+# changes number fields the one before it held. On a recompile Dynamo makes a changed float or
+# int symbolic (automatic dynamic scalars); the fused path needs some of them as constants (the
+# workspace rows, the per-block gradient graph's key) and specializes them (device.static_value).
+SWEEP = [dict(entropy_coef=0.01), dict(entropy_coef=0.0), dict(entropy_coef=0.02, beta=0.1),
+         dict(epsilon_high=0.3, fused_workspace_mib=0.001, max_completion_length=9, temperature=0.7),
+         dict(temperature=0.9, max_completion_length=11), dict(entropy_coef=0.01)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["fused", "recompute"])
+def test_one_step_function_across_changing_configs(mode, device):
+    """One compiled step (the same code object: the trainer's) called with configs whose number
+    fields change between calls compiles (fullgraph) and equals eager every time (torch 2.11-2.13
+    raised inside Dynamo on the second config in fused mode: the per-block gradient's key read a
+    symbolic entropy_coef)."""
+    torch._dynamo.reset()
+    inp = _inputs(device, {})
+    cnt = CompileCounterWithBackend("aot_eager")
+    frames = []
+    for kw in SWEEP:
+        cfg = cg.GRPOConfig(**{"loss_type": "dapo", "gradient_mode": mode, "metrics": "with_entropy",
+                               "beta": 0.04, **kw})
+        step = torch.compile(lambda **a: cg.grpo_loss(**a, config=cfg), backend=cnt, fullgraph=True)  # noqa: B023
+        _assert_same(step(**inp), cg.grpo_loss(**inp, config=cfg), inp, *TOL["aot_eager"])
+        frames.append(cnt.frame_count)
+    # Two frames a config at most (Dynamo's automatic-dynamic compile, then the specialized one);
+    # the first config again reuses what it compiled.
+    assert frames[-2] <= 2 * (len(SWEEP) - 1) and frames[-1] == frames[-2], frames

@@ -338,7 +338,7 @@ def test_round_logits_kernels_match_cpu_body(monkeypatch, rows, bias):
 
 def test_row_masked_exact_tf32_plumbing(monkeypatch):
     """fp32 operands holding bf16 values with the op's fp32_lm_head flag (op.upcast_lm_head):
-    the logits GEMMs run one TF32 product (cuda.logits_precision) and the dX / dW steps two, the
+    the logits GEMMs run one TF32 product (tuning.logits_precision) and the dX / dW steps two, the
     logits gradient split into a rounded TF32 head and its tail (kernels.tiles._dot "tf32x2").
     The interpreter multiplies fp32 exactly, so here the split's sum must give the unsplit
     products' values: logprobs bitwise, grads within fp32 summation-order rounding, and both
@@ -369,7 +369,7 @@ def test_row_masked_exact_tf32_plumbing(monkeypatch):
                             True, True, True, wrap=spy(exact))
         runs[exact] = (lp, ent, lse) + grads
     # the precisions the kernels were launched with: one product for the logits, two for dX / dW
-    assert launched[False] == {(k, tk.FP32_DOT) for k, _ in launched[False]}, launched
+    assert launched[False] == {(k, tuning.FP32_DOT) for k, _ in launched[False]}, launched
     assert len(launched[True]) == 4 and {k: p for k, p in launched[True]} == {
         "_fwd_kernel": "tf32", "_dlogits_kernel": "tf32", "_dx_step_kernel": "tf32x2",
         "_dw_step_persistent_kernel": "tf32x2"}, launched[True]

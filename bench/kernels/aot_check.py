@@ -175,7 +175,7 @@ def cases():
     yield ("whole sequences first-fit", kf._first_fit_kernel,
            dict(BLOCK_G=64, CHUNK=fused_order.FIRST_FIT_CHUNK), 4, 1)
     # fp32 operands (fp32 inputs, fp32_lm_head): FP32_DOT products through pointers (TMA takes
-    # 16-bit operands only), the 4-byte tiles (cuda.tiles, cuda.step_tiles(4))
+    # 16-bit operands only), the 4-byte tiles (tuning.tiles, tuning.step_tiles(4))
     f32 = {n: "*fp32" for n in ("x_ptr", "w_ptr", "b_ptr", "ws_ptr", "dw_ptr", "dx_ptr")}
     bn4, bv4, bk4, warps4, stages4 = tuning.tiles(torch.empty(0))
     logit4 = dict(logit, DOT_PREC=tuning.FP32_DOT, USE_TMA=False, BLOCK_K=bk4)
@@ -189,7 +189,7 @@ def cases():
            dict({k: c for k, c in logit4.items() if k not in ("STORE_E", "E_HEADROOM")},
                 NEED_DB=False, HAS_COUNT=True, _ptrs=f32), warps4, stages4)
     # fp32 operands holding bf16 values (fp32_lm_head over a bf16 head): the logits GEMMs in one
-    # TF32 product (cuda.logits_precision)
+    # TF32 product (tuning.logits_precision)
     prec1 = tuning.logits_precision(tuning.FP32_DOT, True)
     *_, stages1 = tuning.tiles(torch.empty(0), prec1)
     exact = dict(logit4, DOT_PREC=prec1)
@@ -214,7 +214,7 @@ def cases():
            dict(ACCUMULATE=True, ON_DEVICE=True, DOT_PREC=tuning.FP32_DOT, USE_TMA=False,
                 TMA_OUT=False, BLOCK_C=fc_, BLOCK_H=fh_, BLOCK_K=fk_, GROUP_C=rows.GROUP_M,
                 _ptrs=f32), fwarps_, fstages_)
-    # ... and their two-product form where W / X hold bf16 values (cuda.gradient_precision)
+    # ... and their two-product form where W / X hold bf16 values (tuning.gradient_precision)
     prec2 = tuning.gradient_precision(tuning.FP32_DOT, True)
     yield ("fp32 of bf16, dX step, split over V", kf._dx_split_kernel,
            dict(tiles4, DOT_PREC=prec2, S_MAX=max(1, fc.DX_SPLITS), GROUP_M=rows.GROUP_M,

@@ -35,6 +35,19 @@ def static_int(n) -> int:
     return len(range(n))
 
 
+def static_value(v):
+    """A config number as a Python constant. A float or int field that changed between two compiles
+    of the same code (a sweep over entropy_coef, two configs through one step) comes back from
+    Dynamo symbolic (automatic dynamic scalars); __float__ and len(range(n)) (static_int) are the
+    spellings Dynamo specializes, with a guard on the value, as the first compile had (int() and
+    float() stay symbolic). Other values, and every value in eager, pass through unchanged."""
+    if type(v) is float:
+        return v.__float__()
+    if type(v) is int:
+        return static_int(v) if v >= 0 else -static_int(-v)
+    return v
+
+
 _SMS: dict = {}   # sm_count's cache
 
 

@@ -27,7 +27,7 @@ alike (the outputs are viewed as ids.shape, so a static hidden would specialize 
 `mark_dynamic(ids, 0)` then raises ConstraintViolationError); note that `x.clone()` drops a mark.
 
 The recompute op's measurements and what moved them: bench/results/HISTORY.md ("The recompute
-op's design measurements"). Compile caches do not key on cuda.TMA: see there.
+op's design measurements"). Compile caches do not key on tuning.TMA: see there.
 Padded rows (`row_mask`, what token_logprobs / grpo_loss pass for their mask): on CUDA the op
 runs recompute/rows.py, valid rows compacted first on the device and every kernel stopping at a device
 count: no FLOP and no host sync for padding.
@@ -81,7 +81,7 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optio
     """hidden [N, H], weight [V, H], ids [N] int64, bias [V], row_mask [N] bool ->
     (logprobs, entropy, lse) [N], 0 at rows where row_mask is False. fp32_lm_head: hidden and
     weight are fp32 casts of bf16 tensors (linear_logprobs passes upcast_lm_head's exact_tf32):
-    fewer TF32 products on CUDA (cuda.logits_precision); the CPU body multiplies in fp32."""
+    fewer TF32 products on CUDA (tuning.logits_precision); the CPU body multiplies in fp32."""
     scaling = dict(logit_scale=logit_scale, softcap=final_logit_softcapping,
                    round_logits=round_logits, compute_dtype=compute_dtype)
     if _rows_path(hidden, row_mask):
@@ -197,7 +197,7 @@ def upcast_lm_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tu
     (autograd casts their grads back); fp32, fp64 and None as they are. exact_tf32: the fp32
     copies of hidden and weight hold bf16 values, 8-bit significands exact in TF32's 10, so the
     CUDA kernels' logits GEMMs take one TF32 product and the dX / dW GEMMs two instead of
-    3xTF32's three (cuda.logits_precision, gradient_precision; fp16's 11-bit and fp32's 24-bit
+    3xTF32's three (tuning.logits_precision, gradient_precision; fp16's 11-bit and fp32's 24-bit
     significands are not). One definition for the op and the fused path."""
     exact = hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
     up = tuple(t.float() if t is not None and t.dtype in (torch.bfloat16, torch.float16) else t
@@ -216,7 +216,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[
     Callers guarantee ids in [0, V) (the loss maps masked positions to 0); no device check here.
     fp32_lm_head (Fast-LLM's name; vLLM's bf16_last_layer_fp32, TRL's cast_lm_head_to_fp32):
     bf16 / fp16 hidden, weight and bias are cast to fp32 before the op (upcast_lm_head), so every
-    path runs fp32 operands with fp32-accurate products (CUDA: 3xTF32, cuda.FP32_DOT): the
+    path runs fp32 operands with fp32-accurate products (CUDA: 3xTF32, tuning.FP32_DOT): the
     logits as before (16-bit products are exact in fp32), but the dlogits workspace and the
     dX / dW GEMMs in fp32 instead of the input dtype, and dW summed over row groups in fp32. The casts' backward returns the grads in the
     inputs' dtypes. Costs an fp32 copy of W (and of dW) and fp32 GEMM speed.
@@ -237,7 +237,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[
     GEMMs (as it always is on CUDA). No effect with fp32 operands (fp32_lm_head included).
     (The op's own fp32_lm_head argument says more: the fp32 operands it gets are casts of a bf16
     head (upcast_lm_head's exact_tf32), so the CUDA kernels' logits GEMMs take one TF32 product instead of
-    3xTF32's three and the dX / dW GEMMs two (cuda.logits_precision, gradient_precision): the
+    3xTF32's three and the dX / dW GEMMs two (tuning.logits_precision, gradient_precision): the
     same products less those of zeros, the same accuracy, not the same bits. fp32_lm_head over
     fp16 or fp32 inputs passes False.)
     compute_dtype: the dtype hidden, weight and bias are multiplied in (None: their common

@@ -171,7 +171,7 @@ def block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor, 
                    ref: Tensor, scaled: bool, round_logits: bool = False,
                    exact_tf32: bool = False) -> None:
     # exact_tf32: W and X hold bf16 values in fp32 (fused/schedule.py): the dX / dW GEMMs in two TF32
-    # products (cuda.gradient_precision), dW's in 3xTF32 where X's rows are scaled (not bf16)
+    # products (tuning.gradient_precision), dW's in 3xTF32 where X's rows are scaled (not bf16)
     # round_logits: the forward stored the rounded logits themselves (exact in ws's 16-bit dtype),
     # the dlogits pass recomputes z from them as the forward did, and the dlogits go into ws in
     # that dtype before the dX / dW GEMMs (the logits gradient rounded, as TRL's head)

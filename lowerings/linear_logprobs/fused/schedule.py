@@ -181,9 +181,9 @@ def fused_linear_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Opt
     lowerings.linear_logprobs.linear_logprobs states it; ``compute_dtype``: the dtype the
     operands are multiplied in (the grads keep the inputs' dtypes), as it states too;
     ``exact_tf32``: the fp32 operands hold bf16 values (fp32_lm_head over a bf16 head,
-    op.upcast_lm_head): the forward's logits GEMM takes one TF32 product (cuda.logits_precision),
+    op.upcast_lm_head): the forward's logits GEMM takes one TF32 product (tuning.logits_precision),
     as the op's does, so both give a row the same bits, and the dX / dW GEMMs two
-    (cuda.gradient_precision).
+    (tuning.gradient_precision).
 
     ``on_order(perm)``, if given, is called once with the blocks' row order, perm [G R] (block b's
     idx is perm[b R : b R + R']), before the first block: a caller can gather its per-row inputs

@@ -90,7 +90,7 @@ def _block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional
     """Block b = rows [r0, r0 + rows) of the permuted order: xg <- its hidden rows, ws <- its
     logits (scaled: as e' = exp(z - R*) but at the targets, the references in ref),
     -> (logprobs, entropy, lse) [rows] in that order, 0 past counts[b]. exact_tf32: the fp32
-    operands hold bf16 values (cuda.logits_precision; the CPU body's fp32 products are exact
+    operands hold bf16 values (tuning.logits_precision; the CPU body's fp32 products are exact
     either way)."""
     if _triton_body(hidden):
         _precompile.wait()   # the kernels the trace handed to the precompile workers
@@ -136,7 +136,7 @@ def _block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor,
     others add (the Triton body: the first with valid rows stores, decided on the device).
     scaled (Triton body): ws holds e' (fused_block_forward), xg <- c * xg, dx rows scaled by c
     (exp_scaled). exact_tf32: the fp32 operands hold bf16 values (the Triton body's GEMMs:
-    cuda.gradient_precision)."""
+    tuning.gradient_precision)."""
     if _triton_body(weight):
         _precompile.wait()
         return _fcuda.block_backward(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp,

@@ -45,7 +45,7 @@ def _valid_rows(count_ptr, row0, n_rows, HAS_COUNT: tl.constexpr):
 @triton.jit
 def _dot(a, b, acc, DOT_PREC: tl.constexpr):
     """acc + a @ b (fp32 acc) in tl.dot's input_precision DOT_PREC, or "tf32x2": b's fp32 values
-    are exact in TF32 (bf16 values: fp32_lm_head over a bf16 head, cuda.gradient_precision), so
+    are exact in TF32 (bf16 values: fp32_lm_head over a bf16 head, tuning.gradient_precision), so
     of 3xTF32's products a_big b_big + a_big b_small + a_small b_big the middle one is zero.
     a_big is a rounded to TF32's 10 significand bits (+ half an ulp of TF32, then the low 13
     bits cleared: the carry rounds up into the exponent as it should), a_small = a - a_big

@@ -6,8 +6,8 @@ the tiles and the SM count, never by N (batch invariance).
 Legend: V vocab, H hidden, R block rows, S vocab splits, BN / BV the forward's row / vocab
 tiles, S0 = cdiv(V, FWD_COLS_PER_SPLIT).
 
-recompute/dense.py imports this module and this module reads cuda.step_tiles (the dX step's tiles) at call
-time: both import orders work.
+The tiles come from tuning.py, read at call time (a patch or a sweep there reaches the plans);
+recompute/dense.py imports this module, never the reverse.
 """
 from typing import Optional
 
