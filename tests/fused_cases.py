@@ -4,14 +4,16 @@ options and their packed twins. Legend: B sequences, T positions, H hidden, V vo
 import torch
 
 import compiled_grpo as cg
+from lowerings.linear_logprobs.fused import steps
 from helpers import make_inputs
 
 H, V = 16, 37
 
 
 def _mib(rows: int) -> float:
-    """fused_workspace_mib holding `rows` float64 rows of V logits (CPU workspace)."""
-    return rows * V * 8 / 2**20
+    """fused_workspace_mib holding `rows` float64 rows of V logits and of the CPU body's tiles
+    (fused/schedule.ws_row_bytes)."""
+    return rows * (V + steps.cpu_tile_cols(V)) * 8 / 2**20
 
 
 def _run(inp, cfg, bias=None, **kw):

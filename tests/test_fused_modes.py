@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import compiled_grpo as cg
+from lowerings.linear_logprobs.fused import steps
 from compiled_grpo import fused as F
 from lowerings.linear_logprobs import device
 from helpers import make_inputs
@@ -14,8 +15,9 @@ V = 37   # make_inputs' vocabulary
 
 
 def _mib(rows: int) -> float:
-    """fused_workspace_mib holding `rows` float64 rows of V logits (CPU workspace)."""
-    return rows * V * 8 / 2**20
+    """fused_workspace_mib holding `rows` float64 rows of V logits and of the CPU body's tiles
+    (fused/schedule.ws_row_bytes)."""
+    return rows * (V + steps.cpu_tile_cols(V)) * 8 / 2**20
 
 
 # Tests that make "auto" act as on CUDA (_auto_device_ok) also lift the CPU body's bound on the

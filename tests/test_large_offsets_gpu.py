@@ -19,6 +19,10 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("mode", ["fused", "recompute"])
 def test_past_int32_offsets(mode):
+    _padded(mode)
+
+
+def _padded(mode):
     b, t, h, v = 16, 8192, 128, 151936
     g = torch.Generator().manual_seed(0)
     hidden = (torch.randn(b, t, h, generator=g) * 2).bfloat16().cuda()
@@ -56,3 +60,27 @@ def test_past_int32_offsets(mode):
     xs, ys = hidden[-1, -64:].float(), ids[-1, -64:]
     ref = torch.log_softmax(xs @ weight.float().T, -1).gather(1, ys[:, None])[:, 0]
     torch.testing.assert_close(r.logprobs[-1, -64:], ref, rtol=0, atol=2e-3)
+    return dict(hidden=hidden, weight=weight, ids=ids, mask=mask, adv=adv, cfg=cfg, logprobs=r.logprobs,
+                dx=dx, dw=dw)
+
+
+@pytest.mark.parametrize("mode", ["fused", "recompute"])
+def test_past_int32_offsets_packed(mode):
+    """The same batch packed (cu_seqlens, only the valid tokens: N ~ 98k, N V = 1.5e10): the
+    log-probs the same bits as the padded batch's (and token_logprobs' on the packed rows), the
+    gradients equal to the padded batch's within the row grouping's fp32 rounding."""
+    pad = _padded(mode)
+    mask, ids, w = pad["mask"], pad["ids"], pad["weight"]
+    lens = mask.sum(1)
+    cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    x = pad["hidden"][mask].detach().requires_grad_()                       # [N_valid, H]
+    wg = w.detach().requires_grad_()
+    ids_p = ids[mask]
+    with torch.no_grad():
+        old = cg.token_logprobs(x, wg, ids_p, cu_seqlens=cu).logprobs
+    assert x.shape[0] * w.shape[0] > 2**31
+    r = cg.grpo_loss(x, wg, ids_p, pad["adv"], torch.ones_like(ids_p, dtype=torch.bool), old,
+                     cu_seqlens=cu, config=pad["cfg"])
+    r.loss.backward()
+    assert torch.equal(r.logprobs, pad["logprobs"][mask]) and torch.equal(old, r.logprobs)
+    assert _rel(x.grad, pad["dx"][mask]) < 2e-2 and _rel(wg.grad, pad["dw"]) < 2e-2

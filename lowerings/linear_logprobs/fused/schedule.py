@@ -88,8 +88,11 @@ def ws_cols(hidden: Tensor, v: int) -> int:
 
 def ws_row_bytes(hidden: Tensor, weight: Tensor, v: Optional[int] = None) -> int:
     """Bytes of one workspace row of v columns (weight's rows by default): what a caller's
-    budget divides by to get R."""
-    return ws_cols(hidden, weight.shape[0] if v is None else v) * ws_dtype(hidden, weight).itemsize
+    budget divides by to get R. On CPU a row also carries its share of the body's [R, C] tiles
+    (steps.cpu_tile_cols), so that the budget covers all a block holds, not the workspace alone."""
+    v = weight.shape[0] if v is None else v
+    cols = ws_cols(hidden, v) + (0 if _steps._triton_body(hidden) else _steps.cpu_tile_cols(v))
+    return cols * ws_dtype(hidden, weight).itemsize
 
 
 def wave_rows(hidden: Tensor, weight: Tensor) -> Optional[int]:

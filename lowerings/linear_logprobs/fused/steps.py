@@ -144,30 +144,57 @@ def _block_backward(weight: Tensor, ids_p: Tensor, perm: Tensor, counts: Tensor,
                                      with_entropy, logit_scale, softcap, need_x, need_w, need_b,
                                      ref, scaled, round_logits, exact_tf32)
     cd = ws.dtype
-    z = ws.narrow(0, 0, rows)[:, : weight.shape[0]]                          # [R', V]
-    y = None if softcap is None else z * (temperature / softcap)             # tanh(a s / c)
-    valid = (torch.arange(rows, device=z.device) < counts[b])[:, None]       # [R', 1]
+    v = weight.shape[0]
+    valid = (torch.arange(rows, device=ws.device) < counts[b])[:, None]      # [R', 1]
     g_lp, g_ent = (torch.where(valid[:, 0], t, 0).to(cd) for t in (g_lp, g_ent))
-    cols = torch.arange(weight.shape[0], device=z.device)
-    dz = _cpu.dlogits(z, y, lse.to(cd), ent.to(cd), g_lp, g_ent, torch.zeros_like(g_lp),
-                      ids_p.narrow(0, r0, rows), cols, temperature, with_entropy, logit_scale)
-    dz = torch.where(valid, dz, 0)                                           # [R', V]
-    x = xg.narrow(0, 0, rows)
+    zero, lse, ent = torch.zeros_like(g_lp), lse.to(cd), ent.to(cd)          # [R']
+    ids_b = ids_p.narrow(0, r0, rows)
+    x = xg.narrow(0, 0, rows)                                                # [R', H]
     rd = _cpu.round_dtype(weight, weight, round_logits)   # weight in the operands' dtype here
-    if rd is not None:   # the logits gradient in the operands' 16-bit dtype (round_logits)
-        dz = dz.to(rd).to(cd)
+    acc = x.new_zeros(x.shape) if need_x else None                           # [R', H] dX rows
+    first = b == counts.shape[0] - 1   # the first block run (fused_linear_logprobs: last first)
+    # Vocab chunks of the workspace: the dlogits and their temporaries are [R', C] tiles, which
+    # the budget covers (cpu_tile_cols), not [R', V] copies of the workspace.
+    c = cpu_chunk(v)
+    for v0 in range(0, v, c):
+        v1 = min(v0 + c, v)
+        z = ws.narrow(0, 0, rows)[:, v0:v1]                                  # [R', C]
+        y = None if softcap is None else z * (temperature / softcap)         # tanh(a s / c)
+        cols = torch.arange(v0, v1, device=ws.device)                        # [C]
+        dz = _cpu.dlogits(z, y, lse, ent, g_lp, g_ent, zero, ids_b, cols, temperature,
+                          with_entropy, logit_scale)
+        dz = torch.where(valid, dz, 0)                                       # [R', C]
+        if rd is not None:   # the logits gradient in the operands' 16-bit dtype (round_logits)
+            dz = dz.to(rd).to(cd)
+        if need_x:
+            w = weight[v0:v1].to(cd)                                         # [C, H]
+            acc.addmm_(dz, torch.where(torch.isinf(w), 0, w))
+        if need_w:
+            part = dz.T @ x                                                  # [C, H]
+            dw[v0:v1].copy_(part) if first else dw[v0:v1].add_(part.to(dw.dtype))
+        if need_b:
+            db[v0:v1].add_(dz.sum(0).to(db.dtype))
     if need_x:
-        w = weight.to(cd)
-        w = torch.where(torch.isinf(w), 0, w)
         # added into the zeros of dx: a row's one valid slot adds its dX, every other slot
         # (padded rows, the slots past N or past a grouped block's rows: perm 0) adds zeros
-        dx.index_add_(0, perm.narrow(0, r0, rows), (dz @ w).to(dx.dtype))
-    if need_w:
-        part = dz.T @ x                                                      # [V, H]
-        # the first block run (the last: fused_linear_logprobs runs them last to first) stores
-        dw.copy_(part) if b == counts.shape[0] - 1 else dw.add_(part.to(dw.dtype))
-    if need_b:
-        db.add_(dz.sum(0).to(db.dtype))
+        dx.index_add_(0, perm.narrow(0, r0, rows), acc.to(dx.dtype))
+
+
+def cpu_chunk(v: int) -> int:
+    """Vocab columns of the CPU backward's [R, C] tiles: half the forward's (cpu.CHUNK_V), so its
+    ~6 tiles alive at once stay under the forward's CPU_FWD_TILES full-width ones."""
+    return max(1, min(v, _cpu.CHUNK_V // 2))
+
+
+# [R, CHUNK_V] tiles the CPU body's forward holds at once (_cpu._forward_rows: the logits, exp,
+# exp * z and its masked copy), which a fused block's budget covers with its [R, V] workspace
+# (fused/schedule.ws_row_bytes); measured by bench/memory.py.
+CPU_FWD_TILES = 4
+
+
+def cpu_tile_cols(v: int) -> int:
+    """Columns per workspace row that the CPU body's tiles add to the [R, V] workspace."""
+    return CPU_FWD_TILES * min(_cpu.CHUNK_V, v)
 
 
 fused_block_backward = torch.library.custom_op(
