@@ -64,8 +64,9 @@ class GRPOConfig:
     ``"fused"`` forms the loss's gradient while each row block's logits exist (logits computed
     once, 6NHV FLOPs; a workspace of one block's [R, V] logits, ``fused_workspace_mib``, default
     640 MiB, R = 2048 rows at V = 151936 bf16, plus up to 48 MiB of fp32 partials for the dX
-    step's split over V on CUDA); ``"recompute"`` is the composable op of
-    token_logprobs (8NHV, logits recomputed in the backward, ~64 MiB); ``"auto"`` (default) is
+    step's split over V on CUDA; on CPU the budget covers the fp32 workspace and the body's
+    tiles: docs/gradient-modes.md, "What each mode holds"); ``"recompute"`` is the composable op of
+    token_logprobs (8NHV, logits recomputed in the backward, ~60 MiB on CUDA); ``"auto"`` (default) is
     "fused" on CUDA whenever a gradient is wanted and fused is exact (tensor-parallel heads too,
     but not ``vocab_start``'s uneven shards; GSPO only on padded inputs with a whole sequence per
     block), else
