@@ -176,3 +176,99 @@ def test_fsdp2_untied_lm_head_sharded_on_its_own(tmp_path):
     mp.spawn(_fsdp2_worker, args=(2, str(tmp_path / "pg"), results), nprocs=2, join=True)
     assert sorted(results.keys()) == [0, 1]
     assert max(results.values()) < 1e-5, dict(results)
+
+
+# --- the loss: verl's own functions against grpo_loss with integrations.verl_config ---------------
+
+def _actor(mode, agg, kl, entropy_coeff, **kw):
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.config.actor import PolicyLossConfig
+    return FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
+                           loss_agg_mode=agg, policy_loss=PolicyLossConfig(loss_mode=mode),
+                           use_kl_loss=kl is not None, kl_loss_type=kl or "low_var_kl", kl_loss_coef=0.05,
+                           entropy_coeff=entropy_coeff, **kw)
+
+
+def _verl_loss(actor, logp, ent, old, ref, adv, mask):
+    """verl/workers/utils/losses.py ppo_loss's composition, on one data-parallel rank."""
+    from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+    agg = actor.loss_agg_mode
+    pg, _ = get_policy_loss_fn(actor.policy_loss.loss_mode)(
+        old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask, loss_agg_mode=agg, config=actor)
+    loss = pg
+    if actor.entropy_coeff:
+        loss = loss - actor.entropy_coeff * agg_loss(loss_mat=ent, loss_mask=mask, loss_agg_mode=agg)
+    if actor.use_kl_loss:
+        kld = kl_penalty(logprob=logp, ref_logprob=ref, kl_penalty=actor.kl_loss_type)
+        loss = loss + actor.kl_loss_coef * agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=agg)
+    return loss
+
+
+def _loss_inputs(seed=0, B=5, T=12, Hd=16, Vd=50):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, Hd, generator=g, dtype=torch.float64)
+    weight = torch.randn(Vd, Hd, generator=g, dtype=torch.float64) / 2
+    ids = torch.randint(0, Vd, (B, T), generator=g)
+    lens = torch.randint(1, T + 1, (B,), generator=g)          # no fully masked sequence
+    mask = torch.arange(T)[None, :] < lens[:, None]
+    with torch.no_grad():
+        lp = cg.reference_token_logprobs(hidden, weight, ids).logprobs
+    old = lp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)   # ratios past the clips
+    ref = lp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    return hidden, weight, ids, mask, old, ref, adv
+
+
+KLS = (None, "k1", "mse", "low_var_kl")
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "sapo", "cispo"])
+def test_loss_equals_verls_in_float64(mode, agg):
+    """Every KL setting and entropy bonus the mapping takes for this (loss_mode, loss_agg_mode):
+    the loss and the gradients w.r.t. hidden and weight equal verl's within float64 rounding
+    (1e-7 relative where verl divides by L + 1e-8); the rest raise naming the setting."""
+    from compiled_grpo.integrations.verl_config import grpo_config
+    hidden, weight, ids, mask, old, ref, adv = _loss_inputs(seed=len(mode) + len(agg))
+    extra = dict(clip_ratio_low=1.0, clip_ratio_high=4.0) if mode == "cispo" else {}
+    mapped = 0
+    for kl in KLS:
+        for coeff in (0.0, 0.01):
+            actor = _actor(mode, agg, kl, coeff, **extra)
+            try:
+                cfg = grpo_config(actor, response_length=ids.shape[1])
+            except ValueError as e:
+                assert any(s in str(e) for s in ("loss_agg_mode", "entropy_coeff", "sapo")), e
+                continue
+            mapped += 1
+            h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            out = cg.reference_token_logprobs(h1, w1, ids, with_entropy=True)
+            want = _verl_loss(actor, out.logprobs, out.entropy, old, ref, adv[:, None].expand_as(old),
+                              mask.double())
+            want.backward()
+            h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            got = cg.grpo_loss(h2, w2, ids, adv, mask, old, ref, config=cfg).loss
+            got.backward()
+            what = f"{mode} {agg} kl={kl} entropy={coeff}"
+            for name, a, b in (("loss", got, want), ("d_hidden", h2.grad, h1.grad), ("d_weight", w2.grad, w1.grad)):
+                err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))   # of the tensor's scale
+                assert err < 1e-7, (what, name, err)
+    # 4 KL settings x 2 entropy bonuses; the bonus maps with token-mean only, sapo's KL with
+    # seq-mean-token-mean only, cispo with token-mean only
+    want = {"cispo": 8 if agg == "token-mean" else 0,
+            "sapo": 4 if agg == "seq-mean-token-mean" else 1}.get(mode, 8 if agg == "token-mean" else 4)
+    assert mapped == want, (mode, agg, mapped)
+
+
+@pytest.mark.parametrize("setting,match", [
+    (dict(mode="dppo_tv"), "loss_mode"), (dict(mode="geo_mean"), "loss_mode"),
+    (dict(agg="token-sum"), "token-sum"), (dict(kl="low_var_kl+"), "kl_loss_type"),
+    (dict(kl="abs"), "kl_loss_type"), (dict(mode="cispo"), "cispo"),
+])
+def test_unmapped_settings_name_themselves(setting, match):
+    from compiled_grpo.integrations.verl_config import grpo_config
+    args = dict(mode="vanilla", agg="token-mean", kl=None)
+    args.update(setting)
+    actor = _actor(args["mode"], args["agg"], args["kl"], 0.0)
+    with pytest.raises(ValueError, match=match):
+        grpo_config(actor, response_length=12)
