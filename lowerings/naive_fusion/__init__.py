@@ -59,6 +59,7 @@ from torch.fx import Graph, Node
 from lowerings.naive_fusion.match import (_LINEAR, _MATMUL, _erase_dead, _ids_source, _is, _match_consumers,
                                     _match_gemm, _region_is_clean, _replaced, _val, _walk_logits)
 from lowerings.linear_logprobs.op import linear_logprobs
+from lowerings.naive_fusion.loops import fold_row_loops
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,8 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     What it leaves is counted by reason (UNFUSED_REASONS)."""
     rewrites = 0
     tried: dict = {}      # GEMM node -> why it was left alone
+    if fold_row_loops(graph):   # TRL / verl's per-row and per-chunk loops, as one computation
+        counters["compiled_grpo"]["naive_row_loop_fold"] += 1
     for node in [n for n in graph.nodes if _is_gemm(n)]:
         if getattr(node, "_erased", False):
             continue

@@ -1,0 +1,270 @@
+"""Row loops folded back into one batched computation, before the matchers run.
+
+Trainers loop over the rows of the logits to bound their memory, and Dynamo unrolls the loop:
+
+    torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])            # TRL, verl (fp32)
+    torch.stack([F.log_softmax(r, -1).gather(-1, i) for r, i in zip(logits, index)])   # (bf16)
+    torch.cat([entropy(c) for c in logits.reshape(-1, V).split(k, dim=0)], dim=0)      # TRL
+
+records one copy of the row's ops per row: ``f(X[0]), f(X[1]), ...`` then stack, or
+``f(S[0]), f(S[1]), ...`` of ``S = X.split(k, 0)`` then cat. Every copy reads the logits, so the
+matchers see them used by B getitems and leave them alone. ``fold_row_loops`` replaces such a
+stack / cat by ``f(X)`` (f's ops once, on the whole tensor) when it can prove that equal:
+
+  - the items are f applied to row i (``X[i]``, ``Y[i]``: one int index per row input, in order,
+    covering X's leading dim) or to chunk i of splits of dim 0 covering X, for every i;
+  - the copies are the same ops with the same non-tensor arguments (the same graph up to the row
+    inputs), and every op is row-wise: elementwise ops and casts, and last-dim ops
+    (log_softmax, softmax, logsumexp, gather, sum, unsqueeze, squeeze, with their dims given)
+    whose dims are rewritten counting from the end, so that they name the same dim of X; no
+    tensor other than the row inputs enters f (a shared tensor could broadcast differently).
+
+Anything else is left as it is (the matchers then count it as ``logits_users``). The folded
+graph computes the same values: each row's result is f of that row, and stack over dim 0 (cat
+of the chunks) is what f on the whole tensor gives row by row.
+"""
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, Node
+
+from lowerings.naive_fusion.match import _erase_dead
+
+# f's ops: elementwise (any tensor arguments must be row values) ...
+_ELEMENTWISE_FNS = (torch.exp, torch.log, torch.neg, torch.tanh, operator.neg, operator.add, operator.sub,
+                    operator.mul, operator.truediv, torch.add, torch.sub, torch.mul, torch.div, torch.true_divide)
+_ELEMENTWISE_METHODS = ("exp", "log", "neg", "tanh", "add", "sub", "mul", "div", "float", "bfloat16", "half",
+                        "to")
+# ... and ops on given dims: name -> (positional index of dim, keyword)
+_DIM_FNS = {torch.log_softmax: (1, "dim"), F.log_softmax: (1, "dim"), torch.softmax: (1, "dim"),
+            F.softmax: (1, "dim"), torch.logsumexp: (1, "dim"), torch.gather: (1, "dim"),
+            torch.sum: (1, "dim"), torch.unsqueeze: (1, "dim"), torch.squeeze: (1, "dim")}
+_DIM_METHODS = {"log_softmax": (1, "dim"), "softmax": (1, "dim"), "logsumexp": (1, "dim"), "gather": (1, "dim"),
+                "sum": (1, "dim"), "unsqueeze": (1, "dim"), "squeeze": (1, "dim")}
+
+
+def _val(n: Any) -> Optional[torch.Tensor]:
+    v = n.meta.get("example_value") if isinstance(n, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _row_input(n: Node) -> Optional[tuple]:
+    """(source, i, kind) for a row input: X[i] (kind 'row') or getitem(X.split(k, 0), i) (kind
+    'chunk', source the split node)."""
+    if n.op != "call_function" or n.target is not operator.getitem or not isinstance(n.args[1], int):
+        return None
+    src, i = n.args
+    if not isinstance(src, Node):
+        return None
+    if _val(src) is not None:
+        return (src, i, "row") if _val(src).dim() >= 1 else None
+    if (src.op == "call_method" and src.target == "split") or (src.op == "call_function" and src.target is torch.split):
+        dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
+        if dim == 0 and isinstance(src.args[0], Node) and isinstance(src.args[1], int):
+            return src, i, "chunk"
+    return None
+
+
+def _row_ndim(n: Node) -> Optional[int]:
+    v = _val(n)
+    return None if v is None else v.dim()
+
+
+def _dim_spec(n: Node) -> Optional[tuple]:
+    if n.op == "call_function":
+        return _DIM_FNS.get(n.target)
+    if n.op == "call_method":
+        return _DIM_METHODS.get(n.target)
+    return None
+
+
+def _allowed(n: Node) -> bool:
+    if n.op == "call_function":
+        return n.target in _ELEMENTWISE_FNS or n.target in _DIM_FNS
+    return n.op == "call_method" and (n.target in _ELEMENTWISE_METHODS or n.target in _DIM_METHODS)
+
+
+def _signature(n: Node, nodes: dict, row_inputs: dict) -> Optional[tuple]:
+    """The op with its arguments, tensor arguments named by their position in f (or as the k-th
+    row input), None if some argument is a tensor from outside f."""
+    def arg(a):
+        if isinstance(a, Node):
+            if a in row_inputs:
+                return ("row", row_inputs[a])
+            if a in nodes:
+                return ("node", nodes[a])
+            return None if _val(a) is not None else ("ext", id(a))
+        if isinstance(a, (list, tuple)):
+            parts = [arg(x) for x in a]
+            return None if any(p is None for p in parts) else (type(a).__name__, tuple(parts))
+        return ("const", a)
+    args = [arg(a) for a in n.args]
+    kwargs = {k: arg(v) for k, v in n.kwargs.items()}
+    if any(a is None for a in args) or any(v is None for v in kwargs.values()):
+        return None
+    return (n.op, n.target, tuple(args), tuple(sorted(kwargs.items())))
+
+
+def _subgraph(item: Node, index: int) -> Optional[tuple]:
+    """(ordered f nodes, row inputs {node: k}, sources [k] -> (source, kind)) of the item's
+    row-wise computation from row inputs with index `index`; None if it is not one."""
+    nodes, row_inputs, sources, stack, seen = [], {}, [], [item], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        ri = _row_input(n)
+        if ri is not None:
+            if ri[1] != index:
+                return None
+            row_inputs[n] = len(sources)
+            sources.append((ri[0], ri[2]))
+            continue
+        if not isinstance(n, Node) or not _allowed(n):
+            return None
+        nodes.append(n)
+        for a in n.all_input_nodes:
+            if _val(a) is None and _row_input(a) is None:
+                return None     # e.g. a shape computation: not a row value
+            stack.append(a)
+    inside = set(nodes)
+    if not row_inputs or any(u not in inside for n in nodes if n is not item for u in n.users):
+        return None     # an intermediate value used outside the row's computation
+    return nodes, row_inputs, sources
+
+
+def _fold(graph: Graph, joint: Node) -> bool:
+    items = joint.args[0] if joint.args else None
+    dim = joint.args[1] if len(joint.args) > 1 else joint.kwargs.get("dim", 0)
+    if not isinstance(items, (list, tuple)) or len(items) < 2 or dim != 0 \
+            or not all(isinstance(x, Node) for x in items):
+        return False
+    kind = "row" if joint.target is torch.stack else "chunk"
+    subs = [_subgraph(x, i) for i, x in enumerate(items)]
+    if any(s is None for s in subs):
+        return False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    sigs = []
+    for nodes, row_inputs, sources in subs:
+        if any(k != kind for _, k in sources):
+            return False
+        nodes = sorted(nodes, key=order.__getitem__)
+        index = {n: i for i, n in enumerate(nodes)}
+        # the row inputs numbered by their source, so that the copies compare
+        by_source = {n: (sources[k][0], k) for n, k in row_inputs.items()}
+        sig = [_signature(n, index, {n: id(by_source[n][0]) for n in row_inputs}) for n in nodes]
+        if any(s is None for s in sig):
+            return False
+        sigs.append((tuple(sig), nodes))
+    if any(s != sigs[0][0] for s, _ in sigs):
+        return False
+    # the items cover the source: rows 0..B-1 of X, or every chunk of the split(s)
+    sources = {src for _, _, srcs in subs for src, _ in srcs}
+    for src in sources:
+        if kind == "row":
+            v = _val(src)
+            if v is None or not isinstance(v.shape[0], int) or v.shape[0] != len(items):
+                return False
+        else:
+            whole = _val(src.args[0])
+            k = src.args[1]
+            if whole is None or not isinstance(whole.shape[0], int) or -(-whole.shape[0] // k) != len(items):
+                return False
+    f_nodes = sigs[0][1]
+    row_inputs0 = subs[0][1]
+    env, created = {}, []
+    try:
+        if not _build(graph, joint, kind, f_nodes, row_inputs0, env, created):
+            raise ValueError("not foldable")
+        _refresh(graph, created)
+    except Exception:
+        for n in reversed(created):     # leave the graph as it was
+            graph.erase_node(n)
+        return False
+    joint.replace_all_uses_with(env[items[0]])
+    _erase_dead(graph, [joint])
+    return True
+
+
+def _build(graph: Graph, joint: Node, kind: str, f_nodes: list, row_inputs0: dict, env: dict,
+           created: list) -> bool:
+    """f's nodes once more, on the whole tensors, before `joint` (env: old -> new nodes)."""
+    with graph.inserting_before(joint):
+        for r, _k in row_inputs0.items():
+            src = r.args[0]
+            env[r] = src if kind == "row" else src.args[0]
+        for n in f_nodes:
+            nd = _row_ndim(n.args[0]) if n.args and isinstance(n.args[0], Node) else None
+
+            def sub(a):
+                if isinstance(a, Node):
+                    return env.get(a, a)
+                if isinstance(a, (list, tuple)):
+                    return type(a)(sub(x) for x in a)
+                return a
+            args, kwargs = list(sub(tuple(n.args))), {k: sub(v) for k, v in n.kwargs.items()}
+            spec = _dim_spec(n)
+            if spec is not None:
+                pos, kw = spec
+                d = args[pos] if pos < len(args) else kwargs.get(kw)
+                if not isinstance(d, int) or isinstance(d, bool) or nd is None:
+                    return False
+                # the dim counted from the end: the same dim of the row and of the whole tensor
+                # (unsqueeze counts in its output: one more dim)
+                rank = nd + 1 if n.target in (torch.unsqueeze, "unsqueeze") else nd
+                d = d - rank if d >= 0 else d
+                if pos < len(args):
+                    args[pos] = d
+                else:
+                    kwargs[kw] = d
+            new = graph.create_node(n.op, n.target, tuple(args), kwargs)
+            created.append(new)
+            new.meta = dict(n.meta)
+            new.meta["example_value"] = None
+            env[n] = new
+    return True
+
+
+def _refresh(graph: Graph, nodes: list) -> None:
+    """example_value of the new nodes, computed from their inputs' (fake) values."""
+    for n in nodes:
+        def val(a):
+            if isinstance(a, Node):
+                return a.meta.get("example_value")
+            if isinstance(a, (list, tuple)):
+                return type(a)(val(x) for x in a)
+            return a
+        args, kwargs = val(n.args), {k: val(v) for k, v in n.kwargs.items()}
+        tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        # the mode the values were made in (the tracing context may hold another one)
+        fake = next((t.fake_mode for t in tensors if hasattr(t, "fake_mode")), None)
+        with fake if fake is not None else _null():
+            if n.op == "call_method":
+                v = getattr(args[0], n.target)(*args[1:], **kwargs)
+            else:
+                v = n.target(*args, **kwargs)
+        n.meta["example_value"] = v
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def fold_row_loops(graph: Graph) -> int:
+    """Fold every provable row loop (module docstring); returns how many (the row copies are
+    erased with the stack / cat)."""
+    folded = 0
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n.target in (torch.stack, torch.cat):
+            try:
+                folded += bool(_fold(graph, n))
+            except Exception:   # noqa: BLE001  a fold that cannot be proved is not made
+                continue
+    return folded
