@@ -56,7 +56,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
-from lowerings.naive_fusion.match import (_LINEAR, _MATMUL, _erase_dead, _ids_source, _is, _match_consumers,
+from lowerings.naive_fusion.match import (_EINSUM, autocast_dtypes, _LINEAR, _MATMUL, _erase_dead, _ids_source, _is, _match_consumers,
                                     _match_gemm, _region_is_clean, _replaced, _val, _walk_logits)
 from lowerings.linear_logprobs.op import linear_logprobs
 from lowerings.naive_fusion.loops import fold_row_loops
@@ -85,6 +85,10 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
 
     with graph.inserting_before(anchor):
         h, w = m["h"], m["w"]
+        if m["autocast"] is not None:   # autocast's casts of the operands, made explicit
+            h, w = (graph.call_method("to", (x, m["autocast"])) for x in (h, w))
+            if bias is not None:
+                bias = graph.call_method("to", (bias, m["autocast"]))
         if m["mixed"]:          # e.g. bf16 h, fp32 W, both cast by the user: keep fp32 inputs
             h, w = (x if _val(x).dtype == torch.float32 else graph.call_method("float", (x,))
                     for x in (h, w))
@@ -92,6 +96,8 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
             if method == "reshape":
                 args = (*args, graph.call_method("size", (h, -1)))
             h = graph.call_method(method, (h, *args))
+        for t in wk["tensor_temps"]:             # z / t = (h / t) @ W.T
+            h = graph.call_function(operator.truediv, (h, t))
         if bias is not None and bias_temp != temp:   # b added before a scale: fold the ratio in
             bias = graph.call_function(operator.mul, (bias, temp / bias_temp))
         lead_ref = graph.call_function(operator.getitem, (h, (Ellipsis, 0)))    # [...]
@@ -154,8 +160,8 @@ _LOGPROB_SINKS = (torch.log_softmax, torch.nn.functional.log_softmax, torch.spec
 
 
 def _is_gemm(n: Node) -> bool:
-    """A matmul / mm / linear node: what the pass tries as the lm_head GEMM."""
-    return _is(n, _MATMUL + _LINEAR, ("matmul", "mm"))
+    """A matmul / mm / linear / einsum node: what the pass tries as the lm_head GEMM."""
+    return _is(n, _MATMUL + _LINEAR + _EINSUM, ("matmul", "mm"))
 
 
 def _unfused(reason: str, node: Node) -> None:
@@ -198,13 +204,15 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     What it leaves is counted by reason (UNFUSED_REASONS)."""
     rewrites = 0
     tried: dict = {}      # GEMM node -> why it was left alone
-    if fold_row_loops(graph):   # TRL / verl's per-row and per-chunk loops, as one computation
-        counters["compiled_grpo"]["naive_row_loop_fold"] += 1
+    autocast = autocast_dtypes(graph)
+    folded = fold_row_loops(graph)   # TRL / verl's per-row and per-chunk loops, as one computation
+    if folded:
+        counters["compiled_grpo"]["naive_row_loop_fold"] += folded
     for node in [n for n in graph.nodes if _is_gemm(n)]:
         if getattr(node, "_erased", False):
             continue
         try:        # a matcher bug must cost the fusion, never the user's compile
-            m = _match_gemm(node)
+            m = _match_gemm(node, autocast.get(node))
             wk = _walk_logits(m) if m is not None else None
             c = _match_consumers(wk["L"]) if wk is not None else None
         except Exception:                           # noqa: BLE001

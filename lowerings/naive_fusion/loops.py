@@ -192,10 +192,17 @@ def _fold(graph: Graph, joint: Node) -> bool:
 def _build(graph: Graph, joint: Node, kind: str, f_nodes: list, row_inputs0: dict, env: dict,
            created: list) -> bool:
     """f's nodes once more, on the whole tensors, before `joint` (env: old -> new nodes)."""
+    unflat = {}
+    if kind == "chunk":   # chunks of X.reshape(-1, V): f on X itself, its result flattened after
+        flats = {r.args[0].args[0] for r in row_inputs0}
+        unflat = {x: _unflatten(x) for x in flats}
+        leads = {None if u is None else tuple(_val(u).shape[:-1]) for u in unflat.values()}
+        if None in leads or len(leads) != 1:
+            unflat = {}
     with graph.inserting_before(joint):
         for r, _k in row_inputs0.items():
             src = r.args[0]
-            env[r] = src if kind == "row" else src.args[0]
+            env[r] = src if kind == "row" else unflat.get(src.args[0], src.args[0])
         for n in f_nodes:
             nd = _row_ndim(n.args[0]) if n.args and isinstance(n.args[0], Node) else None
 
@@ -225,7 +232,36 @@ def _build(graph: Graph, joint: Node, kind: str, f_nodes: list, row_inputs0: dic
             new.meta = dict(n.meta)
             new.meta["example_value"] = None
             env[n] = new
+        if unflat:
+            item = next(iter(joint.args[0]))
+            tail = tuple(_val(item).shape[1:])
+            if not all(isinstance(d, int) for d in tail):
+                return False
+            out = graph.call_method("reshape", (env[item], -1, *tail))   # [N, *tail] as the cat's
+            out.meta = dict(joint.meta)
+            created.append(out)
+            env[item] = out
     return True
+
+
+def _unflatten(x: Node) -> Optional[Node]:
+    """U for x = U.reshape(-1, V) / U.view(-1, V) / U.flatten(0, -2) of a U [..., V] with at
+    least two dims; None otherwise."""
+    vx = _val(x)
+    if vx is None or vx.dim() != 2 or not isinstance(x, Node) or not x.args or not isinstance(x.args[0], Node):
+        return None
+    u, vu = x.args[0], _val(x.args[0])
+    if vu is None or vu.dim() < 2 or vu.shape[-1] != vx.shape[-1]:
+        return None
+    if (x.op == "call_method" and x.target in ("reshape", "view")) or (x.op == "call_function" and x.target is torch.reshape):
+        sizes = x.args[1:] if not (len(x.args) == 2 and isinstance(x.args[1], (list, tuple))) else x.args[1]
+        ok = len(sizes) == 2 and sizes[0] == -1 and isinstance(sizes[1], int)
+        return u if ok and not x.kwargs else None
+    if (x.op == "call_method" and x.target == "flatten") or (x.op == "call_function" and x.target is torch.flatten):
+        start = x.args[1] if len(x.args) > 1 else x.kwargs.get("start_dim", 0)
+        end = x.args[2] if len(x.args) > 2 else x.kwargs.get("end_dim", -1)
+        return u if start == 0 and end in (-2, vu.dim() - 2) else None
+    return None
 
 
 def _refresh(graph: Graph, nodes: list) -> None:

@@ -49,6 +49,8 @@ def _number(x: Any) -> Optional[float]:
 
 
 _MATMUL = (operator.matmul, torch.matmul, torch.mm)
+_EINSUM = (torch.einsum, torch.functional.einsum)
+_GATHER = (torch.gather, torch.take_along_dim)
 _LINEAR = (F.linear,)
 _LOG_SOFTMAX = (torch.log_softmax, F.log_softmax, torch.special.log_softmax)
 _SOFTMAX = (torch.softmax, F.softmax, torch.special.softmax)
@@ -116,8 +118,43 @@ def _strip_fp32_casts(n: Any) -> tuple:
     return n, stripped
 
 
-def _match_gemm(n: Node) -> Optional[dict]:
-    """logits = h @ W.T in any supported spelling -> dict(h, w, bias, fp32_lm_head, gemm)."""
+def _einsum_operands(n: Node) -> Optional[tuple]:
+    """(h, W) of an lm_head einsum: "<lead>h,vh-><lead>v" in any letters, with or without
+    "...", operands given in order or as one list; None for any other einsum."""
+    if not _is(n, _EINSUM) or n.kwargs or len(n.args) < 2 or not isinstance(n.args[0], str):
+        return None
+    ops = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+    eq = n.args[0].replace(" ", "")
+    if len(ops) != 2 or "->" not in eq or eq.count(",") != 1:
+        return None
+    ins, out = eq.split("->")
+    a, b = ins.split(",")
+    lead = a[:-1]
+    if len(b) != 2 or not a or b[1] != a[-1] or b[0] in a or out != lead + b[0] \
+            or len(set(lead.replace("...", ""))) != len(lead.replace("...", "")):
+        return None
+    return ops[0], ops[1]
+
+
+def autocast_dtypes(graph: Graph) -> dict:
+    """{node: (device_type, dtype)} of the enabled autocast region each node runs in (Dynamo
+    records `with torch.autocast(...)` as _enter_autocast / _exit_autocast calls)."""
+    enter, leave = _REGION_FNS[1:] if len(_REGION_FNS) == 3 else (None, None)
+    stack, out = [], {}
+    for n in graph.nodes:
+        if n.op == "call_function" and enter is not None and n.target is enter:
+            device, dtype, enabled = (list(n.args) + [None, None, True])[:3]
+            stack.append((n, (device, dtype) if enabled and isinstance(dtype, torch.dtype) else None))
+        elif n.op == "call_function" and leave is not None and n.target is leave and stack:
+            stack.pop()
+        out[n] = stack[-1][1] if stack else None
+    return out
+
+
+def _match_gemm(n: Node, autocast: Optional[tuple] = None) -> Optional[dict]:
+    """logits = h @ W.T in any supported spelling -> dict(h, w, bias, fp32_lm_head, gemm).
+    ``autocast`` (device_type, dtype): the region the GEMM runs in; its operands are then cast
+    to that dtype (the rewrite casts them explicitly: "autocast" in the result)."""
     if _is(n, _LINEAR):
         h, wt, bias = n.args[0], _arg(n, 1, "weight"), _arg(n, 2, "bias", None)
         w, w_cast = _strip_fp32_casts(wt)
@@ -129,14 +166,25 @@ def _match_gemm(n: Node) -> Optional[dict]:
             return None
         w, post = _strip_fp32_casts(w)
         w_cast = pre or post
+    elif _einsum_operands(n) is not None:
+        (h, wt), bias = _einsum_operands(n), None
+        w, w_cast = _strip_fp32_casts(wt)
     else:
         return None
+    h_gemm = h
     h, h_cast = _strip_fp32_casts(h)
-    out, vh, vw, vwt, vh_gemm = _val(n), _val(h), _val(w), _val(wt), _val(n.args[0])
+    out, vh, vw, vwt, vh_gemm = _val(n), _val(h), _val(w), _val(wt), _val(h_gemm)
     if any(v is None for v in (out, vh, vw, vwt, vh_gemm)):
         return None
-    # Same dtype into and out of the GEMM: excludes autocast regions and mixed-dtype GEMMs.
-    if not (out.dtype == vh_gemm.dtype == vwt.dtype) or out.dtype not in _FLOATS:
+    # Same dtype into and out of the GEMM (mixed-dtype GEMMs excluded), or autocast's: floating
+    # operands on its device, the output in its dtype
+    cast = None
+    if autocast is not None and autocast[0] == out.device.type and out.dtype == autocast[1] \
+            and out.dtype in _FLOATS and out.dtype != vh_gemm.dtype:
+        if vh_gemm.dtype not in _FLOATS or vwt.dtype not in _FLOATS:
+            return None
+        cast = out.dtype
+    elif not (out.dtype == vh_gemm.dtype == vwt.dtype) or out.dtype not in _FLOATS:
         return None
     if vw.dim() != 2 or vh.dim() < 2 or vh.shape[-1] != vw.shape[1] or out.shape[-1] != vw.shape[0]:
         return None
@@ -144,8 +192,10 @@ def _match_gemm(n: Node) -> Optional[dict]:
         return None
     if bias is not None and (_val(bias) is None or _val(bias).dim() != 1):
         return None
+    if cast is not None:   # autocast: the GEMM of the operands cast to its dtype (a bias too)
+        return dict(h=h, w=w, bias=bias, fp32_lm_head=False, gemm=n, mixed=False, autocast=cast)
     return dict(h=h, w=w, bias=bias, fp32_lm_head=h_cast or w_cast, gemm=n,
-                mixed=vh.dtype != vw.dtype)
+                mixed=vh.dtype != vw.dtype, autocast=None)
 
 
 def _lead_key(key: Any, ndim: int) -> Optional[tuple]:
@@ -180,6 +230,11 @@ def _lead_op(n: Node, cur: Node) -> Optional[tuple]:
         if sizes and isinstance(sizes[-1], int) and sizes[-1] == vin.shape[-1] \
                 and all(isinstance(x, (int, Node)) for x in sizes):
             return ("reshape", tuple(sizes[:-1]))       # h.reshape(*sizes[:-1], H)
+    if _is(n, (torch.squeeze,), ("squeeze",)) and n.args[0] is cur and len(n.args) == 2 \
+            and not n.kwargs and isinstance(n.args[1], int) and not isinstance(n.args[1], bool):
+        d = n.args[1] % vin.dim()       # verl's remove-padding .squeeze(0): a leading dim of 1
+        if d < vin.dim() - 1 and vin.shape[d] == 1:
+            return ("squeeze", (d,))
     if _is(n, (torch.flatten,), ("flatten",)) and n.args[0] is cur:
         start, end = _arg(n, 1, "start_dim", 0), _arg(n, 2, "end_dim", -1)
         if isinstance(start, int) and isinstance(end, int) and end % vin.dim() < vin.dim() - 1:
@@ -194,6 +249,10 @@ def _walk_logits(m: dict) -> dict:
     and L = a without one; with one (a softcap, HF: c * tanh(a * s / c), then / T),
     L = tanh(a) / post, and only casts, scales and views may follow it.
 
+    A division by a 0-dim or per-row tensor t before any tanh ("tensor_temps"; verl's temperature
+    tensors) is the same as dividing h by it: z / t = (h / t) @ W.T; not with a bias, and a per-row
+    t only after the last leading-dim view (it is shaped like the logits' rows there).
+
     "scaling" is the op's (temperature, logit_scale, final_logit_softcapping) for L in terms of
     (GEMM + bias * temp / bias_temp): (temp, 1.0, None) without a tanh; with one, the cap c is
     the first factor multiplied after the tanh (the `c *` of `c * tanh(z / c)`; temp when there
@@ -201,6 +260,7 @@ def _walk_logits(m: dict) -> dict:
     tanh(. / temp) / post. None when a factor is not > 0."""
     cur, chain, temp, bias, bias_temp, lead_ops = m["gemm"], [m["gemm"]], 1.0, m["bias"], 1.0, []
     post, cap = None, None          # after a tanh: its divisor, and the first factor multiplied
+    tensor_temps = []               # (t, len(lead_ops) then): z / t by a 0-dim or per-row tensor
     while len(cur.users) == 1:
         nxt = next(iter(cur.users))
         if nxt.op == "call_method" and nxt.args and nxt.args[0] is not cur:
@@ -217,6 +277,9 @@ def _walk_logits(m: dict) -> dict:
                 temp, bias_temp = temp * nxt.args[1], bias_temp * nxt.args[1]
             else:
                 post = post * nxt.args[1]
+        elif _is(nxt, _DIV, ("div", "true_divide")) and nxt.args[0] is cur and len(nxt.args) == 2 \
+                and not nxt.kwargs and post is None and _row_scale(nxt.args[1], cur):
+            tensor_temps.append((nxt.args[1], len(lead_ops)))
         elif _is(nxt, _MUL, ("mul",)) and len(nxt.args) == 2 and not nxt.kwargs \
                 and len(other) == 1 and _number(other[0]):
             if post is None:
@@ -241,8 +304,28 @@ def _walk_logits(m: dict) -> dict:
     else:
         cap = float(temp if cap is None else cap)
         scaling = (cap * post, cap / temp, cap) if min(temp, post, cap) > 0 else None
+    if tensor_temps and (bias is not None or any(
+            _val(t).dim() and k < len(lead_ops) for t, k in tensor_temps)):
+        scaling = None   # a bias (scaled or not), or a per-row t read through a later view
     return dict(L=cur, chain=chain, temp=temp, bias=bias, bias_temp=bias_temp, lead_ops=lead_ops,
-                scaling=scaling)
+                scaling=scaling, tensor_temps=[t for t, _ in tensor_temps])
+
+
+def _row_scale(t: Any, cur: Node) -> bool:
+    """t divides the logits row by row: a floating tensor, 0-dim or [..., 1] over the logits'
+    leading dims (verl's per-token temperature). z / t = (h / t) @ W.T: the pass divides h."""
+    vt, vc = _val(t), _val(cur)
+    if vt is None or vc is None or not vt.is_floating_point():
+        return False
+    return vt.dim() == 0 or (vt.dim() == vc.dim() and vt.shape[-1] == 1
+                             and tuple(vt.shape[:-1]) == tuple(vc.shape[:-1]))
+
+
+def _gather_parts(g: Node) -> tuple:
+    """(dim, index, sparse_grad) of gather(x, dim, index) or take_along_dim(x, indices, dim)."""
+    if g.target in (torch.take_along_dim, "take_along_dim"):
+        return _arg(g, 2, "dim", None), _arg(g, 1, "indices"), False
+    return _arg(g, 1, "dim"), _arg(g, 2, "index"), _arg(g, 3, "sparse_grad", False)
 
 
 def _ids_source(idx: Node) -> Any:
@@ -271,7 +354,7 @@ def _match_consumers(L: Node) -> Optional[dict]:
                 and _arg(u, 3 if u.target in (F.log_softmax, F.softmax) else 2, "dtype", None) \
                 in (None,) + _FLOATS:
             (lsm if u.target in _LOG_SOFTMAX + ("log_softmax",) else sm).append(u)
-        elif _is(u, (torch.gather,), ("gather",)) and u.args[0] is L:       # z[target]
+        elif _is(u, _GATHER, ("gather", "take_along_dim")) and u.args[0] is L:       # z[target]
             zgathers.append(u)
         elif _is(u, (torch.logsumexp,), ("logsumexp",)) and u.args[0] is L \
                 and _last_dim(_arg(u, 1, "dim"), nd) and len(u.args) + len(u.kwargs) <= 3:
@@ -301,7 +384,7 @@ def _match_consumers(L: Node) -> Optional[dict]:
     gathers, exps = [], []
     for ls in lsm:
         for u in ls.users:
-            if _is(u, (torch.gather,), ("gather",)) and u.args[0] is ls:
+            if _is(u, _GATHER, ("gather", "take_along_dim")) and u.args[0] is ls:
                 gathers.append(u)
             elif _is(u, (torch.exp,), ("exp",)) and len(u.args) == 1:
                 exps.append(u)
@@ -311,8 +394,9 @@ def _match_consumers(L: Node) -> Optional[dict]:
                 return None
     targets = []
     for g in gathers + zgathers:
-        idx, vi = _arg(g, 2, "index"), _val(_arg(g, 2, "index"))
-        if not _last_dim(_arg(g, 1, "dim"), nd) or _arg(g, 3, "sparse_grad", False) or vi is None \
+        dim, idx, sparse = _gather_parts(g)
+        vi = _val(idx)
+        if not _last_dim(dim, nd) or sparse or vi is None \
                 or vi.dtype != torch.int64 or tuple(vi.shape) != tuple(vL.shape[:-1]) + (1,):
             return None
         targets.append((g, idx, g in zgathers))
@@ -351,11 +435,13 @@ def _mutating(n: Node) -> bool:
 
 
 def _region_is_clean(graph: Graph, first: Node, last: Node) -> bool:
-    """No in-place op, grad-mode or autocast switch between the GEMM and its last consumer."""
+    """No in-place op or grad-mode switch between the GEMM and its last consumer. An autocast
+    switch is harmless: the rewrite casts the GEMM's operands as autocast did (``autocast``) and
+    gives each replaced value the dtype the naive node had."""
     inside = False
     for n in graph.nodes:
         inside = inside or n is first
-        if inside and (_mutating(n) or (n.op == "call_function" and n.target in _REGION_FNS)):
+        if inside and (_mutating(n) or (n.op == "call_function" and n.target in _REGION_FNS[:1])):
             return False
         if n is last:
             return True
