@@ -1,0 +1,168 @@
+"""The naive-fusion pass on the log-prob / entropy code RL trainers ship (issue 65), CPU:
+TRL 1.16's own `selective_log_softmax` (its per-row loops, both dtype branches) and
+`entropy_from_logits` (its chunk loop), together on one logits as TRL's trainer calls them, an HF
+causal LM's `.logits` sliced the way trainers slice them, einsum heads, take_along_dim, verl's
+remove-padding spelling (`.squeeze(0)`, a per-token temperature tensor), a 0-dim tensor
+temperature, and autocast regions. Each: the pass's counters, no [N, V] buffer in Inductor's
+code, and outputs and gradients equal to the same code run unfused (fp32 cases to 1e-5; bf16 and
+autocast cases within the logits' bf16 rounding, which the op does not make: it keeps the GEMM's
+fp32 accumulation). verl's own functions run in tests/test_verl.py (its venv). The harness (the
+pass on, tiny shapes, `check`) is naive_fusion_harness.py's.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+from naive_fusion_harness import B, H, T, V, check, fired, fusion_on, make, nv_buffers  # noqa: F401
+
+
+def trl_selective(h, w, b, ids):
+    return (selective_log_softmax(h @ w.T + b, ids),)
+
+
+def trl_selective_temperature(h, w, b, ids):
+    return (selective_log_softmax(F.linear(h, w, b), ids, temperature=0.7),)
+
+
+def trl_entropy_chunked(h, w, b, ids):
+    return (entropy_from_logits(h @ w.T, chunk_size=4),)
+
+
+def trl_trainer_head(h, w, b, ids):
+    """TRL's _get_per_token_logps_and_entropies: slice, temperature, both functions."""
+    logits = F.linear(h, w)[:, :-1, :] / 0.9
+    return selective_log_softmax(logits, ids[:, 1:]), entropy_from_logits(logits, chunk_size=5)
+
+
+def einsum_head(h, w, b, ids):
+    return (torch.einsum("bth,vh->btv", h, w).log_softmax(-1).gather(-1, ids[..., None])[..., 0],)
+
+
+def einsum_ellipsis(h, w, b, ids):
+    return (torch.einsum("...h,vh->...v", h, w).log_softmax(-1).gather(-1, ids[..., None])[..., 0],)
+
+
+def take_along_dim(h, w, b, ids):
+    return (torch.take_along_dim(torch.log_softmax(h @ w.T, -1), ids[..., None], dim=-1)[..., 0],)
+
+
+def verl_remove_padding(h, w, b, ids):
+    """verl's engine: packed [1, nnz] hidden, logits.squeeze(0), a per-token temperature tensor."""
+    temperature = torch.full((B * T,), 0.8)
+    logits = F.linear(h.reshape(1, B * T, H), w).squeeze(0)                   # [nnz, V]
+    logits = logits / temperature.unsqueeze(-1).clamp(min=1e-8).to(logits.dtype)
+    lp = logits.log_softmax(-1).gather(-1, ids.reshape(-1, 1)).squeeze(-1)
+    ent = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)   # verl's entropy
+    return lp, ent
+
+
+def tensor_temperature(h, w, b, ids):
+    t = torch.tensor(0.6)
+    return (((h @ w.T) / t).log_softmax(-1).gather(-1, ids[..., None])[..., 0],)
+
+
+FP32 = [(trl_selective, (1, 0)), (trl_selective_temperature, (1, 0)), (trl_entropy_chunked, (0, 1)),
+        (trl_trainer_head, (1, 1)), (einsum_head, (1, 0)), (einsum_ellipsis, (1, 0)),
+        (take_along_dim, (1, 0)), (verl_remove_padding, (1, 1)), (tensor_temperature, (1, 0))]
+
+
+@pytest.mark.parametrize("fn,expect", FP32, ids=[f.__name__ for f, _ in FP32])
+def test_trainer_spelling_fused(fn, expect):
+    # the entropy's gradient sums V terms a row in another order than the naive graph: 1e-4
+    tol = 1e-4 if expect[1] else 1e-5
+    sources = check(fn, expect, rtol=tol, atol=tol)
+    assert not nv_buffers(sources), nv_buffers(sources)
+    assert not counters["compiled_grpo_unfused"], dict(counters["compiled_grpo_unfused"])
+
+
+def test_row_loops_are_folded():
+    """TRL's loops come back as one computation (the counter counts the folded stacks / cats)."""
+    check(trl_trainer_head, (1, 1), rtol=1e-4, atol=1e-4)
+    assert counters["compiled_grpo"]["naive_row_loop_fold"] == 2      # the logsumexp rows, the entropy chunks
+
+
+def trl_selective_bf16(h, w, b, ids):
+    return (selective_log_softmax(h @ w.T, ids),)   # bf16 logits: TRL's per-row log_softmax branch
+
+
+def autocast_head(h, w, b, ids):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(h, w)                      # bf16 GEMM of the fp32 parameters
+    return (logits.float().log_softmax(-1).gather(-1, ids[..., None])[..., 0],)
+
+
+def autocast_trl(h, w, b, ids):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = h @ w.T
+        return selective_log_softmax(logits, ids), entropy_from_logits(logits, chunk_size=7)
+
+
+@pytest.mark.parametrize("fn,expect,dtype", [(trl_selective_bf16, (1, 0), torch.bfloat16),
+                                             (autocast_head, (1, 0), torch.float32),
+                                             (autocast_trl, (1, 1), torch.float32)],
+                         ids=["trl_selective_bf16", "autocast_head", "autocast_trl"])
+def test_bf16_spelling_fused(fn, expect, dtype):
+    """Within the logits' bf16 rounding (~0.02 at these logits, |z| ~ 3): the naive code rounds
+    the GEMM's output to bf16, the op keeps its fp32 accumulation."""
+    sources = check(fn, expect, make_kw={"dtype": dtype}, rtol=5e-2, atol=5e-2)
+    assert not nv_buffers(sources), nv_buffers(sources)
+
+
+def hf_model(tied=False):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                      tie_word_embeddings=tied, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("keep", [0, 5])
+def test_hf_causal_lm_logits_sliced(keep):
+    """model(...).logits[:, :-1] / T into TRL's functions, the whole forward compiled; with
+    logits_to_keep the last K positions. Equal to the uncompiled model."""
+    model = hf_model()
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(3))
+
+    def step(ids):
+        logits = model(input_ids=ids, logits_to_keep=keep).logits[:, :-1, :] / 0.7
+        tgt = ids[:, 1:] if keep == 0 else ids[:, -(keep - 1):]
+        return selective_log_softmax(logits, tgt), entropy_from_logits(logits, chunk_size=4)
+
+    want = step(ids)
+    got = torch.compile(step, fullgraph=True)(ids)
+    assert fired() == (1, 1)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    g_want = torch.autograd.grad(sum(t.sum() for t in want), [model.lm_head.weight])
+    g_got = torch.autograd.grad(sum(t.sum() for t in got), [model.lm_head.weight])
+    torch.testing.assert_close(g_got[0], g_want[0], rtol=1e-4, atol=1e-5)
+
+
+def rows_differ(h, w, b, ids):
+    """A per-row loop whose rows do different things: not one computation, left alone."""
+    logits = h @ w.T
+    return (torch.stack([torch.logsumexp(logits[0], -1), torch.logsumexp(logits[1] * 2, -1),
+                         torch.logsumexp(logits[2], -1)]),)
+
+
+def rows_missing(h, w, b, ids):
+    """Rows 0 and 1 of 3: the stack does not cover the logits, left alone."""
+    logits = h @ w.T
+    return (torch.stack([torch.logsumexp(lg, -1) for lg in (logits[0], logits[1])]),)
+
+
+def rows_shared_tensor(h, w, b, ids):
+    """Each row times the same [T, V] tensor: a tensor from outside the row, left alone."""
+    logits = h @ w.T
+    s = torch.ones(T, V)
+    return (torch.stack([torch.logsumexp(lg * s, -1) for lg in logits]),)
+
+
+@pytest.mark.parametrize("fn", [rows_differ, rows_missing, rows_shared_tensor])
+def test_loops_that_are_not_one_computation_are_left_alone(fn):
+    check(fn, (0, 0))
+    assert counters["compiled_grpo"]["naive_row_loop_fold"] == 0
+    assert counters["compiled_grpo_unfused"]["logits_users"] >= 1
