@@ -272,3 +272,51 @@ def test_unmapped_settings_name_themselves(setting, match):
     actor = _actor(args["mode"], args["agg"], args["kl"], 0.0)
     with pytest.raises(ValueError, match=match):
         grpo_config(actor, response_length=12)
+
+
+# --- the naive-fusion pass on verl's own log-prob and entropy code ---------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_naive_fusion_fuses_verls_functions(dtype, remove_padding):
+    """verl's logprobs_from_logits (its row loop: logsumexp rows in fp32, log_softmax rows in
+    bf16) and entropy_from_logits, padded [B, T] or remove-padding [1, nnz] -> squeeze(0) with
+    the engine's per-token temperature (_scale_logits_by_temperature), compiled with the pass:
+    one fused call, equal to verl's code run as it is (bf16: within the logits' rounding)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+    from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+    from verl.workers.engine.fsdp.transformer_impl import _scale_logits_by_temperature
+
+    g = torch.Generator().manual_seed(5)
+    b, t, h_, v = 3, 7, 16, 37
+    hidden = torch.randn(b, t, h_, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h_, generator=g) / 2).to(dtype).requires_grad_()
+    ids = torch.randint(0, v, (b, t), generator=g)
+    temps = torch.full((b * t,), 0.8)
+
+    def step(hidden, weight):
+        if remove_padding:
+            logits = (hidden.reshape(1, b * t, h_) @ weight.T).squeeze(0)
+            logits = _scale_logits_by_temperature(logits, temps.unsqueeze(-1), is_unit_temperature=False)
+            labels = ids.reshape(-1)
+        else:
+            logits = (hidden @ weight.T).div(0.8)
+            labels = ids
+        return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
+
+    torch._dynamo.reset()
+    counters.clear()
+    with inductor_config.patch(fx_graph_cache=False), cg.naive_logprob_fusion():
+        got = torch.compile(step, fullgraph=True)(hidden, weight)
+    assert counters["compiled_grpo"]["naive_logprob_fusion"] == 1
+    assert counters["compiled_grpo"]["naive_entropy_fusion"] == 1
+    assert not counters["compiled_grpo_unfused"], dict(counters["compiled_grpo_unfused"])
+    want = step(hidden, weight)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a.float(), c.float(), rtol=tol, atol=tol)
+    gw = torch.autograd.grad(sum(x.float().sum() for x in want), [hidden, weight])
+    gg = torch.autograd.grad(sum(x.float().sum() for x in got), [hidden, weight])
+    for a, c in zip(gg, gw):
+        torch.testing.assert_close(a.float(), c.float(), rtol=tol, atol=tol)
