@@ -7,12 +7,15 @@ autograd and training, inference, frozen and trainable W are all one rewrite):
 
     logits = GEMM(h, W)                    # h @ W.T | torch.matmul(h, W.t()) | F.linear(h, W[, b])
                                            #   | nn.Linear | W.mT, W.transpose(0, 1), torch.mm
+                                           #   | einsum("...h,vh->...v") | inside torch.autocast
+    (first, loops.fold_row_loops: TRL / verl's per-row and per-chunk loops, as one computation)
       .float() / .to(float32) on h and W   -> fp32_lm_head=True             (cast before the GEMM)
       .float() / .to(dtype) on the logits  -> bf16 GEMM, fp32 accumulation  (cast after)
       + b, / c, * c (c a Python number)    -> bias=, temperature= (b added after a scale: b*T)
       c * tanh(z * s / c) (HF softcap), * s -> final_logit_softcapping=, logit_scale= (one tanh;
                                               after it only scales, casts and views)
       [:, :-1], [:, -k:], .view(-1, V)     -> the same leading-dim view applied to h (TRL, verl)
+      .squeeze(0), / t (0-dim / per-row t) -> h.squeeze(0), h / t (verl's remove-padding path)
     consumers of the logits z (all of them must be one of these):
       log_softmax(z, -1).gather(-1, ids.unsqueeze(-1) | ids[..., None])     -> logprobs
       z.gather(-1, idx) - z.logsumexp(-1, keepdim=True), logsumexp(z, -1)  -> logprobs + lse, lse
@@ -146,7 +149,7 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
 # warning the first time a process meets each reason (a torch upgrade that changes how Dynamo
 # records the user's code must not turn the pass off in silence).
 UNFUSED_REASONS = {
-    "no_gemm": "no matmul / linear the pass knows feeds the log-softmax (einsum, autocast, "
+    "no_gemm": "no matmul / linear / einsum the pass knows feeds the log-softmax (tensordot, "
                "or a spelling this torch records differently)",
     "gemm_unmatched": "the GEMM is not logits = h @ W.T of a 2-D W (dtypes, shapes, layout)",
     "logits_users": "the logits have users other than log-prob / entropy / lse consumers",
