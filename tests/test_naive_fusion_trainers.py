@@ -166,3 +166,22 @@ def test_loops_that_are_not_one_computation_are_left_alone(fn):
     check(fn, (0, 0))
     assert counters["compiled_grpo"]["naive_row_loop_fold"] == 0
     assert counters["compiled_grpo_unfused"]["logits_users"] >= 1
+
+
+def test_trl_trainer_head_dynamic_shapes():
+    """torch.compile(dynamic=True): TRL's loops are unrolled per B and chunk count (Dynamo
+    specializes those; a new count is a new graph, TRL's code's nature), and every graph is
+    fused, its logits.shape read from h's view (a size() user of the logits is no obstacle)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    cnt = CompileCounterWithBackend("inductor")
+    fn = torch.compile(lambda h, w, ids: trl_trainer_head(h, w, None, ids), backend=cnt, dynamic=True)
+    for b, t in ((2, 9), (2, 17)):
+        g = torch.Generator().manual_seed(b * t)
+        h = torch.randn(b, t, H, generator=g)
+        w = torch.randn(V, H, generator=g)
+        ids = torch.randint(0, V, (b, t), generator=g)
+        for got, want in zip(fn(h, w, ids), trl_trainer_head(h, w, None, ids)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert counters["compiled_grpo"]["naive_logprob_fusion"] == cnt.frame_count >= 2
+    assert counters["compiled_grpo"]["naive_entropy_fusion"] == cnt.frame_count
+    assert not counters["compiled_grpo_unfused"], dict(counters["compiled_grpo_unfused"])

@@ -136,13 +136,23 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
         for u, keepdim in c["lses"]:
             u.replace_all_uses_with(cast(graph.call_method("unsqueeze", (lse, -1)) if keepdim
                                          else lse, u))
+        for sz in c["sizes"]:                      # logits.size([d]) from h's view and W
+            d = sz.args[1] % vL.dim() if len(sz.args) == 2 else None
+            if d is not None and d < vL.dim() - 1:
+                r = graph.call_method("size", (lead_ref, d))
+            elif d is not None:
+                r = graph.call_method("size", (w, 0))
+            else:
+                r = graph.call_function(operator.add, (graph.call_method("size", (lead_ref,)),
+                                                       (graph.call_method("size", (w, 0)),)))
+            sz.replace_all_uses_with(r)
         if c["ce"]:
             nll = graph.call_function(operator.neg, (lp,))
             nll = graph.call_method("reshape", (nll, -1)) if vL.dim() != 2 else nll     # [N]
             nll = graph.call_method("masked_fill", (nll, ignored, 0.0))
             for x, *_ in c["ce"]:
                 x.replace_all_uses_with(cast(nll, x))
-    _erase_dead(graph, [lead_ref, lp, ent, lse, *replaced])    # cascades up the naive chain
+    _erase_dead(graph, [lead_ref, lp, ent, lse, *replaced, *c["sizes"]])    # cascades up the naive chain
 
 
 # Why a log-prob graph was left unfused: counters["compiled_grpo_unfused"][reason], and a

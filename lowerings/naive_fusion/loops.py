@@ -29,8 +29,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from lowerings.naive_fusion.match import _erase_dead
+from lowerings.naive_fusion.match import _erase_dead, _same_size
 
 # f's ops: elementwise (any tensor arguments must be row values) ...
 _ELEMENTWISE_FNS = (torch.exp, torch.log, torch.neg, torch.tanh, operator.neg, operator.add, operator.sub,
@@ -65,6 +66,14 @@ def _row_input(n: Node) -> Optional[tuple]:
         if dim == 0 and isinstance(src.args[0], Node) and isinstance(src.args[1], int):
             return src, i, "chunk"
     return None
+
+
+def _known_equal(size, count: int) -> bool:
+    """size == count, proved: an int, or a SymInt that Dynamo specialized (unrolling a loop over
+    a symbolic size guards it) or whose value ranges decide it; unknown is not equal."""
+    if isinstance(size, int):
+        return size == count
+    return statically_known_true(size == count)
 
 
 def _row_ndim(n: Node) -> Optional[int]:
@@ -166,12 +175,12 @@ def _fold(graph: Graph, joint: Node) -> bool:
     for src in sources:
         if kind == "row":
             v = _val(src)
-            if v is None or not isinstance(v.shape[0], int) or v.shape[0] != len(items):
+            if v is None or not _known_equal(v.shape[0], len(items)):
                 return False
         else:
             whole = _val(src.args[0])
             k = src.args[1]
-            if whole is None or not isinstance(whole.shape[0], int) or -(-whole.shape[0] // k) != len(items):
+            if whole is None or not _known_equal((whole.shape[0] + k - 1) // k, len(items)):
                 return False
     f_nodes = sigs[0][1]
     row_inputs0 = subs[0][1]
@@ -196,9 +205,12 @@ def _build(graph: Graph, joint: Node, kind: str, f_nodes: list, row_inputs0: dic
     if kind == "chunk":   # chunks of X.reshape(-1, V): f on X itself, its result flattened after
         flats = {r.args[0].args[0] for r in row_inputs0}
         unflat = {x: _unflatten(x) for x in flats}
-        leads = {None if u is None else tuple(_val(u).shape[:-1]) for u in unflat.values()}
-        if None in leads or len(leads) != 1:
-            unflat = {}
+        us = list(unflat.values())
+        if any(u is None for u in us) or any(
+                _val(u).dim() != _val(us[0]).dim()
+                or not all(_known_equal(a, b) if isinstance(b, int) else statically_known_true(a == b)
+                           for a, b in zip(_val(u).shape[:-1], _val(us[0]).shape[:-1])) for u in us):
+            unflat = {}     # chunk sources of different leading shapes: keep the flat ones
     with graph.inserting_before(joint):
         for r, _k in row_inputs0.items():
             src = r.args[0]
@@ -255,7 +267,7 @@ def _unflatten(x: Node) -> Optional[Node]:
         return None
     if (x.op == "call_method" and x.target in ("reshape", "view")) or (x.op == "call_function" and x.target is torch.reshape):
         sizes = x.args[1:] if not (len(x.args) == 2 and isinstance(x.args[1], (list, tuple))) else x.args[1]
-        ok = len(sizes) == 2 and sizes[0] == -1 and isinstance(sizes[1], int)
+        ok = len(sizes) == 2 and sizes[0] == -1 and _same_size(sizes[1], vu.shape[-1])
         return u if ok and not x.kwargs else None
     if (x.op == "call_method" and x.target == "flatten") or (x.op == "call_function" and x.target is torch.flatten):
         start = x.args[1] if len(x.args) > 1 else x.kwargs.get("start_dim", 0)

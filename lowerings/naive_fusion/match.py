@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _MISSING = object()
@@ -214,6 +215,17 @@ def _lead_key(key: Any, ndim: int) -> Optional[tuple]:
     return key if len(key) < ndim or (len(key) == ndim and key[-1] == slice(None)) else None
 
 
+def _same_size(a: Any, size) -> bool:
+    """a (an int, or a node of a SymInt) is the size `size`, provably (dynamic V: the same symbol)."""
+    if isinstance(a, Node):
+        a = a.meta.get("example_value")
+    if isinstance(a, bool) or not isinstance(a, (int, torch.SymInt)):
+        return False
+    if isinstance(a, int) and isinstance(size, int):
+        return a == size
+    return statically_known_true(a == size)
+
+
 def _lead_op(n: Node, cur: Node) -> Optional[tuple]:
     """A view of the logits' leading dims (`[:, :-1]`, `.view(-1, V)`, `.flatten(0, 1)`) as the
     (method, args) that does the same to h; None for anything else."""
@@ -227,7 +239,7 @@ def _lead_op(n: Node, cur: Node) -> Optional[tuple]:
             and not n.kwargs:
         one_arg = len(n.args) == 2 and isinstance(n.args[1], (list, tuple))
         sizes = n.args[1] if one_arg else n.args[1:]
-        if sizes and isinstance(sizes[-1], int) and sizes[-1] == vin.shape[-1] \
+        if sizes and _same_size(sizes[-1], vin.shape[-1]) \
                 and all(isinstance(x, (int, Node)) for x in sizes):
             return ("reshape", tuple(sizes[:-1]))       # h.reshape(*sizes[:-1], H)
     if _is(n, (torch.squeeze,), ("squeeze",)) and n.args[0] is cur and len(n.args) == 2 \
@@ -347,9 +359,12 @@ def _match_consumers(L: Node) -> Optional[dict]:
     if vL is None or vL.dtype not in _FLOATS:
         return None
     nd = vL.dim()
-    lsm, sm, ce, others, zgathers, lses, muls = [], [], [], [], [], [], {}
+    lsm, sm, ce, others, zgathers, lses, muls, sizes = [], [], [], [], [], [], {}, []
     for u in L.users:
-        if _is(u, _LOG_SOFTMAX + _SOFTMAX, ("log_softmax", "softmax")) and u.args[0] is L \
+        if u.op == "call_method" and u.target == "size" and u.args[0] is L and not u.kwargs \
+                and (len(u.args) == 1 or (len(u.args) == 2 and isinstance(u.args[1], int))):
+            sizes.append(u)     # logits.shape (TRL reads it under dynamic shapes): no data needed
+        elif _is(u, _LOG_SOFTMAX + _SOFTMAX, ("log_softmax", "softmax")) and u.args[0] is L \
                 and _last_dim(_arg(u, 1, "dim", None), nd) \
                 and _arg(u, 3 if u.target in (F.log_softmax, F.softmax) else 2, "dtype", None) \
                 in (None,) + _FLOATS:
@@ -424,7 +439,7 @@ def _match_consumers(L: Node) -> Optional[dict]:
     ids = {_ids_source(i) or i for _, i, _ in targets} | {(t, ii) for _, _, t, ii in ce}
     if len(ids) > 1 or not (targets or ce or sums or lses):
         return None
-    return dict(gathers=targets, ce=ce, sums=sums, lses=lses)
+    return dict(gathers=targets, ce=ce, sums=sums, lses=lses, sizes=sizes)
 
 
 def _mutating(n: Node) -> bool:
