@@ -13,9 +13,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
 from naive_fusion_harness import B, H, T, V, check, fired, fusion_on, make, nv_buffers  # noqa: F401
+
+
+def selective_log_softmax(*args, **kwargs):   # TRL's own, imported where called (the GPU
+    from trl.trainer.utils import selective_log_softmax as f   # machines have no TRL)
+    return f(*args, **kwargs)
+
+
+def entropy_from_logits(*args, **kwargs):
+    from trl.trainer.utils import entropy_from_logits as f
+    return f(*args, **kwargs)
 
 
 def trl_selective(h, w, b, ids):
@@ -50,7 +59,7 @@ def take_along_dim(h, w, b, ids):
 
 def verl_remove_padding(h, w, b, ids):
     """verl's engine: packed [1, nnz] hidden, logits.squeeze(0), a per-token temperature tensor."""
-    temperature = torch.full((B * T,), 0.8)
+    temperature = torch.full((B * T,), 0.8, device=h.device)
     logits = F.linear(h.reshape(1, B * T, H), w).squeeze(0)                   # [nnz, V]
     logits = logits / temperature.unsqueeze(-1).clamp(min=1e-8).to(logits.dtype)
     lp = logits.log_softmax(-1).gather(-1, ids.reshape(-1, 1)).squeeze(-1)
@@ -59,7 +68,7 @@ def verl_remove_padding(h, w, b, ids):
 
 
 def tensor_temperature(h, w, b, ids):
-    t = torch.tensor(0.6)
+    t = torch.tensor(0.6, device=h.device)
     return (((h @ w.T) / t).log_softmax(-1).gather(-1, ids[..., None])[..., 0],)
 
 
@@ -88,13 +97,13 @@ def trl_selective_bf16(h, w, b, ids):
 
 
 def autocast_head(h, w, b, ids):
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(h.device.type, dtype=torch.bfloat16):
         logits = F.linear(h, w)                      # bf16 GEMM of the fp32 parameters
     return (logits.float().log_softmax(-1).gather(-1, ids[..., None])[..., 0],)
 
 
 def autocast_trl(h, w, b, ids):
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(h.device.type, dtype=torch.bfloat16):
         logits = h @ w.T
         return selective_log_softmax(logits, ids), entropy_from_logits(logits, chunk_size=7)
 
@@ -185,3 +194,19 @@ def test_trl_trainer_head_dynamic_shapes():
     assert counters["compiled_grpo"]["naive_logprob_fusion"] == cnt.frame_count >= 2
     assert counters["compiled_grpo"]["naive_entropy_fusion"] == cnt.frame_count
     assert not counters["compiled_grpo_unfused"], dict(counters["compiled_grpo_unfused"])
+
+
+# On CUDA the same rewrites launch the op's Triton kernels. TRL's functions are not here: on CUDA
+# TRL 1.16 runs its own Triton kernel (_fused_logprob_entropy), not the loops, and the pass does
+# not rewrite that kernel (docs/inductor-pass.md).
+CUDA_CASES = [(einsum_head, (1, 0)), (take_along_dim, (1, 0)), (verl_remove_padding, (1, 1)),
+              (tensor_temperature, (1, 0)), (autocast_head, (1, 0))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fn,expect", CUDA_CASES, ids=[f.__name__ for f, _ in CUDA_CASES])
+def test_trainer_spelling_fused_cuda(fn, expect):
+    tol = 5e-2 if fn is autocast_head else 1e-4
+    sources = check(fn, expect, make_kw={"device": "cuda"}, rtol=tol, atol=tol)
+    assert not nv_buffers(sources), nv_buffers(sources)
