@@ -1,0 +1,65 @@
+"""Where compiling grpo_loss costs time (issue 65): eager against torch.compile(fullgraph=True) of
+the same step, and the CUDA kernels of one step of each side by side (the kernels only one side
+launches, or launches more often, first).
+
+    python -m bench.probes.compile_gap [--shapes qwen2.5-0.5b qwen3-8b] [--mode auto]
+"""
+import argparse
+from collections import Counter
+
+import torch
+
+import compiled_grpo as cg
+from bench.shapes import SHAPES, make_inputs
+from bench.probes.compiled_recompute_time import timed
+
+
+def kernels(run) -> tuple:
+    """{kernel name: (count, total us)} of one step."""
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    count, us = Counter(), Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            count[e.name] += 1
+            us[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return count, us
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["qwen2.5-0.5b", "qwen3-8b"])
+    p.add_argument("--mode", default="auto")
+    a = p.parse_args(argv)
+    for name in a.shapes:
+        x = make_inputs(SHAPES[name], "cuda", torch.bfloat16, seed=0)
+        cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=a.mode)
+        w = x.weight.detach().requires_grad_()
+        h = x.hidden.detach().requires_grad_()
+
+        def step(f):
+            def run():
+                f(h, w, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs).backward()
+                h.grad = w.grad = None
+            return run
+
+        def loss(*args):
+            return cg.grpo_loss(*args, config=cfg).loss
+        torch._dynamo.reset()
+        comp = torch.compile(loss, fullgraph=True, dynamic=False)
+        te, tc = timed(step(loss), reps=9), timed(step(comp), reps=9)
+        print(f"\n## {name} ({a.mode}): eager {te:.2f} ms, compiled {tc:.2f} ms ({tc / te:.3f}x)")
+        (ce, ue), (cc, uc) = kernels(step(loss)), kernels(step(comp))
+        print(f"kernels a step: eager {sum(ce.values())} ({sum(ue.values()) / 1e3:.2f} ms), "
+              f"compiled {sum(cc.values())} ({sum(uc.values()) / 1e3:.2f} ms)")
+        names = sorted(set(ue) | set(uc), key=lambda k: -abs(uc[k] - ue[k]))
+        print(f"{'kernel':<70}{'eager n':>8}{'us':>10}{'compiled n':>11}{'us':>10}")
+        for k in names[:25]:
+            print(f"{k[:69]:<70}{ce[k]:>8}{ue[k]:>10.0f}{cc[k]:>11}{uc[k]:>10.0f}")
+
+
+if __name__ == "__main__":
+    main()
