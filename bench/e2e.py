@@ -14,10 +14,12 @@ backbone's last hidden state at positions P-1 .. P+T-2) and the lm_head:
   naive            logits = lm_head(h) [B, T, V], log_softmax in fp32, gather (TRL-style user code)
   trl_chunked      TRL 1.16 ChunkedLogProbFunction on the valid tokens (index computed outside
                    the step, as bench/providers.py), then the DAPO math
+  trl_selective    the lm_head's logits / T into TRL 1.16's selective_log_softmax (its trainer head)
   compiled_grpo    cg.grpo_loss(h, lm_head.weight, ...) (default config: fused gradient on CUDA)
 
 each eager and `+compile` (the whole step function, backbone included, under torch.compile; the
-loss-only compile of compiled_grpo is `fullgraph=True` inside it). Reported per provider: the
+loss-only compile of compiled_grpo is `fullgraph=True` inside it); naive and trl_selective also
+`+compile+pass`, with cg.naive_logprob_fusion() on (the row's note: the pass's counters). Reported per provider: the
 first call's time (the compile, for +compile), the median step time after it, and the peak
 memory of a step above the model, its grads and the inputs (activations + loss workspace). One
 row per provider is appended to DIR/e2e.csv and the run is printed as a Markdown table.
@@ -90,6 +92,16 @@ def _loss_trl(model, ids, mask, adv, old, ref, P, p, keep):
     return dapo_loss(logp[None], flat(old), flat(ref), flat(adv_t), torch.ones_like(logp)[None], p)
 
 
+def _loss_trl_selective(model, ids, mask, adv, old, ref, P, p, keep):
+    """TRL 1.16's trainer head: the lm_head's logits of the completion positions over the
+    temperature, trl.trainer.utils.selective_log_softmax (on CPU its per-row loops; on CUDA TRL's
+    own Triton kernel), then the DAPO math."""
+    from trl.trainer.utils import selective_log_softmax
+    logits = model.lm_head(completion_hidden(model, ids, P)) / p.temperature   # [B, T, V]
+    logp = selective_log_softmax(logits, ids[:, P:])
+    return dapo_loss(logp, old, ref, adv, mask, p)
+
+
 def _loss_cg(model, ids, mask, adv, old, ref, P, p, keep, *, config):
     import compiled_grpo as cg
     h = completion_hidden(model, ids, P)
@@ -97,8 +109,12 @@ def _loss_cg(model, ids, mask, adv, old, ref, P, p, keep, *, config):
                         config=config).loss
 
 
-LOSSES = {"naive": _loss_naive, "trl_chunked": _loss_trl, "compiled_grpo": _loss_cg}
-PROVIDERS = [n + s for n in LOSSES for s in ("", "+compile")]
+LOSSES = {"naive": _loss_naive, "trl_chunked": _loss_trl, "trl_selective": _loss_trl_selective,
+          "compiled_grpo": _loss_cg}
+# "+compile+pass": the step compiled with compiled_grpo's Inductor pass on (Inductor's caches off,
+# so that the pass runs; its counters in the row's note)
+PROVIDERS = ([n + s for n in LOSSES for s in ("", "+compile")]
+             + ["naive+compile+pass", "trl_selective+compile+pass"])
 
 
 def _sync(device):
@@ -126,7 +142,18 @@ def step_loss(base_name: str, p: Params):
 
 def run_one(name, model, batch, P, p, device, reps):
     base_name = name.split("+")[0]
-    if base_name == "trl_chunked":
+    if name.endswith("+pass"):
+        import compiled_grpo as cg
+        from torch._dynamo.utils import counters
+        from torch._inductor import config as inductor_config
+        counters.clear()
+        with inductor_config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False), cg.naive_logprob_fusion():
+            row = run_one(name[:-len("+pass")], model, batch, P, p, device, reps)
+        row["note"] = " ".join(f"{k}={v}" for c in ("compiled_grpo", "compiled_grpo_unfused")
+                               for k, v in sorted(counters[c].items())) or "the pass did not fire"
+        return row
+    if base_name in ("trl_chunked", "trl_selective"):
         try:
             import trl.kernels.chunked_logprob  # noqa: F401
         except Exception as e:  # absent or failing import: recorded, not fatal
@@ -211,7 +238,7 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "e2e.csv")
     fields = ["run_id", "device", "torch", "commit", "shape", "provider", "status", "ms", "first_s",
-              "peak_gib", "loss"]
+              "peak_gib", "loss", "note"]
     new = not os.path.exists(path)
     with open(path, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -225,8 +252,9 @@ def main(argv=None):
     print("|---|---:|---:|---:|---:|---|")
     for r in rows:
         ok = r["status"] == "ok"
-        print(f"| {r['provider']} | {r['ms']:.1f} | {r['first_s']:.1f} | {r['peak_gib']:.2f} | {r['loss']:.4f} | {r['status']} |"
-              if ok else f"| {r['provider']} |  |  |  |  | {r['status']} |")
+        status = r["status"] + (f" ({r['note']})" if r.get("note") else "")
+        print(f"| {r['provider']} | {r['ms']:.1f} | {r['first_s']:.1f} | {r['peak_gib']:.2f} | {r['loss']:.4f} | {status} |"
+              if ok else f"| {r['provider']} |  |  |  |  | {status} |")
     return rows
 
 

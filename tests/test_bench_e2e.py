@@ -79,3 +79,19 @@ def test_first_call_alternates_fresh_processes_and_reads_their_rows(tmp_path):
     assert len(list(tmp_path.iterdir())) == 4
     bad = first_call.summary("compiled_grpo+compile", "| compiled_grpo+compile |  |  |  |  | error: X |")
     assert bad["status"] == "error: X" and bad["first_s"] is None and bad["attempts"] == 0
+
+
+def test_e2e_pass_providers_fuse_on_cpu(tmp_path):
+    """bench.e2e's +compile+pass providers (issue 65): the whole step compiled with the pass on;
+    bench's naive spelling and TRL 1.16's selective_log_softmax head (its per-row loops on CPU)
+    each fused once, the loss equal to the eager naive step's."""
+    from bench import e2e
+    from lowerings.naive_fusion import UNFUSED_REASONS
+    rows = e2e.main(["--providers", "naive", "naive+compile+pass", "trl_selective+compile+pass",
+                     "--reps", "1", "--out", str(tmp_path)])
+    assert [r["status"] for r in rows] == ["ok"] * 3, rows
+    for r in rows[1:]:
+        assert "naive_logprob_fusion=1" in r["note"], r
+        assert not any(f"{reason}=" in r["note"] for reason in UNFUSED_REASONS), r
+        assert abs(r["loss"] - rows[0]["loss"]) < 1e-4, (r, rows[0])
+    assert "naive_row_loop_fold=1" in rows[2]["note"], rows[2]
