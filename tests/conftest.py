@@ -32,6 +32,8 @@ RUN_FIRST = (
     "tests/test_bench.py::test_valid_token_peers_and_packed_twin",
     "tests/test_packed.py::test_compile_once_for_many_packings_whole_sequence_blocks",
     "tests/test_aot_hopper.py::test_kernels_compile_for_sm90",
+    "tests/test_bench_e2e.py::test_e2e_pass_providers_fuse_on_cpu",
+    "tests/test_naive_fusion_trainers.py::test_trl_trainer_head_dynamic_shapes",
     "tests/test_cuda_trace.py::test_cuda_rows_backward_trace_in_place_and_symbolic_n",
 )
 
