@@ -12,7 +12,8 @@ matchers see them used by B getitems and leave them alone. ``fold_row_loops`` re
 stack / cat by ``f(X)`` (f's ops once, on the whole tensor) when it can prove that equal:
 
   - the items are f applied to row i (``X[i]``, ``Y[i]``: one int index per row input, in order,
-    covering X's leading dim) or to chunk i of splits of dim 0 covering X, for every i;
+    covering X's leading dim) or to chunk i of splits of dim 0 covering X, for every i (every
+    split of the same chunk size over the same number of rows, so chunk i is the same rows);
   - the copies are the same ops with the same non-tensor arguments (the same graph up to the row
     inputs), and every op is row-wise: elementwise ops and casts, and last-dim ops
     (log_softmax, softmax, logsumexp, gather, sum, unsqueeze, squeeze, with their dims given)
@@ -74,6 +75,13 @@ def _known_equal(size, count: int) -> bool:
     if isinstance(size, int):
         return size == count
     return statically_known_true(size == count)
+
+
+def _same_rows(a, b) -> bool:
+    """Two leading sizes provably equal (ints, or SymInts Dynamo's shape env decides)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
 
 
 def _row_ndim(n: Node) -> Optional[int]:
@@ -182,6 +190,12 @@ def _fold(graph: Graph, joint: Node) -> bool:
             k = src.args[1]
             if whole is None or not _known_equal((whole.shape[0] + k - 1) // k, len(items)):
                 return False
+    if kind == "chunk":   # chunk i of every source holds the same rows: one size, one length
+        first = next(iter(sources))
+        n0 = _val(first.args[0]).shape[0]
+        if any(src.args[1] != first.args[1] or not _same_rows(_val(src.args[0]).shape[0], n0)
+               for src in sources):
+            return False
     f_nodes = sigs[0][1]
     row_inputs0 = subs[0][1]
     env, created = {}, []
