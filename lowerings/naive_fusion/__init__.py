@@ -59,8 +59,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
-from lowerings.naive_fusion.match import (_EINSUM, autocast_dtypes, _LINEAR, _MATMUL, _erase_dead, _ids_source, _is, _match_consumers,
-                                    _match_gemm, _region_is_clean, _replaced, _val, _walk_logits)
+from lowerings.naive_fusion.gemm import _match_gemm, autocast_dtypes
+from lowerings.naive_fusion.match import (_ids_source, _match_consumers, _region_is_clean, _replaced,
+                                          _walk_logits)
+from lowerings.naive_fusion.nodes import _EINSUM, _LINEAR, _MATMUL, _erase_dead, _is, _val
 from lowerings.linear_logprobs.op import linear_logprobs
 from lowerings.naive_fusion.loops import fold_row_loops
 

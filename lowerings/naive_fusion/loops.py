@@ -24,15 +24,15 @@ Anything else is left as it is (the matchers then count it as ``logits_users``).
 graph computes the same values: each row's result is f of that row, and stack over dim 0 (cat
 of the chunks) is what f on the whole tensor gives row by row.
 """
+import contextlib
 import operator
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from lowerings.naive_fusion.match import _erase_dead, _same_size
+from lowerings.naive_fusion.nodes import _erase_dead, _same_size, _val
 
 # f's ops: elementwise (any tensor arguments must be row values) ...
 _ELEMENTWISE_FNS = (torch.exp, torch.log, torch.neg, torch.tanh, operator.neg, operator.add, operator.sub,
@@ -45,11 +45,6 @@ _DIM_FNS = {torch.log_softmax: (1, "dim"), F.log_softmax: (1, "dim"), torch.soft
             torch.sum: (1, "dim"), torch.unsqueeze: (1, "dim"), torch.squeeze: (1, "dim")}
 _DIM_METHODS = {"log_softmax": (1, "dim"), "softmax": (1, "dim"), "logsumexp": (1, "dim"), "gather": (1, "dim"),
                 "sum": (1, "dim"), "unsqueeze": (1, "dim"), "squeeze": (1, "dim")}
-
-
-def _val(n: Any) -> Optional[torch.Tensor]:
-    v = n.meta.get("example_value") if isinstance(n, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def _row_input(n: Node) -> Optional[tuple]:
@@ -67,21 +62,6 @@ def _row_input(n: Node) -> Optional[tuple]:
         if dim == 0 and isinstance(src.args[0], Node) and isinstance(src.args[1], int):
             return src, i, "chunk"
     return None
-
-
-def _known_equal(size, count: int) -> bool:
-    """size == count, proved: an int, or a SymInt that Dynamo specialized (unrolling a loop over
-    a symbolic size guards it) or whose value ranges decide it; unknown is not equal."""
-    if isinstance(size, int):
-        return size == count
-    return statically_known_true(size == count)
-
-
-def _same_rows(a, b) -> bool:
-    """Two leading sizes provably equal (ints, or SymInts Dynamo's shape env decides)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return statically_known_true(a == b)
 
 
 def _row_ndim(n: Node) -> Optional[int]:
@@ -183,17 +163,17 @@ def _fold(graph: Graph, joint: Node) -> bool:
     for src in sources:
         if kind == "row":
             v = _val(src)
-            if v is None or not _known_equal(v.shape[0], len(items)):
+            if v is None or not _same_size(v.shape[0], len(items)):
                 return False
         else:
             whole = _val(src.args[0])
             k = src.args[1]
-            if whole is None or not _known_equal((whole.shape[0] + k - 1) // k, len(items)):
+            if whole is None or not _same_size((whole.shape[0] + k - 1) // k, len(items)):
                 return False
     if kind == "chunk":   # chunk i of every source holds the same rows: one size, one length
         first = next(iter(sources))
         n0 = _val(first.args[0]).shape[0]
-        if any(src.args[1] != first.args[1] or not _same_rows(_val(src.args[0]).shape[0], n0)
+        if any(src.args[1] != first.args[1] or not _same_size(_val(src.args[0]).shape[0], n0)
                for src in sources):
             return False
     f_nodes = sigs[0][1]
@@ -222,7 +202,7 @@ def _build(graph: Graph, joint: Node, kind: str, f_nodes: list, row_inputs0: dic
         us = list(unflat.values())
         if any(u is None for u in us) or any(
                 _val(u).dim() != _val(us[0]).dim()
-                or not all(_known_equal(a, b) if isinstance(b, int) else statically_known_true(a == b)
+                or not all(_same_size(a, b)
                            for a, b in zip(_val(u).shape[:-1], _val(us[0]).shape[:-1])) for u in us):
             unflat = {}     # chunk sources of different leading shapes: keep the flat ones
     with graph.inserting_before(joint):
@@ -303,20 +283,12 @@ def _refresh(graph: Graph, nodes: list) -> None:
         tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
         # the mode the values were made in (the tracing context may hold another one)
         fake = next((t.fake_mode for t in tensors if hasattr(t, "fake_mode")), None)
-        with fake if fake is not None else _null():
+        with fake if fake is not None else contextlib.nullcontext():
             if n.op == "call_method":
                 v = getattr(args[0], n.target)(*args[1:], **kwargs)
             else:
                 v = n.target(*args, **kwargs)
         n.meta["example_value"] = v
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def fold_row_loops(graph: Graph) -> int:

@@ -1,8 +1,8 @@
-"""Matchers of the naive-fusion pass (`lowerings/naive_fusion.py`) on Dynamo torch-IR graphs.
+"""Matchers of the naive-fusion pass (`lowerings/naive_fusion/`) on Dynamo torch-IR graphs.
 
 Legend: H hidden size, V vocab size, [...] the leading dims of hidden, N = prod([...]).
-`_match_gemm` finds `GEMM(h, W)` (with casts, bias, temperature and leading-dim views walked by
-`_walk_logits`); `_match_consumers` checks that every user of the logits is a log-prob, lse,
+From the GEMM that gemm.py's `_match_gemm` finds, `_walk_logits` walks the casts, bias,
+temperature, softcap and leading-dim views to the logits; `_match_consumers` checks that every user of the logits is a log-prob, lse,
 cross-entropy or entropy spelling; `_region_is_clean` refuses a rewrite across in-place ops and
 grad-mode / autocast switches. They read the graph only; `naive_fusion._rewrite` edits it.
 """
@@ -12,191 +12,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_MISSING = object()
-
-
-# ---------------------------------------------------------------------------------------------
-# Node predicates on Dynamo torch-IR. `call_method` nodes carry `self` as args[0], so argument
-# index i below counts the input tensor as 0 for both call_method and call_function spellings.
-
-def _is(n: Any, fns=(), methods=()) -> bool:
-    return isinstance(n, Node) and (
-        (n.op == "call_function" and n.target in fns)
-        or (n.op == "call_method" and n.target in methods))
-
-
-def _arg(n: Node, i: int, name: str, default: Any = _MISSING) -> Any:
-    if i < len(n.args):
-        return n.args[i]
-    return n.kwargs.get(name, default)
-
-
-def _val(n: Any) -> Optional[torch.Tensor]:
-    v = n.meta.get("example_value") if isinstance(n, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _last_dim(d: Any, ndim: int) -> bool:
-    if isinstance(d, (list, tuple)) and len(d) == 1:
-        d = d[0]
-    return isinstance(d, int) and not isinstance(d, bool) and d in (-1, ndim - 1)
-
-
-def _number(x: Any) -> Optional[float]:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-
-
-_MATMUL = (operator.matmul, torch.matmul, torch.mm)
-_EINSUM = (torch.einsum, torch.functional.einsum)
-_GATHER = (torch.gather, torch.take_along_dim)
-_LINEAR = (F.linear,)
-_LOG_SOFTMAX = (torch.log_softmax, F.log_softmax, torch.special.log_softmax)
-_SOFTMAX = (torch.softmax, F.softmax, torch.special.softmax)
-_MUL = (operator.mul, torch.mul)
-_DIV = (operator.truediv, torch.div, torch.true_divide)
-_ADD = (operator.add, torch.add)
-_NEG = (operator.neg, torch.neg)
-_TANH = (torch.tanh, F.tanh)
-_VIEW = (torch.reshape, torch.flatten)
-_MUTATING_FNS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem)
-_REGION_FNS = tuple(f for f in (torch._C._set_grad_enabled,
-                                getattr(torch.amp.autocast_mode, "_enter_autocast", None),
-                                getattr(torch.amp.autocast_mode, "_exit_autocast", None)) if f)
-
-
-def _cast_dtype(n: Node) -> Optional[torch.dtype]:
-    """Dtype of a pure cast (`.float()`, `.half()`, `.bfloat16()`, `.to(dtype)`), else None."""
-    if n.op != "call_method":
-        return None
-    simple = {"float": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16}
-    if n.target in simple and len(n.args) == 1 and not n.kwargs:
-        return simple[n.target]
-    if n.target == "to" and not (set(n.kwargs) - {"dtype"}):
-        rest = list(n.args[1:]) + list(n.kwargs.values())
-        if len(rest) == 1 and isinstance(rest[0], torch.dtype):
-            return rest[0]
-    return None
-
-
-# W.T / W.mT / W.H / W.mH as torch 2.15's Dynamo records them: aten ops (OpOverloadPackets) where
-# earlier releases recorded getattr(W, "T"). For a real W, H and mH are its transpose.
-_ATTR_T = tuple(getattr(torch.ops.aten, name) for name in ("numpy_T", "mT", "matrix_H", "mH")
-                if hasattr(torch.ops.aten, name))
-_ATTR_T = _ATTR_T + tuple(p.default for p in _ATTR_T if hasattr(p, "default"))
-
-
-def _transposed(n: Node) -> Optional[Node]:
-    """W for a node that is W.T / W.mT / W.H / W.mH / W.t() / W.adjoint() / W.transpose(0, 1) /
-    W.permute(1, 0) of a 2-D real W."""
-    v = _val(n)
-    if v is None or v.dim() != 2 or v.is_complex():
-        return None
-    if n.op == "call_function" and n.target is getattr and n.args[1] in ("T", "mT", "H", "mH"):
-        return n.args[0]
-    if _is(n, _ATTR_T, ("adjoint",)) and len(n.args) == 1 and not n.kwargs:
-        return n.args[0]
-    if _is(n, (torch.t,), ("t",)) and len(n.args) == 1:
-        return n.args[0]
-    if _is(n, (torch.transpose,), ("transpose",)):
-        dims = (_arg(n, 1, "dim0"), _arg(n, 2, "dim1"))
-        if all(isinstance(d, int) for d in dims) and sorted(d % 2 for d in dims) == [0, 1]:
-            return n.args[0]
-    if _is(n, (torch.permute,), ("permute",)):
-        dims = n.args[1:] if n.op == "call_method" and len(n.args) == 3 else _arg(n, 1, "dims")
-        if isinstance(dims, (list, tuple)) and [d % 2 for d in dims] == [1, 0]:
-            return n.args[0]
-    return None
-
-
-def _strip_fp32_casts(n: Any) -> tuple:
-    """(source, stripped?) with casts to float32 removed."""
-    stripped = False
-    while isinstance(n, Node) and _cast_dtype(n) == torch.float32:
-        n, stripped = n.args[0], True
-    return n, stripped
-
-
-def _einsum_operands(n: Node) -> Optional[tuple]:
-    """(h, W) of an lm_head einsum: "<lead>h,vh-><lead>v" in any letters, with or without
-    "...", operands given in order or as one list; None for any other einsum."""
-    if not _is(n, _EINSUM) or n.kwargs or len(n.args) < 2 or not isinstance(n.args[0], str):
-        return None
-    ops = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
-    eq = n.args[0].replace(" ", "")
-    if len(ops) != 2 or "->" not in eq or eq.count(",") != 1:
-        return None
-    ins, out = eq.split("->")
-    a, b = ins.split(",")
-    lead = a[:-1]
-    if len(b) != 2 or not a or b[1] != a[-1] or b[0] in a or out != lead + b[0] \
-            or len(set(lead.replace("...", ""))) != len(lead.replace("...", "")):
-        return None
-    return ops[0], ops[1]
-
-
-def autocast_dtypes(graph: Graph) -> dict:
-    """{node: (device_type, dtype)} of the enabled autocast region each node runs in (Dynamo
-    records `with torch.autocast(...)` as _enter_autocast / _exit_autocast calls)."""
-    enter, leave = _REGION_FNS[1:] if len(_REGION_FNS) == 3 else (None, None)
-    stack, out = [], {}
-    for n in graph.nodes:
-        if n.op == "call_function" and enter is not None and n.target is enter:
-            device, dtype, enabled = (list(n.args) + [None, None, True])[:3]
-            stack.append((n, (device, dtype) if enabled and isinstance(dtype, torch.dtype) else None))
-        elif n.op == "call_function" and leave is not None and n.target is leave and stack:
-            stack.pop()
-        out[n] = stack[-1][1] if stack else None
-    return out
-
-
-def _match_gemm(n: Node, autocast: Optional[tuple] = None) -> Optional[dict]:
-    """logits = h @ W.T in any supported spelling -> dict(h, w, bias, fp32_lm_head, gemm).
-    ``autocast`` (device_type, dtype): the region the GEMM runs in; its operands are then cast
-    to that dtype (the rewrite casts them explicitly: "autocast" in the result)."""
-    if _is(n, _LINEAR):
-        h, wt, bias = n.args[0], _arg(n, 1, "weight"), _arg(n, 2, "bias", None)
-        w, w_cast = _strip_fp32_casts(wt)
-    elif _is(n, _MATMUL, ("matmul", "mm")) and len(n.args) == 2 and not n.kwargs:
-        h, bias, wt = n.args[0], None, n.args[1]
-        w, pre = _strip_fp32_casts(wt)
-        w = _transposed(w) if isinstance(w, Node) else None
-        if w is None:
-            return None
-        w, post = _strip_fp32_casts(w)
-        w_cast = pre or post
-    elif _einsum_operands(n) is not None:
-        (h, wt), bias = _einsum_operands(n), None
-        w, w_cast = _strip_fp32_casts(wt)
-    else:
-        return None
-    h_gemm = h
-    h, h_cast = _strip_fp32_casts(h)
-    out, vh, vw, vwt, vh_gemm = _val(n), _val(h), _val(w), _val(wt), _val(h_gemm)
-    if any(v is None for v in (out, vh, vw, vwt, vh_gemm)):
-        return None
-    # Same dtype into and out of the GEMM (mixed-dtype GEMMs excluded), or autocast's: floating
-    # operands on its device, the output in its dtype
-    cast = None
-    if autocast is not None and autocast[0] == out.device.type and out.dtype == autocast[1] \
-            and out.dtype in _FLOATS and out.dtype != vh_gemm.dtype:
-        if vh_gemm.dtype not in _FLOATS or vwt.dtype not in _FLOATS:
-            return None
-        cast = out.dtype
-    elif not (out.dtype == vh_gemm.dtype == vwt.dtype) or out.dtype not in _FLOATS:
-        return None
-    if vw.dim() != 2 or vh.dim() < 2 or vh.shape[-1] != vw.shape[1] or out.shape[-1] != vw.shape[0]:
-        return None
-    if vh.dtype not in _FLOATS or vw.dtype not in _FLOATS:
-        return None
-    if bias is not None and (_val(bias) is None or _val(bias).dim() != 1):
-        return None
-    if cast is not None:   # autocast: the GEMM of the operands cast to its dtype (a bias too)
-        return dict(h=h, w=w, bias=bias, fp32_lm_head=False, gemm=n, mixed=False, autocast=cast)
-    return dict(h=h, w=w, bias=bias, fp32_lm_head=h_cast or w_cast, gemm=n,
-                mixed=vh.dtype != vw.dtype, autocast=None)
+from lowerings.naive_fusion.nodes import (_ADD, _DIV, _FLOATS, _GATHER, _LOG_SOFTMAX, _MUL, _NEG, _REGION_FNS,
+                                          _SOFTMAX, _TANH, _VIEW, _arg, _cast_dtype, _is, _last_dim, _mutating,
+                                          _number, _same_size, _val)
 
 
 def _lead_key(key: Any, ndim: int) -> Optional[tuple]:
@@ -213,17 +32,6 @@ def _lead_key(key: Any, ndim: int) -> Optional[tuple]:
     if Ellipsis in key:
         return key if key[-1] in (Ellipsis, slice(None)) else None
     return key if len(key) < ndim or (len(key) == ndim and key[-1] == slice(None)) else None
-
-
-def _same_size(a: Any, size) -> bool:
-    """a (an int, or a node of a SymInt) is the size `size`, provably (dynamic V: the same symbol)."""
-    if isinstance(a, Node):
-        a = a.meta.get("example_value")
-    if isinstance(a, bool) or not isinstance(a, (int, torch.SymInt)):
-        return False
-    if isinstance(a, int) and isinstance(size, int):
-        return a == size
-    return statically_known_true(a == size)
 
 
 def _lead_op(n: Node, cur: Node) -> Optional[tuple]:
@@ -442,13 +250,6 @@ def _match_consumers(L: Node) -> Optional[dict]:
     return dict(gathers=targets, ce=ce, sums=sums, lses=lses, sizes=sizes)
 
 
-def _mutating(n: Node) -> bool:
-    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-    return (n.op == "call_function" and n.target in _MUTATING_FNS) or (
-        n.op in ("call_method", "call_function") and isinstance(name, str)
-        and name.endswith("_") and not name.endswith("__"))
-
-
 def _region_is_clean(graph: Graph, first: Node, last: Node) -> bool:
     """No in-place op or grad-mode switch between the GEMM and its last consumer. An autocast
     switch is harmless: the rewrite casts the GEMM's operands as autocast did (``autocast``) and
@@ -461,18 +262,6 @@ def _region_is_clean(graph: Graph, first: Node, last: Node) -> bool:
         if n is last:
             return True
     return True
-
-
-def _erase_dead(graph: Graph, seeds: list) -> None:
-    work = list(seeds)
-    while work:
-        n = work.pop()
-        if getattr(n, "_erased", False) or n.users or n.op not in ("call_function", "call_method") \
-                or _mutating(n) or (n.op == "call_function" and n.is_impure()):
-            continue
-        inputs = n.all_input_nodes
-        graph.erase_node(n)
-        work.extend(inputs)
 
 
 def _replaced(c: dict) -> list:
