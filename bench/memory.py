@@ -56,9 +56,7 @@ lead = (B * T,) if packed else (B, T)
 hidden = torch.randn(*lead, H, requires_grad=True)
 v_loc = V // world
 weight = (torch.randn(v_loc, H) / H ** 0.5).requires_grad_()
-ids = torch.randint(0, V, lead)
-if world > 1:
-    ids = torch.randint(0, V, lead, generator=torch.Generator().manual_seed(1))
+ids = torch.randint(0, V, lead)   # the same global ids on every rank (the same seed)
 mask = torch.ones(lead, dtype=torch.bool)
 adv = torch.randn(B)
 old = torch.full(lead, -11.0); ref = torch.full(lead, -11.0)

@@ -14,6 +14,7 @@ import torch
 
 import compiled_grpo as cg
 import lowerings.linear_logprobs.tuning as tuning
+from test_linear_logprobs_gpu import _peak_beyond_grads   # one fwd + bwd beyond inputs and grads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -38,20 +39,6 @@ def _inputs(packed: bool):
     return x, w, ids, adv, mask, {}
 
 
-def _peak_beyond(step, x, w):
-    """Peak allocated by one forward + backward beyond the inputs and the grads it returns
-    (bytes), after a warm-up call (compile, cuBLAS workspaces)."""
-    step(x, w)
-    x.grad = w.grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step(x, w)
-    torch.cuda.synchronize()
-    grads = x.grad.numel() * x.grad.element_size() + w.grad.numel() * w.grad.element_size()
-    return torch.cuda.max_memory_allocated() - base - grads
-
-
 CASES = [("token_logprobs", False, False), ("recompute", False, False), ("recompute", True, False),
          ("fused", False, False), ("fused", True, False), ("auto", False, False),
          ("recompute", False, True), ("fused", False, True)]
@@ -68,15 +55,13 @@ def test_qwen3_8b_head_within_the_documented_bound(mode, packed, compiled):
         old = cg.token_logprobs(x, w, ids, mask=mask, **kw).logprobs
     cfg = cg.GRPOConfig(beta=0.0, gradient_mode="auto" if mode == "token_logprobs" else mode)
 
-    def step(x, w):
+    def loss_fn(x, w):
         if mode == "token_logprobs":
             out = cg.token_logprobs(x, w, ids, mask=mask, with_entropy=True, **kw)
-            loss = (out.logprobs * adv.mean()).sum() + out.entropy.sum()
-        else:
-            loss = cg.grpo_loss(x, w, ids, adv, mask, old, config=cfg, **kw).loss
-        loss.backward()
+            return (out.logprobs * adv.mean()).sum() + out.entropy.sum()
+        return cg.grpo_loss(x, w, ids, adv, mask, old, config=cfg, **kw).loss
 
-    extra = _peak_beyond(torch.compile(step) if compiled else step, x, w)
+    extra = _peak_beyond_grads(torch.compile(loss_fn) if compiled else loss_fn, x, w)
     n = ids.numel()
     if mode in ("fused", "auto"):
         bound = cfg.fused_workspace_mib * 2**20 + blocks.DX_SPLIT_BYTES
