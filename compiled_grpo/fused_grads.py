@@ -122,10 +122,36 @@ def _graph_key(values: tuple, rows: int, dtype: str, dtypes: tuple, device: str)
     return key
 
 
+# Where the op runs the block graph through Inductor rather than op by op. Run op by op, the
+# graph's ~69 aten ops are ~70 kernel launches and ~1.4 ms of host a block on CUDA (qwen3-8b:
+# 11 ms of a 49.6 ms compiled step against 42.5 eager: bench/results/compile_gap_h200_2026-11-29.txt);
+# compiled, they are one or two fused kernels, as in an eager call (compiled_block_grads). Not on
+# CPU: a C++ build per key for a few hundred tokens' elementwise work the graph does anyway.
+COMPILE_BLOCK_GRAPH_ON = ("cuda",)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_fn(key: str):
+    """The block graph of ``key`` as the op runs it: Inductor-compiled on COMPILE_BLOCK_GRAPH_ON's
+    devices (once per key, at the op's first run: at run time, outside the user's trace, so the
+    user's compile holds one opaque op a block and its compile time grows by one small graph,
+    not by G), else the fx graph itself."""
+    gm = _block_graph(key)
+    _, rows, dtype, dtypes, device = json.loads(key)
+    if torch.device(device).type not in COMPILE_BLOCK_GRAPH_ON:
+        return gm
+    example = [torch.zeros(rows, dtype=_dtype(d), device=device) for d in (dtype, dtype, *dtypes) if d]
+    return torch._inductor.compile(gm, example)
+
+
 @torch.library.custom_op("compiled_grpo::block_grads", mutates_args=())
 def _block_grads_op(lp: Tensor, ent: Tensor, inputs: list[Tensor], key: str) -> tuple[Tensor, Tensor]:
-    g_lp, g_ent = _block_graph(key)(lp, ent, *inputs)
-    return g_lp.clone(), g_ent.clone()   # a custom op's outputs may not alias its inputs
+    outs = _block_fn(key)(lp, ent, *inputs)
+    # a custom op's outputs may not alias its inputs, and the graph may return one (dL/dent is
+    # the entropy weights' slice): a host-side pointer test, no copy of the others
+    ptrs = {t.untyped_storage().data_ptr() for t in (lp, ent, *inputs)}
+    g_lp, g_ent = (t.clone() if t.untyped_storage().data_ptr() in ptrs else t for t in outs)
+    return g_lp, g_ent
 
 
 @_block_grads_op.register_fake

@@ -58,6 +58,7 @@ def test_compiled_token_blocks_run_one_traced_graph():
                         fused_workspace_mib=_mib(16))
     inp = make_inputs(B=5, T=9, H=H, V=V, seed=21)                  # N = 45: 3 blocks of 16 rows
     FG._block_graph.cache_clear()
+    FG._block_fn.cache_clear()
     torch._dynamo.reset()
     cnt = CompileCounterWithBackend("aot_eager")
     fn = torch.compile(lambda **kw: cg.grpo_loss(**kw, config=cfg).loss, backend=cnt, fullgraph=True,
@@ -66,6 +67,7 @@ def test_compiled_token_blocks_run_one_traced_graph():
     for rerun in (False, True):
         if rerun:
             FG._block_graph.cache_clear()
+            FG._block_fn.cache_clear()
         leaves = {k: inp[k].detach().clone().requires_grad_() for k in ("hidden", "weight")}
         loss = fn(**dict(inp, **leaves))
         loss.backward()
@@ -124,3 +126,35 @@ def test_block_graph_is_functional_smaller_and_bitwise_the_eager_gradient(cfg):
         got = gm(lp, ent, *present.values())
         for a, b in zip(got, want):
             assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_op_runs_the_inductor_compiled_block_graph(monkeypatch):
+    """On COMPILE_BLOCK_GRAPH_ON's devices (CUDA; CPU forced here) the op runs the block graph
+    compiled by Inductor once per key (one or two kernels a block instead of ~70 launches): the
+    same gradients as the fx graph to rounding, outputs that never alias the op's inputs (dL/dent
+    is the entropy weights' slice in the graph), and one compile for repeated calls."""
+    monkeypatch.setattr(FG, "COMPILE_BLOCK_GRAPH_ON", ("cuda", "cpu"))
+    FG._block_fn.cache_clear()
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01)
+    g = torch.Generator().manual_seed(9)
+    rows = 32
+    per_tok = dict(old=-torch.rand(rows, generator=g) * 3, valid=torch.rand(rows, generator=g) > 0.2,
+                   adv=torch.randn(rows, generator=g), sr=None, ref=-torch.rand(rows, generator=g) * 3,
+                   agg_w=torch.rand(rows, generator=g), ent_w=torch.rand(rows, generator=g) * 0.01, samp=None)
+    inputs = [t for t in per_tok.values() if t is not None]
+    dtypes = tuple("" if per_tok[k] is None else str(per_tok[k].dtype) for k in FG.PER_TOKEN)
+    key = FG._graph_key(tuple(getattr(cfg, n) for n in FG._FIELDS), rows, "torch.float32", dtypes, "cpu")
+    try:
+        for _ in range(2):
+            lp = -torch.rand(rows, generator=g) * 3
+            ent = torch.rand(rows, generator=g) * 2
+            want = FG._block_graph(key)(lp, ent, *inputs)
+            got = torch.ops.compiled_grpo.block_grads(lp, ent, inputs, key)
+            ptrs = {t.untyped_storage().data_ptr() for t in (lp, ent, *inputs)}
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+                assert a.untyped_storage().data_ptr() not in ptrs
+        assert FG._block_fn.cache_info().misses == 1
+        assert not isinstance(FG._block_fn(key), torch.fx.GraphModule)
+    finally:
+        FG._block_fn.cache_clear()

@@ -2,7 +2,11 @@
 the same step, and the CUDA kernels of one step of each side by side (the kernels only one side
 launches, or launches more often, first).
 
-    python -m bench.probes.compile_gap [--shapes qwen2.5-0.5b qwen3-8b] [--mode auto]
+    python -m bench.probes.compile_gap [--shapes qwen2.5-0.5b qwen3-8b] [--modes auto recompute]
+                                       [--kernels]
+
+Eager and compiled are timed in alternating rounds (median of each side's rounds), so drift
+(clocks, temperature) falls on both alike; --kernels adds the per-kernel table of one step.
 """
 import argparse
 from collections import Counter
@@ -32,11 +36,13 @@ def kernels(run) -> tuple:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["qwen2.5-0.5b", "qwen3-8b"])
-    p.add_argument("--mode", default="auto")
+    p.add_argument("--modes", nargs="+", default=["auto"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kernels", action="store_true")
     a = p.parse_args(argv)
-    for name in a.shapes:
+    for name, mode in [(n, m) for n in a.shapes for m in a.modes]:
         x = make_inputs(SHAPES[name], "cuda", torch.bfloat16, seed=0)
-        cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=a.mode)
+        cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=mode)
         w = x.weight.detach().requires_grad_()
         h = x.hidden.detach().requires_grad_()
 
@@ -50,8 +56,14 @@ def main(argv=None):
             return cg.grpo_loss(*args, config=cfg).loss
         torch._dynamo.reset()
         comp = torch.compile(loss, fullgraph=True, dynamic=False)
-        te, tc = timed(step(loss), reps=9), timed(step(comp), reps=9)
-        print(f"\n## {name} ({a.mode}): eager {te:.2f} ms, compiled {tc:.2f} ms ({tc / te:.3f}x)")
+        te, tc = [], []
+        for _ in range(a.rounds):
+            te.append(timed(step(loss), reps=9))
+            tc.append(timed(step(comp), reps=9))
+        te, tc = sorted(te)[len(te) // 2], sorted(tc)[len(tc) // 2]
+        print(f"\n## {name} ({mode}): eager {te:.2f} ms, compiled {tc:.2f} ms ({tc / te:.3f}x)", flush=True)
+        if not a.kernels:
+            continue
         (ce, ue), (cc, uc) = kernels(step(loss)), kernels(step(comp))
         print(f"kernels a step: eager {sum(ce.values())} ({sum(ue.values()) / 1e3:.2f} ms), "
               f"compiled {sum(cc.values())} ({sum(uc.values()) / 1e3:.2f} ms)")
