@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import lowerings.linear_logprobs.tuning as tuning
 from lowerings.linear_logprobs import _linear_logprobs_backward_op, _linear_logprobs_op
+tuning.TRACE_LAUNCHES = TRACE_LAUNCHES
 
 import sys
 sys.path.insert(0, "tests")
@@ -81,7 +82,7 @@ def reinplaced_counts(bw):
             counts[name] = counts.get(name, 0) + 1
     return counts
 '''
-_CUDA_TRACE = _TRACE_PRELUDE + r'''
+_CUDA_TRACE = "TRACE_LAUNCHES = True\n" + _TRACE_PRELUDE + r'''
 with mode:
     n = env.create_symintnode(env.create_symbol(300, source=ConstantSource("N")), hint=300)
     x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
@@ -133,14 +134,14 @@ def _run_trace(script: str) -> None:
 
 
 def test_cuda_backward_trace_in_place_and_symbolic_n():
-    """Traced CUDA backward: no guard on N, and Inductor's reinplace pass leaves no copy of the
+    """(tuning.TRACE_LAUNCHES: each launch a node.) Traced CUDA backward: no guard on N, and Inductor's reinplace pass leaves no copy of the
     dW / fp32 dX / workspace buffers (each chunk writes them in place, as eager does)."""
     _run_trace(_CUDA_TRACE)
 
 
 # The row-masked CUDA path (recompute/rows.py) traced the same way: valid-first sort, per-group gather,
 # Triton dlogits / dW / dX steps.
-_CUDA_ROWS_TRACE = _TRACE_PRELUDE + r'''
+_CUDA_ROWS_TRACE = "TRACE_LAUNCHES = True\n" + _TRACE_PRELUDE + r'''
 with mode:
     n = env.create_symintnode(env.create_symbol(300, source=ConstantSource("N")), hint=300)
     x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
@@ -189,14 +190,14 @@ print("OK")
 
 
 def test_cuda_rows_backward_trace_in_place_and_symbolic_n():
-    """Traced row-masked CUDA forward and backward: no guard on N, and every Triton step writes
+    """(tuning.TRACE_LAUNCHES.) Traced row-masked CUDA forward and backward: no guard on N, and every Triton step writes
     its buffers (xg, ws, dW, the fp32 dX accumulator, dX) in place after Inductor's reinplace."""
     _run_trace(_CUDA_ROWS_TRACE)
 
 
 # The guard itself: a kernel whose only write is a bulk reduce-add through a tensor descriptor (the
 # dW steps' TMA epilogue, the write torch 2.11's analysis missed) is caught until it is declared.
-_DESCRIPTOR_WRITE_TRACE = _TRACE_PRELUDE + r'''
+_DESCRIPTOR_WRITE_TRACE = "TRACE_LAUNCHES = True\n" + _TRACE_PRELUDE + r'''
 from ttir_writes import _toy_kernel
 from lowerings.linear_logprobs.kernels.dw import _dw_step_kernel, _dw_step_persistent_kernel
 _reduce_only = _toy_kernel()
@@ -238,3 +239,45 @@ def test_guard_sees_descriptor_writes():
     epilogue), or only through a Gluon kernel's TMA store, and fails a kernel that does not
     declare it; the dW kernels (Triton and Gluon) declare theirs."""
     _run_trace(_DESCRIPTOR_WRITE_TRACE)
+
+
+# The default (tuning.TRACE_LAUNCHES False): each CUDA body one opaque custom op in the traced
+# graph, eager's launches at run time; its fake traces the same launches (the declared-writes
+# guard and the precompile workers see every kernel).
+_CUDA_OPAQUE_TRACE = "TRACE_LAUNCHES = False\n" + _TRACE_PRELUDE + r'''
+import lowerings.linear_logprobs.launching.precompile as pre
+handed = []
+pre.precompile = lambda host_code, *a, **k: handed.append(host_code) or 0
+with mode:
+    n = env.create_symintnode(env.create_symbol(300, source=ConstantSource("N")), hint=300)
+    x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.empty(5000, 256, device="cuda", dtype=torch.bfloat16)
+    ids = torch.empty(n, device="cuda", dtype=torch.int64)
+    m = torch.empty(n, device="cuda", dtype=torch.bool)
+    tuning.CHUNK_V = 2048
+    tuning.DX_GROUP_BYTES = 200_000
+    grab = lambda gm, args: graphs.append(gm) or gm
+    for mask in (None, m):
+        lp, ent, lse = aot_function(lambda x, w, ids, m: _linear_logprobs_op(
+            x, w, ids, None, 0.7, False, True, m), grab)(x, w, ids, mask)
+        dx, dw, db = aot_function(lambda x, w, ids, lse, ent, g, m: _linear_logprobs_backward_op(
+            x, w, ids, None, lse, ent, g, g, g, 0.7, False, True, True, True, False, m), grab)(
+            x, w, ids, lse, ent, lse, mask)
+        assert dx.shape == x.shape and dw.shape == w.shape and db.shape == (0,), (dx.shape, dw.shape)
+    assert not env.guards and not env.replacements, (env.guards, env.replacements)  # N symbolic
+for gm, op in zip(graphs, ["linear_logprobs_cuda", "linear_logprobs_cuda_backward"] * 2):
+    calls = [nd.target for nd in gm.graph.nodes if nd.op == "call_function"]
+    ours = [t for t in calls if "compiled_grpo" in str(t)]
+    assert [str(t) for t in ours] == [f"compiled_grpo.{op}.default"], calls
+    assert not any("auto_functionalized" in str(t) for t in calls), calls
+assert handed, "the fakes' launches reach the precompile workers"
+assert check_declared() >= {"_fwd_kernel", "_combine_kernel", "_dlogits_kernel", "_gather_rows_kernel"}
+print("OK")
+'''
+
+
+def test_cuda_trace_default_one_opaque_op_a_body():
+    """The default trace: the CUDA forward and backward (dense and row-masked) are one opaque
+    custom op each, N symbolic, while their fakes trace every launch (declared writes checked,
+    kernels handed to the precompile workers)."""
+    _run_trace(_CUDA_OPAQUE_TRACE)

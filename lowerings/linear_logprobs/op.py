@@ -17,9 +17,12 @@ entropy slot holds zeros (not computed; the kernels skip that work) and its grad
 
 Each op body branches on `hidden.device.type`, settled at trace time because fake tensors keep
 their device: CUDA launches the Triton kernels of `recompute/dense.py` / `recompute/rows.py` through
-`launch.declared`: eager, a plain launch; traced, one mutable custom op per launch whose mutated
-buffers are what the kernel declares it writes (not wrap_triton, whose inferred writes dropped
-dW launches: launching/traced.py); every other device runs the chunked pure-PyTorch body of `cpu.py`, which
+`launch.declared`: eager, a plain launch; traced, by default the whole CUDA body is one opaque
+custom op (`compiled_grpo::linear_logprobs_cuda`, `_cuda_backward`) that runs eager's launches
+at run time, its fake the body on fake tensors (tuning.TRACE_LAUNCHES: per-launch nodes cost ~35 us
+of dispatch each, 2x the eager step at qwen2.5-0.5b); with TRACE_LAUNCHES, one mutable custom op
+per launch whose mutated buffers are what the kernel declares it writes (not wrap_triton, whose
+inferred writes dropped dW launches: launching/traced.py); every other device runs the chunked pure-PyTorch body of `cpu.py`, which
 Inductor compiles like any aten code.
 Neither path allocates an [N, V] tensor (see those modules for workspace sizes), and neither
 reads a tensor value on the host, so dynamic N compiles once. Mark N dynamic on hidden and ids
@@ -45,6 +48,8 @@ from torch import Tensor
 from torch.library import triton_op
 
 from lowerings.linear_logprobs import cpu as _torch_impl
+from lowerings.linear_logprobs import tuning
+from lowerings.linear_logprobs.launching.traced import _tracing as _launch_tracing
 from lowerings.linear_logprobs.launching.traced import declared
 
 
@@ -82,20 +87,51 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optio
     (logprobs, entropy, lse) [N], 0 at rows where row_mask is False. fp32_lm_head: hidden and
     weight are fp32 casts of bf16 tensors (linear_logprobs passes upcast_lm_head's exact_tf32):
     fewer TF32 products on CUDA (tuning.logits_precision); the CPU body multiplies in fp32."""
-    scaling = dict(logit_scale=logit_scale, softcap=final_logit_softcapping,
-                   round_logits=round_logits, compute_dtype=compute_dtype)
+    if _on_cuda(hidden):
+        body = _cuda_forward if _opaque(hidden) else _cuda_forward_body
+        return body(hidden, weight, ids, bias, row_mask, temperature, fp32_lm_head, with_entropy,
+                    logit_scale, final_logit_softcapping, round_logits, compute_dtype)
+    out = _cpu_forward(hidden, weight, ids, bias, temperature, with_entropy, logit_scale,
+                       final_logit_softcapping, round_logits, compute_dtype)
+    return _mask_rows(row_mask, *out)
+
+
+def _opaque(hidden: Tensor) -> bool:
+    """Whether a CUDA body runs as its opaque custom op: inside a trace (tuning.TRACE_LAUNCHES)."""
+    return not tuning.TRACE_LAUNCHES and _launch_tracing([hidden])
+
+
+def _cuda_forward_body(hidden, weight, ids, bias, row_mask, temperature, fp32_lm_head, with_entropy,
+                       logit_scale, softcap, round_logits, compute_dtype):
+    """The CUDA forward: row-masked (recompute/rows.py) or dense (recompute/dense.py)."""
+    scaling = dict(logit_scale=logit_scale, softcap=softcap, round_logits=round_logits,
+                   compute_dtype=compute_dtype)
     if _rows_path(hidden, row_mask):
         from lowerings.linear_logprobs.recompute import rows as cuda_rows
         return cuda_rows.forward(hidden, weight, ids, bias, row_mask, temperature, fp32_lm_head,
                                  with_entropy, wrap=declared, **scaling)
-    if _on_cuda(hidden):
-        from lowerings.linear_logprobs.recompute import dense as _dense
-        out = _dense.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
-                             with_entropy, wrap=declared, **scaling)
-    else:
-        out = _cpu_forward(hidden, weight, ids, bias, temperature, with_entropy, logit_scale,
-                           final_logit_softcapping, round_logits, compute_dtype)
+    from lowerings.linear_logprobs.recompute import dense as _dense
+    out = _dense.forward(hidden, weight, ids, bias, temperature, fp32_lm_head,
+                         with_entropy, wrap=declared, **scaling)
     return _mask_rows(row_mask, *out)
+
+
+@torch.library.custom_op("compiled_grpo::linear_logprobs_cuda", mutates_args=())
+def _cuda_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],
+                  row_mask: Optional[Tensor], temperature: float, fp32_lm_head: bool,
+                  with_entropy: bool, logit_scale: float, softcap: Optional[float],
+                  round_logits: bool, compute_dtype: Optional[torch.dtype]
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """_cuda_forward_body as one opaque node of a traced graph (tuning.TRACE_LAUNCHES): at run
+    time the eager launches, after the kernels the trace handed to the precompile workers."""
+    _precompile_wait()
+    return _cuda_forward_body(hidden, weight, ids, bias, row_mask, temperature, fp32_lm_head,
+                              with_entropy, logit_scale, softcap, round_logits, compute_dtype)
+
+
+# The fake is the body itself on fake tensors: its outputs' shapes, and each launch traced
+# (launching/traced.py), which hands its kernel to the precompile workers.
+_cuda_forward.register_fake(_cuda_forward_body)
 
 
 @torch.library.custom_op("compiled_grpo::linear_logprobs_cpu_forward", mutates_args=())
@@ -129,8 +165,26 @@ def _linear_logprobs_backward_op(
         ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (d_hidden [N, H], d_weight [V, H], d_bias [V]); a [0]-shaped tensor where not needed.
     Rows where row_mask is False contribute nothing (their incoming grads are ignored)."""
+    if _on_cuda(hidden):
+        body = _cuda_backward if _opaque(hidden) else _cuda_backward_body
+        return body(hidden, weight, ids, bias, lse, entropy, grad_logprobs, grad_entropy, grad_lse,
+                    temperature, fp32_lm_head, with_entropy, need_hidden, need_weight, need_bias,
+                    row_mask, logit_scale, final_logit_softcapping, round_logits, compute_dtype)
     scaling = dict(logit_scale=logit_scale, softcap=final_logit_softcapping,
                    round_logits=round_logits, compute_dtype=compute_dtype)
+    grad_logprobs, grad_entropy, grad_lse = _mask_rows(row_mask, grad_logprobs, grad_entropy,
+                                                       grad_lse)
+    return _torch_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
+                                grad_entropy, grad_lse, temperature, with_entropy, need_hidden,
+                                need_weight, need_bias, row_mask=row_mask, **scaling)
+
+
+def _cuda_backward_body(hidden, weight, ids, bias, lse, entropy, grad_logprobs, grad_entropy,
+                        grad_lse, temperature, fp32_lm_head, with_entropy, need_hidden, need_weight,
+                        need_bias, row_mask, logit_scale, softcap, round_logits, compute_dtype):
+    """The CUDA backward: row-masked (recompute/rows.py) or dense (recompute/dense.py)."""
+    scaling = dict(logit_scale=logit_scale, softcap=softcap, round_logits=round_logits,
+                   compute_dtype=compute_dtype)
     if _rows_path(hidden, row_mask):
         from lowerings.linear_logprobs.recompute import rows as cuda_rows
         return cuda_rows.backward(hidden, weight, ids, bias, row_mask, lse, entropy,
@@ -139,15 +193,35 @@ def _linear_logprobs_backward_op(
                                   need_bias, wrap=declared, **scaling)
     grad_logprobs, grad_entropy, grad_lse = _mask_rows(row_mask, grad_logprobs, grad_entropy,
                                                        grad_lse)
-    if _on_cuda(hidden):
-        from lowerings.linear_logprobs.recompute import dense as _dense
-        return _dense.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
-                               grad_entropy, grad_lse, temperature, fp32_lm_head,
-                               with_entropy, need_hidden, need_weight, need_bias,
-                               wrap=declared, **scaling)
-    return _torch_impl.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
-                                grad_entropy, grad_lse, temperature, with_entropy, need_hidden,
-                                need_weight, need_bias, row_mask=row_mask, **scaling)
+    from lowerings.linear_logprobs.recompute import dense as _dense
+    return _dense.backward(hidden, weight, ids, bias, lse, entropy, grad_logprobs,
+                           grad_entropy, grad_lse, temperature, fp32_lm_head,
+                           with_entropy, need_hidden, need_weight, need_bias,
+                           wrap=declared, **scaling)
+
+
+@torch.library.custom_op("compiled_grpo::linear_logprobs_cuda_backward", mutates_args=())
+def _cuda_backward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor], lse: Tensor,
+                   entropy: Tensor, grad_logprobs: Tensor, grad_entropy: Tensor, grad_lse: Tensor,
+                   temperature: float, fp32_lm_head: bool, with_entropy: bool, need_hidden: bool,
+                   need_weight: bool, need_bias: bool, row_mask: Optional[Tensor],
+                   logit_scale: float, softcap: Optional[float], round_logits: bool,
+                   compute_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
+    """_cuda_backward_body as one opaque node of a traced graph, as _cuda_forward."""
+    _precompile_wait()
+    return _cuda_backward_body(hidden, weight, ids, bias, lse, entropy, grad_logprobs, grad_entropy,
+                               grad_lse, temperature, fp32_lm_head, with_entropy, need_hidden,
+                               need_weight, need_bias, row_mask, logit_scale, softcap, round_logits,
+                               compute_dtype)
+
+
+_cuda_backward.register_fake(_cuda_backward_body)
+
+
+def _precompile_wait() -> None:
+    """The kernels a trace handed to the precompile workers, adopted before the first launch."""
+    from lowerings.linear_logprobs.launching import precompile
+    precompile.wait()
 
 
 def _model_scaling(logit_scale: float, softcap: Optional[float], round_logits: bool = False,

@@ -46,6 +46,14 @@ TMA = "1"
 # The dW steps' epilogue through TMA (kernels.dw._dw_tile, TMA_OUT): the old dW is added by the L2
 # (a bulk reduce-add) instead of loaded by the program. False keeps the load-add-store epilogue.
 DW_TMA_OUT = True
+# The recompute op's CUDA bodies inside a torch.compile trace (op.py): False (default) one opaque
+# custom op a body (compiled_grpo::linear_logprobs_cuda / _cuda_backward), which runs eager's
+# launches at run time; its fake traces those launches (shapes, and the precompile workers'
+# kernels). True: each Triton launch a node of the traced graph (launching/traced.py's
+# triton_launch), ~35 us of custom-op dispatch a launch more than eager's ~1000 a step: the compiled
+# recompute step at qwen2.5-0.5b took 67.8 against 33.4 ms eager (H200, bench.probes.compile_gap).
+# Caches key on the traced program: compile with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 after a change.
+TRACE_LAUNCHES = False
 
 
 def tiles(x: Tensor, prec: str = "") -> tuple:

@@ -1,5 +1,10 @@
 """Triton launches whose writes are declared, not inferred: the recompute op's launchers' `wrap`.
 
+Where. Inside a trace the recompute op's CUDA bodies are by default one opaque custom op each
+(op.py, tuning.TRACE_LAUNCHES), whose fake runs the body on fake tensors: these traced launches
+are then what the fake sees (the precompile workers get their kernels), and the traced graph
+holds them only with TRACE_LAUNCHES.
+
 Why. A kernel launched through `torch.library.wrap_triton` is traced as a functional node whose
 outputs are the tensors torch's TTIR analysis finds it writing
 (torch/_higher_order_ops/triton_kernel_wrap.py); a node found writing nothing has no output and

@@ -32,7 +32,8 @@ also keeps acc's read-modify-write in L2-sized pieces; the price is dW's G round
 error of order sqrt(G) * 2^-9 for bf16, well under the 2^-8-scale error of bf16 dlogits that
 every bf16 backward has). DX_GROUP_BYTES trades memory for fewer groups.
 A frozen weight skips step 2, a hidden without grad skips step 3.
-Under torch.compile steps 2, 3 and the dX store are small mutable custom ops (`_dw_rows_op`,
+Under torch.compile the whole body is one opaque custom op by default (op.py, tuning.TRACE_LAUNCHES);
+with TRACE_LAUNCHES, steps 2, 3 and the dX store are small mutable custom ops (`_dw_rows_op`,
 `_dx_acc_op`, `_dx_store_op`, mutates_args on dW / acc / dX): functionalization turns them into
 auto_functionalized nodes that Inductor reinplaces, so the compiled backward writes the one dW,
 acc and dX buffers in place like eager (see recompute/gemms.py). The workspace ws is

@@ -46,7 +46,8 @@ def _dx_store_impl(dx: Tensor, r0: int, rows: int, acc: Tensor) -> None:
     dx.narrow(0, r0, rows).copy_(acc[:rows])
 
 
-# The per-chunk cuBLAS steps and the per-group dX store as mutable custom ops, for tracing only.
+# The per-chunk cuBLAS steps and the per-group dX store as mutable custom ops, for tracing only
+# (tuning.TRACE_LAUNCHES; by default a trace holds the whole body as one opaque op: op.py).
 # Written as plain in-place / out= torch calls inside the triton_op body, functionalization turns
 # each dW slice write into a slice_scatter producing a new [V, H] dW and each dX accumulation
 # into mm + add producing a new tensor, and Inductor kept many of those versions alive (18 GiB
