@@ -210,3 +210,84 @@ def test_trainer_spelling_fused_cuda(fn, expect):
     tol = 5e-2 if fn is autocast_head else 1e-4
     sources = check(fn, expect, make_kw={"device": "cuda"}, rtol=tol, atol=tol)
     assert not nv_buffers(sources), nv_buffers(sources)
+
+
+# TRL 1.16 on CUDA runs its own Triton kernel (trl.kernels.logprob_entropy) for both functions,
+# recorded by Dynamo as one autograd_function_apply launching _forward_kernel. Traced here on a
+# CPU machine in a subprocess: Triton's driver names an sm_90 target, torch believes Triton can
+# run, and TRL's kernel gate says yes for CPU tensors, so Dynamo records the CUDA branch's graph
+# exactly; the pass must remove the kernel (Inductor could not build it for CPU) and equal TRL's
+# own CPU loops run eagerly.
+_TRL_KERNEL_SCRIPT = r'''
+import torch, triton
+import torch.nn.functional as F
+from triton.backends.compiler import GPUTarget
+
+class FakeDriver:
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def is_active(self): return True
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+
+import torch.utils._triton as torch_triton
+import trl.trainer.utils as U
+from torch._dynamo.utils import counters
+from lowerings.naive_fusion import naive_logprob_fusion
+
+def head(h, w, ids, T):
+    """TRL's trainer head: the logits over the temperature into both functions (T = 1), or the
+    temperature passed to the kernel, TRL's fused call giving the entropy (T != 1)."""
+    logits = F.linear(h, w)[:, :-1, :] / 0.9
+    if T == 1.0:
+        return U.selective_log_softmax(logits, ids[:, 1:]), U.entropy_from_logits(logits)
+    return (U.selective_log_softmax(logits, ids[:, 1:], temperature=T),
+            U.selective_log_softmax_and_entropy(logits, ids[:, 1:], temperature=T)[1])
+
+g = torch.Generator().manual_seed(0)
+h = torch.randn(2, 7, 16, generator=g, dtype=torch.float64).float()
+w = (torch.randn(40, 16, generator=g, dtype=torch.float64) * 0.3).float()
+ids = torch.randint(0, 40, (2, 7), generator=g)
+refs = {}
+for T in (1.0, 0.7):                                      # TRL's CPU loops, eager
+    leaves = [t.clone().requires_grad_() for t in (h, w)]
+    ref = head(*leaves, ids, T)
+    sum(o.sum() for o in ref).backward()
+    refs[T] = ref, [t.grad for t in leaves]
+torch_triton.has_triton = lambda: True
+U._supports_trl_loss_kernel = lambda *a, **k: True
+U.is_triton_available = lambda: True
+triton.runtime.driver.set_active(FakeDriver())
+for T, (ref, ref_grads) in refs.items():
+    counters.clear()
+    torch._dynamo.reset()
+    leaves = [t.clone().requires_grad_() for t in (h, w)]
+    with naive_logprob_fusion(), torch._inductor.config.patch(force_disable_caches=True):
+        out = torch.compile(head, fullgraph=True, backend="inductor")(*leaves, ids, T)
+        sum(o.sum() for o in out).backward()
+    fired = dict(counters["compiled_grpo"])
+    assert fired.get("naive_logprob_fusion") == 1 and fired.get("naive_entropy_fusion") == 1, fired
+    assert not counters["compiled_grpo_unfused"], dict(counters["compiled_grpo_unfused"])
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip([t.grad for t in leaves], ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+print("OK")
+'''
+
+
+def test_trl_cuda_kernel_fused():
+    """TRL's CUDA branch (its Triton kernel for selective_log_softmax, entropy_from_logits and
+    selective_log_softmax_and_entropy, one logits, a temperature in the call and one in the
+    user's code) is rewritten to one linear_logprobs call: both counters once, TRL's kernel
+    gone, log-probs, entropy and gradients equal TRL's own loops."""
+    import subprocess
+    import sys
+    import os
+    pytest.importorskip("trl")
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _TRL_KERNEL_SCRIPT], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.stdout[-2000:], r.stderr[-4000:])

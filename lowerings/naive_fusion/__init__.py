@@ -61,7 +61,7 @@ from torch.fx import Graph, Node
 
 from lowerings.naive_fusion.gemm import _match_gemm, autocast_dtypes
 from lowerings.naive_fusion.match import (_ids_source, _match_consumers, _region_is_clean, _replaced,
-                                          _walk_logits)
+                                          _walk_logits, trl_kernel_call)
 from lowerings.naive_fusion.nodes import _EINSUM, _LINEAR, _MATMUL, _erase_dead, _is, _val
 from lowerings.linear_logprobs.op import linear_logprobs
 from lowerings.naive_fusion.loops import fold_row_loops
@@ -81,6 +81,8 @@ def linear_logprobs_call(hidden, weight, ids, bias, temperature, fp32_lm_head, w
 def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
     vL, temp, bias, bias_temp = _val(wk["L"]), wk["temp"], wk["bias"], wk["bias_temp"]
     replaced = _replaced(c)
+    trl_lp, trl_ent = (any(i == j for k in c["trl"] for _, i in k["outs"]) for j in (0, 1))
+    bodies = [b for k in c["trl"] for g, _ in k["outs"][:1] for b in g.args[0].args[:2]]
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = min(replaced, key=order.__getitem__)
 
@@ -117,13 +119,23 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
             ids = graph.call_method("masked_fill", (tg, ignored, 0))
             if vL.dim() != 2:
                 ids = graph.call_method("view_as", (ids, lead_ref))                 # [...]
+        elif trl_lp:                                # TRL's kernel: (logits / T)[ids]
+            ids = next(k["ids"] for k in c["trl"] if any(i == 0 for _, i in k["outs"]))
+            if _val(ids).dtype != torch.int64:
+                ids = graph.call_method("long", (ids,))
         else:
             ids = graph.call_function(torch.zeros_like, (lead_ref,), {"dtype": torch.int64})
         temperature, scale, cap = wk["scaling"]
+        if c["trl"]:                                # the kernel's TEMPERATURE on top of the chain's
+            temperature = temperature * c["trl"][0]["temperature"]
         extra = () if cap is None else (float(scale), float(cap))      # a softcap in the chain
         out = graph.call_function(linear_logprobs_call, (
-            h, w, ids, bias, float(temperature), bool(m["fp32_lm_head"]), bool(c["sums"]), *extra))
+            h, w, ids, bias, float(temperature), bool(m["fp32_lm_head"]), bool(c["sums"] or trl_ent),
+            *extra))
         lp, ent, lse = (graph.call_function(operator.getitem, (out, i)) for i in range(3))
+        for k in c["trl"]:                          # TRL's (logprobs, entropy), fp32 as the op's
+            for g, i in k["outs"]:
+                g.replace_all_uses_with(cast(lp if i == 0 else ent, g))
         for g, _, on_logits in c["gathers"]:        # logp[t]; z[t] = logp[t] + lse
             r = graph.call_function(operator.add, (lp, lse)) if on_logits else lp
             g.replace_all_uses_with(cast(graph.call_method("unsqueeze", (r, -1)), g))
@@ -155,6 +167,9 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
             for x, *_ in c["ce"]:
                 x.replace_all_uses_with(cast(nll, x))
     _erase_dead(graph, [lead_ref, lp, ent, lse, *replaced, *c["sizes"]])    # cascades up the naive chain
+    for b in bodies:            # TRL's autograd.Function bodies (get_attr), once their call is gone
+        if not b.users and not getattr(b, "_erased", False):
+            graph.erase_node(b)
 
 
 # Why a log-prob graph was left unfused: counters["compiled_grpo_unfused"][reason], and a
@@ -208,7 +223,7 @@ def _report_unfused(graph: Graph, tried: dict) -> None:
     """Count each log-softmax / logsumexp / cross-entropy still in the graph by why (tried: the
     reason each GEMM the pass looked at was left alone)."""
     for n in graph.nodes:
-        if not _is(n, _LOGPROB_SINKS, ("log_softmax", "logsumexp")):
+        if not (_is(n, _LOGPROB_SINKS, ("log_softmax", "logsumexp")) or trl_kernel_call(n) is not None):
             continue
         gemms = [g for g in _gemm_upstream(n) if g in tried]
         _unfused(tried[gemms[0]] if gemms else "no_gemm", n)
@@ -248,9 +263,10 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
             continue
         _rewrite(graph, m, wk, c)
         rewrites += 1
-        if c["gathers"] or c["ce"] or c["lses"]:
+        outs = {i for k in c["trl"] for _, i in k["outs"]}     # TRL's kernel: 0 logprobs, 1 entropy
+        if c["gathers"] or c["ce"] or c["lses"] or 0 in outs:
             counters["compiled_grpo"]["naive_logprob_fusion"] += 1
-        if c["sums"]:
+        if c["sums"] or 1 in outs:
             counters["compiled_grpo"]["naive_entropy_fusion"] += 1
     if rewrites:
         stable_topological_sort(graph)

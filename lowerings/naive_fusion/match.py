@@ -167,7 +167,7 @@ def _match_consumers(L: Node) -> Optional[dict]:
     if vL is None or vL.dtype not in _FLOATS:
         return None
     nd = vL.dim()
-    lsm, sm, ce, others, zgathers, lses, muls, sizes = [], [], [], [], [], [], {}, []
+    lsm, sm, ce, others, zgathers, lses, muls, sizes, trl = [], [], [], [], [], [], {}, [], []
     for u in L.users:
         if u.op == "call_method" and u.target == "size" and u.args[0] is L and not u.kwargs \
                 and (len(u.args) == 1 or (len(u.args) == 2 and isinstance(u.args[1], int))):
@@ -184,6 +184,8 @@ def _match_consumers(L: Node) -> Optional[dict]:
             lses.append((u, bool(_arg(u, 2, "keepdim", False))))
         elif _is(u, _MUL, ("mul",)) and len(u.args) == 2 and not u.kwargs:   # p * z (entropy)
             muls[u] = None
+        elif trl_kernel_call(u) is not None:
+            trl.append(u)
         else:
             others.append(u)
     for u in others:    # cross_entropy(logits | logits.view(-1, V), target, reduction="none")
@@ -244,10 +246,77 @@ def _match_consumers(L: Node) -> Optional[dict]:
             return None
         # sum(p * logp) = -entropy; sum(p * z) = lse - entropy
         sums.append((s, sign, bool(_arg(s, 2, "keepdim", False)), rest == {L}))
-    ids = {_ids_source(i) or i for _, i, _ in targets} | {(t, ii) for _, _, t, ii in ce}
-    if len(ids) > 1 or not (targets or ce or sums or lses):
+    kernels = []
+    for u in trl:   # TRL's CUDA kernel: the only consumer kind of these logits, one temperature
+        k = trl_kernel_call(u)
+        outs = [(g, g.args[1]) for g in u.users]
+        if k["logits"] is not L or any(not (g.op == "call_function" and g.target is operator.getitem
+                                            and g.args[1] in (0, 1)) for g, _ in outs):
+            return None
+        vi = _val(k["ids"])
+        if any(i == 0 for _, i in outs) and (vi is None or tuple(vi.shape) != tuple(vL.shape[:-1])):
+            return None
+        kernels.append(dict(k, outs=outs))
+    if kernels and (targets or ce or sums or lses
+                    or len({k["temperature"] for k in kernels}) > 1):
         return None
-    return dict(gathers=targets, ce=ce, sums=sums, lses=lses, sizes=sizes)
+    ids = {_ids_source(i) or i for _, i, _ in targets} | {(t, ii) for _, _, t, ii in ce} \
+        | {_spelled(k["ids"]) for k in kernels if any(i == 0 for _, i in k["outs"])}
+    if len(ids) > 1 or not (targets or ce or sums or lses or kernels):
+        return None
+    return dict(gathers=targets, ce=ce, sums=sums, lses=lses, sizes=sizes, trl=kernels)
+
+
+def _spelled(n: Node, depth: int = 4) -> Any:
+    """n, or for a pure call on the graph's inputs (e.g. `ids[:, 1:]` computed once per TRL call)
+    a string naming the call and its arguments, so that two such calls compare equal."""
+    if depth == 0 or n.op not in ("call_function", "call_method") or _mutating(n) \
+            or (n.op == "call_function" and n.is_impure()):
+        return n
+    spell = lambda a: _spelled(a, depth - 1) if isinstance(a, Node) else repr(a)  # noqa: E731
+    parts = [spell(a) for a in n.args] + [f"{k}={spell(v)}" for k, v in n.kwargs.items()]
+    if any(isinstance(p, Node) and p.op not in ("placeholder", "get_attr") for p in parts):
+        return n
+    return f"{n.op}:{n.target}({', '.join(p if isinstance(p, str) else p.name for p in parts)})"
+
+
+# TRL >= 1.16 on CUDA: selective_log_softmax / entropy_from_logits / selective_log_softmax_and_entropy
+# run trl.kernels.logprob_entropy's autograd.Function, which Dynamo records as one
+# autograd_function_apply whose forward body launches its Triton _forward_kernel: (logprobs,
+# entropy) [...] fp32 of logits / TEMPERATURE, the same quantities as the op's.
+_TRL_KERNEL = ("trl.kernels.logprob_entropy", "_forward_kernel")
+
+
+def trl_kernel_call(u: Node) -> Optional[dict]:
+    """{logits, ids, temperature} of TRL's logprob / entropy kernel call `u` (an
+    autograd_function_apply node), or None: another function, a row mask, or a layout the
+    rewrite does not know."""
+    if not (u.op == "call_function" and u.target is torch.ops.higher_order.autograd_function_apply):
+        return None
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    body = u.args[0]
+    gm = getattr(body.graph.owning_module, body.target, None) if body.op == "get_attr" else None
+    if gm is None:
+        return None
+    launches = [n for n in gm.graph.nodes
+                if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation]
+    if len(launches) != 1:
+        return None
+    kernel = kernel_side_table.get_kernel(launches[0].kwargs["kernel_idx"])
+    fn = getattr(kernel, "fn", None)
+    if (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) != _TRL_KERNEL:
+        return None
+    const = kernel_side_table.get_constant_args(launches[0].kwargs["constant_args_idx"])
+    temperature = const.get("TEMPERATURE")
+    if const.get("HAS_MASK", True) or not _number(temperature) or not temperature > 0:
+        return None
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    operands = dict(zip(places, u.args[2:]))      # the body's inputs: the apply's operands
+    kw = launches[0].kwargs["kwargs"]
+    logits, ids = operands.get(kw.get("logits_ptr")), operands.get(kw.get("index_ptr"))
+    if logits is None or ids is None:
+        return None
+    return dict(logits=logits, ids=ids, temperature=float(temperature))
 
 
 def _region_is_clean(graph: Graph, first: Node, last: Node) -> bool:
@@ -265,4 +334,5 @@ def _region_is_clean(graph: Graph, first: Node, last: Node) -> bool:
 
 
 def _replaced(c: dict) -> list:
-    return [next(iter(x)) for k in ("gathers", "sums", "ce", "lses") for x in c[k]]
+    return ([next(iter(x)) for k in ("gathers", "sums", "ce", "lses") for x in c[k]]
+            + [g for k in c["trl"] for g, _ in k["outs"]])
