@@ -141,6 +141,11 @@ def _block_fn(key: str):
     if torch.device(device).type not in COMPILE_BLOCK_GRAPH_ON:
         return gm
     example = [torch.zeros(rows, dtype=_dtype(d), device=device) for d in (dtype, dtype, *dtypes) if d]
+    return _compile_block(gm, example)
+
+
+def _compile_block(gm: torch.fx.GraphModule, example: list):
+    """Inductor's compile of one block graph (bench.probes.first_call times it)."""
     return torch._inductor.compile(gm, example)
 
 
