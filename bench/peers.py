@@ -124,3 +124,40 @@ def _cce(x, p):
         loss.backward()
         return loss.detach()
     yield step
+
+
+@contextlib.contextmanager
+def _verl(x, p, backend: str):
+    """verl 0.9.1's fused log-prob backends as its patched model forward calls them
+    (verl/models/transformers/dense_common.py), on the valid tokens (verl's remove-padding [nnz]
+    rows), then the bench's DAPO math. "torch": `FusedLinearForPPO` (512-row chunks of a
+    [rows, V] fp32 softmax, the backward recomputes: 8*N*H*V); "triton":
+    `verl.utils.kernel.linear_cross_entropy` (verl's Triton kernels; CUDA). Both return the
+    entropy too, which verl's forward computes whether or not the loss uses it."""
+    v = compact(x)
+    if backend == "torch":
+        from verl.utils.experimental.torch_functional import FusedLinearForPPO
+        fused = FusedLinearForPPO(impl_backend="torch")
+
+        def head(h, w, ids):
+            return fused(h, w, ids, temperature=p.temperature)
+    else:
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+        def head(h, w, ids):
+            return linear_cross_entropy(h, w, ids, p.temperature, "none")
+
+    def step():
+        logp, _entropy = head(v.hidden(x), x.weight, v.token_ids)      # [N_valid] each
+        loss = _valid_dapo(logp.float(), v, p)
+        loss.backward()
+        return loss.detach()
+    yield step
+
+
+def _verl_torch(x, p):
+    return _verl(x, p, "torch")
+
+
+def _verl_triton(x, p):
+    return _verl(x, p, "triton")

@@ -21,7 +21,8 @@ from typing import Callable, ContextManager, Iterator, Optional
 import torch
 
 from bench.dapo import Params, _args, _import, _resetting, compact, naive_loss
-from bench.peers import _cce, _liger, _liger_cute, _liger_cute_check, _trl_chunked, _trl_chunked_fp32
+from bench.peers import (_cce, _liger, _liger_cute, _liger_cute_check, _trl_chunked, _trl_chunked_fp32, _verl_torch,
+                         _verl_triton)
 from bench.shapes import StepInputs
 
 
@@ -253,6 +254,12 @@ PROVIDERS: dict[str, Provider] = {
                  sequence_level=_any_inputs),
         Provider("liger_cute", _liger_cute_check, _liger_cute, accepts=_no_softcap,
                  sequence_level=_any_inputs),
+        # verl 0.9.1's two fused-kernel backends (`import verl` needs its own environment: ray,
+        # hydra, tensordict; docs/verl.md); no softcap option in either
+        Provider("verl_torch", _need("verl.utils.experimental.torch_functional"), _verl_torch,
+                 accepts=_no_softcap, sequence_level=_any_inputs),
+        Provider("verl_triton", _need("verl.utils.kernel.linear_cross_entropy", cuda_only=True), _verl_triton,
+                 accepts=_no_softcap, sequence_level=_any_inputs),
         Provider("compiled_grpo_valid", _need_cg("grpo_loss"), _compiled_grpo_valid),
         Provider("compiled_grpo", _need_cg("grpo_loss"), _compiled_grpo(False), accepts=_cg_packed,
                  sequence_level=_any_inputs),

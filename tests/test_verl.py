@@ -330,3 +330,23 @@ def test_example_runs():
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("compiled_grpo's mapping") == 2, run.stdout
+
+
+def test_bench_providers_run_verls_backends(tmp_path):
+    """bench's `verl_torch` provider (verl's FusedLinearForPPO, as its patched forward calls it)
+    runs padded and packed on CPU with the errors of the naive bf16 head it computes (bf16
+    logits); `verl_triton` names CUDA where there is none."""
+    import csv
+    from bench.__main__ import main
+    args = ["--device", "cpu", "--shapes", "cpu-tiny", "cpu-tiny-packed", "--providers", "naive_eager",
+            "verl_torch", "verl_triton", "--out", str(tmp_path), "--reps", "2", "--warmup", "1"]
+    assert main(args) == 0
+    with open(tmp_path / "results.csv", newline="") as f:
+        rows = {(r["shape"], r["provider"]): r for r in csv.DictReader(f)}
+    naive = rows[("cpu-tiny", "naive_eager")]
+    for shape in ("cpu-tiny", "cpu-tiny-packed"):
+        r = rows[(shape, "verl_torch")]
+        assert r["status"] == "ok", r
+        for col in ("loss_rel_err", "dx_rel_err", "dw_rel_err"):
+            assert float(r[col]) <= 2 * float(naive[col]) + 1e-6, (shape, col, r[col], naive[col])
+        assert "needs CUDA" in rows[(shape, "verl_triton")]["status"]
