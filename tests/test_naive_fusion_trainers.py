@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+import lowerings.naive_fusion as nf
 from naive_fusion_harness import B, H, T, V, check, fired, fusion_on, make, nv_buffers  # noqa: F401
 
 
@@ -175,6 +176,41 @@ def test_loops_that_are_not_one_computation_are_left_alone(fn):
     check(fn, (0, 0))
     assert counters["compiled_grpo"]["naive_row_loop_fold"] == 0
     assert counters["compiled_grpo_unfused"]["logits_users"] >= 1
+
+
+def rows_beside_the_logits(h, w, b, ids):
+    """TRL's fp32 row loop beside a user that needs the logits themselves: unfused."""
+    logits = h @ w.T
+    return torch.stack([torch.logsumexp(lg, -1) for lg in logits]), logits
+
+
+def rows_of_no_logits(h, w, b, ids):
+    """A foldable row loop over no logits at all (no GEMM feeds it)."""
+    return (torch.stack([torch.logsumexp(r, -1) for r in h]),)
+
+
+@pytest.mark.parametrize("fn", [rows_beside_the_logits, rows_of_no_logits])
+def test_unused_fold_is_undone(fn):
+    """A loop the pass folded but no rewrite then used is put back as the user wrote it (one
+    logsumexp a row, then the stack: the loop's memory, not a batched [B, T, V] one), the
+    results equal, and no fold is counted."""
+    check(fn, (0, 0))
+    assert counters["compiled_grpo"]["naive_row_loop_fold"] == 0
+    graphs = []
+
+    def backend(gm, example):
+        nf.naive_logprob_fusion_pass(gm.graph)
+        gm.recompile()
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    h, w, b, ids = make()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(h, w, b, ids)
+    for o, r in zip(out, fn(h, w, b, ids)):
+        torch.testing.assert_close(o, r)
+    calls = [n.target for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    assert sum(t in (torch.logsumexp, "logsumexp") for t in calls) == B, calls
+    assert calls.count(torch.stack) == 1, calls
 
 
 def test_trl_trainer_head_dynamic_shapes():

@@ -64,7 +64,7 @@ from lowerings.naive_fusion.match import (_ids_source, _match_consumers, _region
                                           _walk_logits, trl_kernel_call)
 from lowerings.naive_fusion.nodes import _EINSUM, _LINEAR, _MATMUL, _erase_dead, _is, _val
 from lowerings.linear_logprobs.op import linear_logprobs
-from lowerings.naive_fusion.loops import fold_row_loops
+from lowerings.naive_fusion.loops import fold_row_loops, settle_folds
 
 log = logging.getLogger(__name__)
 
@@ -235,9 +235,7 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     rewrites = 0
     tried: dict = {}      # GEMM node -> why it was left alone
     autocast = autocast_dtypes(graph)
-    folded = fold_row_loops(graph)   # TRL / verl's per-row and per-chunk loops, as one computation
-    if folded:
-        counters["compiled_grpo"]["naive_row_loop_fold"] += folded
+    folds = fold_row_loops(graph)   # TRL / verl's per-row and per-chunk loops, as one computation
     for node in [n for n in graph.nodes if _is_gemm(n)]:
         if getattr(node, "_erased", False):
             continue
@@ -268,7 +266,10 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
             counters["compiled_grpo"]["naive_logprob_fusion"] += 1
         if c["sums"] or 1 in outs:
             counters["compiled_grpo"]["naive_entropy_fusion"] += 1
-    if rewrites:
+    kept = settle_folds(graph, folds)   # a fold no rewrite used: the user's loop back
+    if kept:
+        counters["compiled_grpo"]["naive_row_loop_fold"] += kept
+    if rewrites or folds:
         stable_topological_sort(graph)
         graph.lint()
     _report_unfused(graph, tried)

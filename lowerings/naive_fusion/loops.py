@@ -22,15 +22,19 @@ stack / cat by ``f(X)`` (f's ops once, on the whole tensor) when it can prove th
 
 Anything else is left as it is (the matchers then count it as ``logits_users``). The folded
 graph computes the same values: each row's result is f of that row, and stack over dim 0 (cat
-of the chunks) is what f on the whole tensor gives row by row.
+of the chunks) is what f on the whole tensor gives row by row. A fold is tentative: the loop's
+erased nodes are recorded (``Fold``), and ``settle_folds`` puts back every loop whose fold no
+rewrite used, so the pass changes nothing where it does not fuse.
 """
 import contextlib
+import dataclasses
 import operator
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
+from torch.fx.node import map_arg
 
 from lowerings.naive_fusion.nodes import _erase_dead, _same_size, _val
 
@@ -133,49 +137,76 @@ def _subgraph(item: Node, index: int) -> Optional[tuple]:
     return nodes, row_inputs, sources
 
 
-def _fold(graph: Graph, joint: Node) -> bool:
+@dataclasses.dataclass
+class Fold:
+    """One folded loop: `out` (the last of the `created` nodes) stands where the stack / cat
+    `joint` was; `erased` records the loop's nodes (nodes._erase_dead's record)."""
+    joint: Node
+    out: Node
+    created: list
+    erased: list
+
+    def used(self) -> bool:
+        """Whether a rewrite consumed the folded computation (erased some of its nodes)."""
+        return any(getattr(n, "_erased", False) for n in self.created)
+
+    def undo(self, graph: Graph) -> None:
+        """Put the loop back as it was (its nodes recreated, inputs first, before `out`) and
+        erase the folded computation."""
+        new: dict = {}
+        with graph.inserting_before(self.out):
+            for n, op, target, args, kwargs, meta in reversed(self.erased):
+                back = graph.create_node(op, target, map_arg(args, lambda a: new.get(a, a)),
+                                         map_arg(kwargs, lambda a: new.get(a, a)))
+                back.meta = meta
+                new[n] = back
+        self.out.replace_all_uses_with(new[self.joint])
+        _erase_dead(graph, [self.out])
+
+
+def _fold(graph: Graph, joint: Node) -> Optional[Fold]:
     items = joint.args[0] if joint.args else None
     dim = joint.args[1] if len(joint.args) > 1 else joint.kwargs.get("dim", 0)
     if not isinstance(items, (list, tuple)) or len(items) < 2 or dim != 0 \
             or not all(isinstance(x, Node) for x in items):
-        return False
+        return None
     kind = "row" if joint.target is torch.stack else "chunk"
     subs = [_subgraph(x, i) for i, x in enumerate(items)]
     if any(s is None for s in subs):
-        return False
+        return None
     order = {n: i for i, n in enumerate(graph.nodes)}
     sigs = []
     for nodes, row_inputs, sources in subs:
         if any(k != kind for _, k in sources):
-            return False
+            return None
         nodes = sorted(nodes, key=order.__getitem__)
         index = {n: i for i, n in enumerate(nodes)}
         # the row inputs numbered by their source, so that the copies compare
         by_source = {n: (sources[k][0], k) for n, k in row_inputs.items()}
         sig = [_signature(n, index, {n: id(by_source[n][0]) for n in row_inputs}) for n in nodes]
         if any(s is None for s in sig):
-            return False
+            return None
         sigs.append((tuple(sig), nodes))
     if any(s != sigs[0][0] for s, _ in sigs):
-        return False
+        return None
     # the items cover the source: rows 0..B-1 of X, or every chunk of the split(s)
     sources = {src for _, _, srcs in subs for src, _ in srcs}
     for src in sources:
         if kind == "row":
             v = _val(src)
             if v is None or not _same_size(v.shape[0], len(items)):
-                return False
+                return None
         else:
             whole = _val(src.args[0])
             k = src.args[1]
             if whole is None or not _same_size((whole.shape[0] + k - 1) // k, len(items)):
-                return False
+                return None
     if kind == "chunk":   # chunk i of every source holds the same rows: one size, one length
         first = next(iter(sources))
         n0 = _val(first.args[0]).shape[0]
         if any(src.args[1] != first.args[1] or not _same_size(_val(src.args[0]).shape[0], n0)
                for src in sources):
-            return False
+            return None
     f_nodes = sigs[0][1]
     row_inputs0 = subs[0][1]
     env, created = {}, []
@@ -186,10 +217,11 @@ def _fold(graph: Graph, joint: Node) -> bool:
     except Exception:
         for n in reversed(created):     # leave the graph as it was
             graph.erase_node(n)
-        return False
+        return None
     joint.replace_all_uses_with(env[items[0]])
-    _erase_dead(graph, [joint])
-    return True
+    erased: list = []
+    _erase_dead(graph, [joint], record=erased)
+    return Fold(joint, env[items[0]], created, erased)
 
 
 def _build(graph: Graph, joint: Node, kind: str, f_nodes: list, row_inputs0: dict, env: dict,
@@ -291,14 +323,28 @@ def _refresh(graph: Graph, nodes: list) -> None:
         n.meta["example_value"] = v
 
 
-def fold_row_loops(graph: Graph) -> int:
-    """Fold every provable row loop (module docstring); returns how many (the row copies are
-    erased with the stack / cat)."""
-    folded = 0
+def fold_row_loops(graph: Graph) -> list:
+    """Fold every provable row loop (module docstring); returns the Folds (the row copies are
+    erased with the stack / cat, recorded for Fold.undo)."""
+    folds = []
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target in (torch.stack, torch.cat):
             try:
-                folded += bool(_fold(graph, n))
+                fold = _fold(graph, n)
             except Exception:   # noqa: BLE001  a fold that cannot be proved is not made
                 continue
-    return folded
+            if fold is not None:
+                folds.append(fold)
+    return folds
+
+
+def settle_folds(graph: Graph, folds: list) -> int:
+    """After the matchers: undo every fold no rewrite consumed (its loop back as the user wrote
+    it: the same ops, the same memory), latest first; returns how many were kept."""
+    kept = 0
+    for fold in reversed(folds):
+        if fold.used():
+            kept += 1
+        else:
+            fold.undo(graph)
+    return kept

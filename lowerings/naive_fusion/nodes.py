@@ -97,7 +97,10 @@ def _mutating(n: Node) -> bool:
         and name.endswith("_") and not name.endswith("__"))
 
 
-def _erase_dead(graph: Graph, seeds: list) -> None:
+def _erase_dead(graph: Graph, seeds: list, record: Optional[list] = None) -> None:
+    """Erase the seeds that have no users, then their inputs that are left without users, up the
+    graph. record: each erased node's (node, op, target, args, kwargs, meta) appended, users
+    before their inputs (what loops.Fold.undo needs to put them back)."""
     work = list(seeds)
     while work:
         n = work.pop()
@@ -105,5 +108,7 @@ def _erase_dead(graph: Graph, seeds: list) -> None:
                 or _mutating(n) or (n.op == "call_function" and n.is_impure()):
             continue
         inputs = n.all_input_nodes
+        if record is not None:
+            record.append((n, n.op, n.target, n.args, dict(n.kwargs), dict(n.meta)))
         graph.erase_node(n)
         work.extend(inputs)
