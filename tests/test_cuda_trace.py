@@ -61,6 +61,16 @@ mode = FakeTensorMode(shape_env=env)
 graphs = []
 
 
+def fake_batch():
+    """(N, hidden [N, 256], weight [5000, 256] bf16, ids [N], row mask [N]) on fake CUDA, N symbolic
+    (hint 300); inside `mode`. 5000 columns: 3 chunks at CHUNK_V 2048, the last partial."""
+    n = env.create_symintnode(env.create_symbol(300, source=ConstantSource("N")), hint=300)
+    x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.empty(5000, 256, device="cuda", dtype=torch.bfloat16)
+    return (n, x, w, torch.empty(n, device="cuda", dtype=torch.int64),
+            torch.empty(n, device="cuda", dtype=torch.bool))
+
+
 def reinplaced_counts(bw):
     """Run Inductor's reinplace pass on the backward graph; op name -> node count, asserting
     that no mutable op / Triton kernel node clones its buffers."""
@@ -84,10 +94,7 @@ def reinplaced_counts(bw):
 '''
 _CUDA_TRACE = "TRACE_LAUNCHES = True\n" + _TRACE_PRELUDE + r'''
 with mode:
-    n = env.create_symintnode(env.create_symbol(300, source=ConstantSource("N")), hint=300)
-    x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
-    w = torch.empty(5000, 256, device="cuda", dtype=torch.bfloat16)   # 3 chunks, the last partial
-    ids = torch.empty(n, device="cuda", dtype=torch.int64)
+    n, x, w, ids, _ = fake_batch()
     import lowerings.linear_logprobs.recompute.dense as tk
     tuning.CHUNK_V = 2048
     tuning.DX_GROUP_BYTES = 200_000         # 2 row groups of 256 (hint) rows, the last partial
@@ -143,11 +150,7 @@ def test_cuda_backward_trace_in_place_and_symbolic_n():
 # Triton dlogits / dW / dX steps.
 _CUDA_ROWS_TRACE = "TRACE_LAUNCHES = True\n" + _TRACE_PRELUDE + r'''
 with mode:
-    n = env.create_symintnode(env.create_symbol(300, source=ConstantSource("N")), hint=300)
-    x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
-    w = torch.empty(5000, 256, device="cuda", dtype=torch.bfloat16)
-    ids = torch.empty(n, device="cuda", dtype=torch.int64)
-    m = torch.empty(n, device="cuda", dtype=torch.bool)
+    n, x, w, ids, m = fake_batch()
     import lowerings.linear_logprobs.recompute.dense as tk
     import lowerings.linear_logprobs.recompute.rows as rk
     tuning.CHUNK_V = 2048
@@ -249,11 +252,7 @@ import lowerings.linear_logprobs.launching.precompile as pre
 handed = []
 pre.precompile = lambda host_code, *a, **k: handed.append(host_code) or 0
 with mode:
-    n = env.create_symintnode(env.create_symbol(300, source=ConstantSource("N")), hint=300)
-    x = torch.empty(n, 256, device="cuda", dtype=torch.bfloat16)
-    w = torch.empty(5000, 256, device="cuda", dtype=torch.bfloat16)
-    ids = torch.empty(n, device="cuda", dtype=torch.int64)
-    m = torch.empty(n, device="cuda", dtype=torch.bool)
+    n, x, w, ids, m = fake_batch()
     tuning.CHUNK_V = 2048
     tuning.DX_GROUP_BYTES = 200_000
     grab = lambda gm, args: graphs.append(gm) or gm
