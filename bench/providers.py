@@ -255,7 +255,7 @@ PROVIDERS: dict[str, Provider] = {
         Provider("liger_cute", _liger_cute_check, _liger_cute, accepts=_no_softcap,
                  sequence_level=_any_inputs),
         # verl 0.9.1's two fused-kernel backends (`import verl` needs its own environment: ray,
-        # hydra, tensordict; docs/verl.md); no softcap option in either
+        # tensordict, omegaconf, ...; bench/README.md); no softcap option in either
         Provider("verl_torch", _need("verl.utils.experimental.torch_functional"), _verl_torch,
                  accepts=_no_softcap, sequence_level=_any_inputs),
         Provider("verl_triton", _need("verl.utils.kernel.linear_cross_entropy", cuda_only=True), _verl_triton,

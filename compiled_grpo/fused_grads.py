@@ -101,9 +101,8 @@ def _block_graph(key: str) -> torch.fx.GraphModule:
         per_tok = {k: next(it) if p else None for k, p in zip(PER_TOKEN, present)}
         return block_grads(lp, ent, None, 0, per_tok, cfg)
 
-    zeros = lambda d: torch.zeros(rows, dtype=_dtype(d), device=dev)  # noqa: E731
     gm = make_fx(torch.func.functionalize(grads, remove="mutations"))(
-        zeros(dtype), zeros(dtype), *(zeros(d) for d in dtypes if d))
+        *_zero_inputs(rows, dtype, dtypes, dev))
     gm.graph.eliminate_dead_code()
     gm = CSEPass()(gm).graph_module
     gm.graph.eliminate_dead_code()
@@ -140,8 +139,13 @@ def _block_fn(key: str):
     _, rows, dtype, dtypes, device = json.loads(key)
     if torch.device(device).type not in COMPILE_BLOCK_GRAPH_ON:
         return gm
-    example = [torch.zeros(rows, dtype=_dtype(d), device=device) for d in (dtype, dtype, *dtypes) if d]
-    return _compile_block(gm, example)
+    return _compile_block(gm, _zero_inputs(rows, dtype, dtypes, device))
+
+
+def _zero_inputs(rows: int, dtype: str, dtypes: list, device) -> list:
+    """Zero [R] example inputs of the block graph: lp, ent (dtype), then each present PER_TOKEN
+    input (dtypes, '' where absent)."""
+    return [torch.zeros(rows, dtype=_dtype(d), device=device) for d in (dtype, dtype, *dtypes) if d]
 
 
 def _compile_block(gm: torch.fx.GraphModule, example: list):

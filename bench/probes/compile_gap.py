@@ -33,6 +33,25 @@ def kernels(run) -> tuple:
     return count, us
 
 
+def bench_step(name: str, mode: str = "auto"):
+    """(loss, step) at the bench shape `name`: loss(*inputs) the DAPO + k3 KL grpo_loss value,
+    step(f) a call of f's forward + backward on persistent leaves, their grads cleared."""
+    x = make_inputs(SHAPES[name], "cuda", torch.bfloat16, seed=0)
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=mode)
+    w = x.weight.detach().requires_grad_()
+    h = x.hidden.detach().requires_grad_()
+
+    def step(f):
+        def run():
+            f(h, w, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs).backward()
+            h.grad = w.grad = None
+        return run
+
+    def loss(*args):
+        return cg.grpo_loss(*args, config=cfg).loss
+    return loss, step
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["qwen2.5-0.5b", "qwen3-8b"])
@@ -41,19 +60,7 @@ def main(argv=None):
     p.add_argument("--kernels", action="store_true")
     a = p.parse_args(argv)
     for name, mode in [(n, m) for n in a.shapes for m in a.modes]:
-        x = make_inputs(SHAPES[name], "cuda", torch.bfloat16, seed=0)
-        cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=mode)
-        w = x.weight.detach().requires_grad_()
-        h = x.hidden.detach().requires_grad_()
-
-        def step(f):
-            def run():
-                f(h, w, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs).backward()
-                h.grad = w.grad = None
-            return run
-
-        def loss(*args):
-            return cg.grpo_loss(*args, config=cfg).loss
+        loss, step = bench_step(name, mode)
         torch._dynamo.reset()
         comp = torch.compile(loss, fullgraph=True, dynamic=False)
         te, tc = [], []

@@ -8,25 +8,16 @@ import time
 
 import torch
 
-import compiled_grpo as cg
-from bench.shapes import SHAPES, make_inputs
+from bench.probes.compile_gap import bench_step
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-8b")
     a = p.parse_args(argv)
-    x = make_inputs(SHAPES[a.shape], "cuda", torch.bfloat16, seed=0)
-    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04)
-    w = x.weight.detach().requires_grad_()
-    h = x.hidden.detach().requires_grad_()
-
-    def loss(*args):
-        return cg.grpo_loss(*args, config=cfg).loss
+    loss, step = bench_step(a.shape)
     for name, f in (("eager", loss), ("compiled", torch.compile(loss, fullgraph=True, dynamic=False))):
-        def run():
-            f(h, w, x.token_ids, x.advantages, x.mask, x.old_logprobs, x.ref_logprobs).backward()
-            h.grad = w.grad = None
+        run = step(f)
         for _ in range(3):
             run()
         torch.cuda.synchronize()

@@ -184,8 +184,8 @@ def _match_consumers(L: Node) -> Optional[dict]:
             lses.append((u, bool(_arg(u, 2, "keepdim", False))))
         elif _is(u, _MUL, ("mul",)) and len(u.args) == 2 and not u.kwargs:   # p * z (entropy)
             muls[u] = None
-        elif trl_kernel_call(u) is not None:
-            trl.append(u)
+        elif (k := trl_kernel_call(u)) is not None:
+            trl.append((u, k))
         else:
             others.append(u)
     for u in others:    # cross_entropy(logits | logits.view(-1, V), target, reduction="none")
@@ -247,8 +247,7 @@ def _match_consumers(L: Node) -> Optional[dict]:
         # sum(p * logp) = -entropy; sum(p * z) = lse - entropy
         sums.append((s, sign, bool(_arg(s, 2, "keepdim", False)), rest == {L}))
     kernels = []
-    for u in trl:   # TRL's CUDA kernel: the only consumer kind of these logits, one temperature
-        k = trl_kernel_call(u)
+    for u, k in trl:   # TRL's CUDA kernel: the only consumer kind of these logits, one temperature
         outs = [(g, g.args[1]) for g in u.users]
         if k["logits"] is not L or any(not (g.op == "call_function" and g.target is operator.getitem
                                             and g.args[1] in (0, 1)) for g, _ in outs):
