@@ -60,11 +60,9 @@ from lowerings.linear_logprobs.fused import schedule as _op
 from lowerings.linear_logprobs.fused import steps as _steps
 from lowerings.linear_logprobs.device import cdiv, size_hint
 
-ROW_ALIGN = 128          # block rows: a whole number of the kernels' 128-row tiles ...
-MIN_ROWS = 16            # ... or of 16 when the workspace budget is smaller (tests, tiny heads)
-MAX_BLOCKS = 64          # bound on the unrolled loop (compiled graph size); past it R grows
-COMPILED_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # block counts inside torch.compile
-CPU_BLOCK_ROWS = 2048     # token-level block rows at most off CUDA (V = 151936 fp32: the budget's ~1k)
+from lowerings.linear_logprobs.fused.plan import (CPU_BLOCK_ROWS, COMPILED_BLOCKS, MAX_BLOCKS,  # noqa: F401
+                                                  MIN_ROWS, ROW_ALIGN, budget_rows, compiled_blocks,
+                                                  token_blocks)
 
 
 def _plan_vocab(weight: Tensor, shard) -> int:
@@ -76,24 +74,8 @@ def _plan_vocab(weight: Tensor, shard) -> int:
 
 
 def _budget_rows(hidden: Tensor, weight: Tensor, cfg, shard=None) -> int:
-    """R of the workspace budget: fused_workspace_mib / (V * element size), whole tiles."""
-    rows = int(static_value(cfg.fused_workspace_mib) * 2**20) // _op.ws_row_bytes(hidden, weight, _plan_vocab(weight, shard))
-    align = ROW_ALIGN if rows >= ROW_ALIGN else MIN_ROWS
-    return max(MIN_ROWS, rows // align * align)
-
-
-def _compiled_blocks(units, per_block: int) -> Optional[int]:
-    """Inside torch.compile: the smallest G of COMPILED_BLOCKS (steps of ~1.5x) whose G blocks of
-    per_block rows (or whole sequences) hold ``units``, None past MAX_BLOCKS. Under dynamic shapes
-    each comparison is a shape guard, so the graph recompiles only when the size crosses one of
-    these steps: the eager count, cdiv(units, per_block), would recompile at every multiple of
-    the budget (8 row counts of qwen3-8b's 2048-row blocks already reach Dynamo's recompile
-    limit, past which the loss runs uncompiled). The blocks past the last valid row are empty:
-    their kernels exit on the device count."""
-    for g in COMPILED_BLOCKS:
-        if g * per_block >= units:
-            return g
-    return None
+    """R of the workspace budget: fused_workspace_mib / (V * element size), whole tiles (plan.py)."""
+    return budget_rows(hidden, weight, static_value(cfg.fused_workspace_mib), _plan_vocab(weight, shard))
 
 
 def _auto_device_ok(hidden: Tensor) -> bool:
@@ -289,29 +271,13 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
             block_rows = budget // wave * wave
         blocks = None
         if compiling:   # a step at least the bound: cdiv(S, k) or 2 cdiv(N, R) - 1 blocks
-            by_seq = _compiled_blocks(s_num, max(1, block_rows // max_seqlen))
-            by_rows = _compiled_blocks(2 * cdiv(n, block_rows) - 1, 1)
+            by_seq = compiled_blocks(s_num, max(1, block_rows // max_seqlen))
+            by_rows = compiled_blocks(2 * cdiv(n, block_rows) - 1, 1)
             blocks = by_seq if by_rows is None else by_rows if by_seq is None else min(by_seq, by_rows)
         if blocks is None:
             blocks = _op.next_fit_blocks(size_hint(s_num), size_hint(n), block_rows, size_hint(max_seqlen))
     else:   # several blocks: whole dX waves where the budget holds one, else forward waves
-        if not _auto_device_ok(hidden):
-            # The CPU body computes every row of a block, valid or not (the Triton kernels stop at
-            # the device count), and a compiled graph's blocks have the budget's R rows (static
-            # under dynamic N): at a small vocab ~1M rows for a batch of 32 (bench.tp's cpu-tiny,
-            # V = 128: 7 s a call). CPU_BLOCK_ROWS bounds R there; N plays no part (no guard).
-            budget = min(budget, CPU_BLOCK_ROWS)
-        align = ROW_ALIGN if budget >= ROW_ALIGN else MIN_ROWS
-        plan = _op.block_align(hidden, weight, budget // align * align)   # None off CUDA
-        if plan is not None and size_hint(n) > budget:   # (block_align's docstring)
-            align = plan
-        budget = budget // align * align
-        blocks = _compiled_blocks(n, budget) if compiling else None
-        if blocks is not None:   # static R and G: static block shapes under dynamic N
-            block_rows = budget
-        else:
-            blocks = min(MAX_BLOCKS, max(1, cdiv(size_hint(n), budget)))
-            block_rows = cdiv(cdiv(n, blocks), align) * align
+        blocks, block_rows = token_blocks(hidden, weight, budget, n, compiling)
 
     # the per-block gradient as one compiled graph in eager CUDA calls (fused_grads)
     compiled = (_grads.BLOCK_GRADS_COMPILED and _auto_device_ok(hidden)

@@ -161,7 +161,7 @@ def test_compiled_block_counts_step_so_dynamic_sizes_rarely_recompile():
     6, 8: a size within a step reuses its graph); loss and grads equal eager's exact plan at
     every size. (All ten sizes compiled took 60-160 s of a 2-core CI run.)"""
     from torch._dynamo.testing import CompileCounterWithBackend
-    from compiled_grpo.fused import _compiled_blocks
+    from lowerings.linear_logprobs.fused.plan import compiled_blocks as _compiled_blocks
     assert [_compiled_blocks(n, 16) for n in range(16, 161, 16)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12]
     cfg = cg.GRPOConfig(beta=0.04, gradient_mode="fused", fused_workspace_mib=_mib(16))
     cnt = CompileCounterWithBackend("aot_eager")
