@@ -65,6 +65,11 @@ from lowerings.naive_fusion.match import (_ids_source, _match_consumers, _region
 from lowerings.naive_fusion.nodes import _EINSUM, _LINEAR, _MATMUL, _erase_dead, _is, _val
 from lowerings.linear_logprobs.op import linear_logprobs
 from lowerings.naive_fusion.loops import fold_row_loops, settle_folds
+from lowerings.naive_fusion import separable
+
+# The fused-gradient rewrite (separable.py) after the log-prob rewrite; False: the recompute op
+# always (the op's own backward: one more head GEMM, no [N, V] logits either).
+FUSED_GRADIENT = True
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +83,8 @@ def linear_logprobs_call(hidden, weight, ids, bias, temperature, fp32_lm_head, w
     return out.logprobs, out.entropy, out.lse
 
 
-def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
+def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> Node:
+    """Replace the matched GEMM and consumers by one linear_logprobs_call; returns that node."""
     vL, temp, bias, bias_temp = _val(wk["L"]), wk["temp"], wk["bias"], wk["bias_temp"]
     replaced = _replaced(c)
     trl_lp, trl_ent = (any(i == j for k in c["trl"] for _, i in k["outs"]) for j in (0, 1))
@@ -170,6 +176,7 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> None:
     for b in bodies:            # TRL's autograd.Function bodies (get_attr), once their call is gone
         if not b.users and not getattr(b, "_erased", False):
             graph.erase_node(b)
+    return out
 
 
 # Why a log-prob graph was left unfused: counters["compiled_grpo_unfused"][reason], and a
@@ -232,7 +239,7 @@ def _report_unfused(graph: Graph, tried: dict) -> None:
 def naive_logprob_fusion_pass(graph: Graph) -> int:
     """Rewrite every matched naive log-prob / entropy computation in `graph`; return the count.
     What it leaves is counted by reason (UNFUSED_REASONS)."""
-    rewrites = 0
+    rewrites = []         # the linear_logprobs_call nodes inserted
     tried: dict = {}      # GEMM node -> why it was left alone
     autocast = autocast_dtypes(graph)
     folds = fold_row_loops(graph)   # TRL / verl's per-row and per-chunk loops, as one computation
@@ -259,8 +266,7 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
         if not _region_is_clean(graph, node, max(_replaced(c), key=order.__getitem__)):
             tried[node] = "region"
             continue
-        _rewrite(graph, m, wk, c)
-        rewrites += 1
+        rewrites.append(_rewrite(graph, m, wk, c))
         outs = {i for k in c["trl"] for _, i in k["outs"]}     # TRL's kernel: 0 logprobs, 1 entropy
         if c["gathers"] or c["ce"] or c["lses"] or 0 in outs:
             counters["compiled_grpo"]["naive_logprob_fusion"] += 1
@@ -271,9 +277,14 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
         counters["compiled_grpo"]["naive_row_loop_fold"] += kept
     if rewrites or folds:
         stable_topological_sort(graph)
+    # then, on the sorted graph: a token-separable loss of the log-probs takes the fused schedule
+    fused = [separable.fuse_loss_gradient(graph, out) for out in rewrites] if FUSED_GRADIENT else []
+    if "fused" in fused:
+        stable_topological_sort(graph)
+    if rewrites or folds:
         graph.lint()
     _report_unfused(graph, tried)
-    return rewrites
+    return len(rewrites)
 
 
 # ---------------------------------------------------------------------------------------------
