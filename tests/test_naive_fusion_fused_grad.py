@@ -16,7 +16,7 @@ from torch._inductor.utils import run_and_get_code
 
 import lowerings.naive_fusion as nf
 from lowerings.naive_fusion import separable
-from tests.naive_fusion_harness import fusion_on  # noqa: F401 (autouse: the pass on, caches off)
+from naive_fusion_harness import fusion_on  # noqa: F401 (autouse: the pass on, caches off)
 
 B, T, H, V = 3, 11, 24, 53
 
