@@ -71,6 +71,17 @@ def cross_entropy_sum(h, w, b, ids, mask, adv, old, ref):
     return (nll * mask.view(-1)).sum() / B
 
 
+def trl_fp32_dapo(h, w, b, ids, mask, adv, old, ref):
+    """TRL 1.16's selective_log_softmax on fp32 logits (CPU): gather - a per-row logsumexp loop,
+    (lp + lse) - lse after the rewrite, the lse's gradient cancelling (separable._cancel_lse)."""
+    from trl.trainer.utils import selective_log_softmax
+    lp = selective_log_softmax(F.linear(h, w, b).float(), ids, temperature=0.9)
+    coef = torch.exp(lp - old)
+    per_token = -torch.min(coef * adv[:, None], torch.clamp(coef, 0.8, 1.28) * adv[:, None])
+    m = mask.float()
+    return (per_token * m).sum() / m.sum().clamp(min=1.0)
+
+
 def gspo(h, w, b, ids, mask, adv, old, ref):
     """GSPO: a sequence's ratio is exp of its mean log-ratio, a nonlinear function of a sum."""
     lp = logprobs(h, w, b, ids)
@@ -129,8 +140,9 @@ def assert_same(want, got, gold, floor=1e-6):
 
 
 @pytest.mark.parametrize("fn,bias", [(dapo, False), (dapo, True), (grpo_seq_mean, False),
-                                     (cross_entropy_sum, True)],
-                         ids=["dapo", "dapo-bias", "grpo-seq-mean-entropy", "cross-entropy-sum"])
+                                     (cross_entropy_sum, True), (trl_fp32_dapo, True)],
+                         ids=["dapo", "dapo-bias", "grpo-seq-mean-entropy", "cross-entropy-sum",
+                              "trl-fp32-selective-log-softmax"])
 def test_separable_loss_takes_the_fused_schedule(fn, bias, monkeypatch):
     """Fused: counted, the op's recompute backward gone from the compiled graphs (the block steps
     instead), loss and gradients equal eager's (fp32: 1e-5). A small workspace: several blocks."""

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten
 from lowerings.linear_logprobs.fused import plan as _plan
 from lowerings.linear_logprobs.fused import schedule as _op
 from lowerings.linear_logprobs.op import upcast_lm_head
-from lowerings.naive_fusion.nodes import _DIV, _MUL, _is, _val
+from lowerings.naive_fusion.nodes import _DIV, _MUL, _erase_dead, _is, _val
 
 # Where the rewrite applies: CUDA (the Triton blocks) and CPU (the PyTorch body: the CPU tests).
 FUSED_GRADIENT_ON = ("cuda", "cpu")
@@ -210,6 +210,39 @@ def _known(n: Node) -> Optional[Tensor]:
     return _val(n)
 
 
+_SAME_VALUES = ("unsqueeze", "squeeze", "view", "reshape", "float")
+
+
+def _strip(n: Node) -> Node:
+    """n's source through views and fp32 casts (ops that keep every value)."""
+    while isinstance(n, Node) and (_is(n, (torch.unsqueeze, torch.squeeze, torch.reshape), _SAME_VALUES)
+                                   or (_is(n, (), ("to",)) and torch.float32 in n.args[1:])):
+        n = n.args[0]
+    return n
+
+
+def _cancel_lse(graph: Graph, lp: Node, lse: Node) -> None:
+    """z[t] - logsumexp(z), the log-prob as TRL's fp32 selective_log_softmax and verl's
+    logprobs_from_logits compute it, reads after the rewrite (lp + lse) - lse: a gradient of the
+    lse that cancels, which the schedule cannot take. Each such subtraction becomes lp itself
+    (its shape and dtype), the more exact value of the two (no rounding of lp + lse)."""
+    dead = []
+    for n in list(graph.nodes):
+        v = _val(n)
+        if not (_is(n, (operator.sub, torch.sub), ("sub",)) and len(n.args) == 2 and not n.kwargs
+                and v is not None and all(isinstance(d, int) for d in v.shape)):
+            continue
+        a, b = (_strip(x) for x in n.args)
+        if b is lse and _is(a, (operator.add, torch.add), ("add",)) and a.args[:2] == (lp, lse):
+            with graph.inserting_before(n):
+                r = graph.call_method("reshape", (lp, tuple(v.shape)))
+                r = r if v.dtype == torch.float32 else graph.call_method("to", (r, v.dtype))
+            n.replace_all_uses_with(r)
+            dead += n.args
+            graph.erase_node(n)
+    _erase_dead(graph, dead)   # the (lp + lse) chains, up to the add
+
+
 def _try_fuse(graph: Graph, out: Node) -> str:
     h, w, bias = out.args[0], out.args[1], out.args[3]
     vh, vw = _known(h), _known(w)
@@ -220,6 +253,9 @@ def _try_fuse(graph: Graph, out: Node) -> str:
     if vh is None or not all(isinstance(d, int) for d in vh.shape):
         return "dynamic_shape"
     outs = {u.args[1]: u for u in out.users if u.target is operator.getitem}
+    if 0 in outs and 2 in outs:
+        _cancel_lse(graph, outs[0], outs[2])
+        outs = {u.args[1]: u for u in out.users if u.target is operator.getitem}
     cls = {u: E for u in outs.values()}
     for n in graph.nodes:   # D, in order: every node downstream of the op's outputs
         if n in cls or n.op == "output" or not any(a in cls for a in n.all_input_nodes):
