@@ -350,3 +350,42 @@ def test_bench_providers_run_verls_backends(tmp_path):
         for col in ("loss_rel_err", "dx_rel_err", "dw_rel_err"):
             assert float(r[col]) <= 2 * float(naive[col]) + 1e-6, (shape, col, r[col], naive[col])
         assert "needs CUDA" in rows[(shape, "verl_triton")]["status"]
+
+
+@pytest.mark.parametrize("mode,agg,fused", [("vanilla", "token-mean", True),
+                                            ("vanilla", "seq-mean-token-mean", True),
+                                            ("gspo", "seq-mean-token-mean", False)])
+def test_naive_fusion_on_verls_loss(mode, agg, fused):
+    """verl's own step, compiled with the pass: logprobs_from_logits (its fp32 logsumexp loop),
+    entropy_from_logits, then verl's policy loss, k3 KL, entropy bonus and aggregation
+    (_verl_loss). Per-token losses take the fused schedule (the gradient in the forward's
+    blocks: counters["compiled_grpo_gradient"]["fused"]); GSPO's sequence ratio keeps the
+    recompute op. Loss and gradients within 2x the same code's eager error of float64."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+    from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+    hidden, weight, ids, mask, old, ref, adv = _loss_inputs(seed=11)
+    actor = _actor(mode, agg, "low_var_kl", 0.01)
+
+    def step(hidden, weight, old, ref, adv, mask):
+        logits = (hidden @ weight.T).float() / 0.9
+        lp, ent = logprobs_from_logits(logits, ids), entropy_from_logits(logits)
+        return _verl_loss(actor, lp, ent, old, ref, adv[:, None].expand_as(old), mask)
+
+    def run(fn, dtype):
+        h, w = (t.detach().to(dtype).requires_grad_() for t in (hidden, weight))
+        rest = [t.to(dtype) for t in (old, ref, adv, mask.float())]
+        loss = fn(h, w, *rest)
+        return (loss, *torch.autograd.grad(loss, (h, w)))
+
+    gold = run(step, torch.float64)
+    want = run(step, torch.float32)
+    torch._dynamo.reset()
+    counters.clear()
+    with inductor_config.patch(fx_graph_cache=False), cg.naive_logprob_fusion():
+        got = run(torch.compile(step, fullgraph=True), torch.float32)
+    assert counters["compiled_grpo"]["naive_logprob_fusion"] == 1
+    assert dict(counters["compiled_grpo_gradient"]) == ({"fused": 1} if fused else {"not_separable": 1})
+    for e, o, g in zip(want, got, gold):
+        err_e, err_o = (float((x.double() - g).norm() / g.norm()) for x in (e, o))
+        assert err_o <= 2 * err_e + 1e-6, (err_o, err_e)

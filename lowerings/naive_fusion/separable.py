@@ -114,6 +114,17 @@ def _requires_grad(n: Node) -> bool:
     return True if v is None else isinstance(v, Tensor) and v.requires_grad
 
 
+def _selection(n: Node) -> Optional[tuple]:
+    """(condition, values) of a where / masked_fill node, else None."""
+    if _is(n, (torch.where,), ()) and len(n.args) == 3:
+        return n.args[0], n.args[1:]
+    if _is(n, (), ("where",)) and len(n.args) == 3:            # x.where(condition, y)
+        return n.args[1], (n.args[0], n.args[2])
+    if _is(n, (torch.masked_fill,), ("masked_fill",)) and len(n.args) == 3:
+        return n.args[1], (n.args[0], n.args[2])
+    return None
+
+
 def _classify(n: Node, cls: dict) -> Optional[str]:
     """n's class (E or A) given its D operands' classes in ``cls``; None: not separable."""
     if any(a in cls and cls[a] is None for a in n.all_input_nodes):
@@ -135,6 +146,12 @@ def _classify(n: Node, cls: dict) -> Optional[str]:
         return worst                                   # a constant (outside D) times E or A
     if _is(n, _DIV, ("div",)) and len(ins) == 1 and n.args[0] in cls:
         return worst                                   # E or A over a constant
+    sel = _selection(n)
+    if sel is not None:   # where(c, x, y) / masked_fill(x, m, v), c / m outside D: each element
+        cond, values = sel   # one of x's or y's, so affine where they are
+        if cond in ins:
+            return E if kinds == {E} else None
+        return worst
     if _is(n, _MINMAX_FNS, _MINMAX_METHODS):
         other = n.args[1] if len(n.args) > 1 else n.kwargs.get("other")
         if not isinstance(other, Node) or not _tensor_like(other):
@@ -221,11 +238,13 @@ def _strip(n: Node) -> Node:
     return n
 
 
-def _cancel_lse(graph: Graph, lp: Node, lse: Node) -> None:
-    """z[t] - logsumexp(z), the log-prob as TRL's fp32 selective_log_softmax and verl's
-    logprobs_from_logits compute it, reads after the rewrite (lp + lse) - lse: a gradient of the
-    lse that cancels, which the schedule cannot take. Each such subtraction becomes lp itself
-    (its shape and dtype), the more exact value of the two (no rounding of lp + lse)."""
+def _cancel_lse(graph: Graph, lp: Node, lse: Node, ent: Optional[Node]) -> None:
+    """The rewrite hands z[t] = lp + lse and sum(p z) = lse - ent to code that spells the log-prob
+    as z[t] - logsumexp(z) (TRL's fp32 selective_log_softmax, verl's logprobs_from_logits) and the
+    entropy as logsumexp(z) - sum(p z) (verl's entropy_from_logits): (lp + lse) - lse and
+    lse - (lse - ent), a gradient of the lse that cancels, which the schedule cannot take. Each
+    such subtraction becomes lp (or ent) itself, in its shape and dtype: the more exact value (no
+    rounding of lp + lse)."""
     dead = []
     for n in list(graph.nodes):
         v = _val(n)
@@ -234,13 +253,19 @@ def _cancel_lse(graph: Graph, lp: Node, lse: Node) -> None:
             continue
         a, b = (_strip(x) for x in n.args)
         if b is lse and _is(a, (operator.add, torch.add), ("add",)) and a.args[:2] == (lp, lse):
-            with graph.inserting_before(n):
-                r = graph.call_method("reshape", (lp, tuple(v.shape)))
-                r = r if v.dtype == torch.float32 else graph.call_method("to", (r, v.dtype))
-            n.replace_all_uses_with(r)
-            dead += n.args
-            graph.erase_node(n)
-    _erase_dead(graph, dead)   # the (lp + lse) chains, up to the add
+            src = lp
+        elif (ent is not None and a is lse and _is(b, (operator.sub, torch.sub), ("sub",))
+              and b.args[:2] == (lse, ent)):
+            src = ent
+        else:
+            continue
+        with graph.inserting_before(n):
+            r = graph.call_method("reshape", (src, tuple(v.shape)))
+            r = r if v.dtype == torch.float32 else graph.call_method("to", (r, v.dtype))
+        n.replace_all_uses_with(r)
+        dead += n.args
+        graph.erase_node(n)
+    _erase_dead(graph, dead)   # the (lp + lse), (lse - ent) chains, up to the add / sub
 
 
 def _try_fuse(graph: Graph, out: Node) -> str:
@@ -253,8 +278,8 @@ def _try_fuse(graph: Graph, out: Node) -> str:
     if vh is None or not all(isinstance(d, int) for d in vh.shape):
         return "dynamic_shape"
     outs = {u.args[1]: u for u in out.users if u.target is operator.getitem}
-    if 0 in outs and 2 in outs:
-        _cancel_lse(graph, outs[0], outs[2])
+    if 2 in outs and (0 in outs or 1 in outs):
+        _cancel_lse(graph, outs.get(0), outs[2], outs.get(1))
         outs = {u.args[1]: u for u in out.users if u.target is operator.getitem}
     cls = {u: E for u in outs.values()}
     for n in graph.nodes:   # D, in order: every node downstream of the op's outputs
