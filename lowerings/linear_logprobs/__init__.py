@@ -14,6 +14,7 @@ the [N, V] logits. Every module, by layer (start at op.py; each module's docstri
     recompute/dw_steps.py  the dW step's launcher, shared with the fused path (Gluon on sm_90)
   the fused-gradient path on CUDA (grpo_loss's default: logits once, the loss's gradient in place)
     fused/schedule.py  the schedule: row blocks, the caller's per-token gradient, dX / dW
+    fused/plan.py      how many blocks of how many rows: the workspace budget, dX waves
     fused/order.py     which rows each block takes, valid rows first, as device tensors
     fused/steps.py     the two block steps as mutable custom ops, and the gradient scaling
     fused/blocks.py    the steps' CUDA bodies: the Triton launches of a block
