@@ -175,38 +175,6 @@ class Fused(NamedTuple):
     attach: Callable[[Tensor], Tensor]    # loss value -> the same value carrying the gradients
 
 
-class _AttachGrads(torch.autograd.Function):
-    """loss -> loss, whose backward returns g * (d_hidden, d_weight, d_bias) precomputed."""
-
-    @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, dx, dw, db):
-        ctx.save_for_backward(dx, dw, db)
-        ctx.has = (dx is not None, dw is not None, db is not None)
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        dx, dw, db = ctx.saved_tensors
-        # Eager 16/32-bit: scaled in place, so d_weight becomes weight.grad with no second
-        # [V, H] buffer (and no pass at all when g == 1); the mutating custom op bumps their
-        # version counters, so a second backward through the same graph (retain_graph=True)
-        # fails autograd's saved-tensor version check rather than reuse scaled gradients (on
-        # CUDA too, where scale_'s Triton kernel alone is invisible to autograd). Traced: out of
-        # place, a pass over dW a step (0.83 ms at qwen3-8b, H100): the same op there makes
-        # Inductor clone the saved gradients first (they are backward-graph inputs that nothing
-        # copies back to, so it cannot reinplace into them), a pass as well, two with g != 1.
-        # Float64 (gradcheck's repeated backward; memory is not its concern): out of place.
-        in_place = not torch.compiler.is_compiling() and not any(
-            t is not None and t.dtype == torch.float64 for t in (dx, dw, db))
-
-        grads = [t if ok else None for t, ok in zip((dx, dw, db), ctx.has)]
-        if in_place:   # fp32 math (lowerings' scale_)
-            _steps.scale_grads_([t for t in grads if t is not None], g)
-        else:
-            grads = [None if t is None else (g * t).to(t.dtype) for t in grads]
-        return (None, *grads, None, None, None)
-
-
 def _linear_weights(fn, like: Tensor) -> Tensor:
     """d fn(x) / dx of a function linear in x (the normalizers), at zeros shaped like `like`."""
     return torch.func.grad(fn)(torch.zeros_like(like))
@@ -344,7 +312,7 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
     dx = None if res.d_hidden is None else res.d_hidden.view(hidden.shape)
 
     def attach(loss: Tensor) -> Tensor:
-        return _AttachGrads.apply(loss, hidden, weight, bias, dx, res.d_weight, res.d_bias)
+        return _steps.AttachGrads.apply(loss, hidden, weight, bias, dx, res.d_weight, res.d_bias)
 
     return Fused(tok, attach)
 

@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten
 
 from lowerings.linear_logprobs.fused import plan as _plan
 from lowerings.linear_logprobs.fused import schedule as _op
+from lowerings.linear_logprobs.fused import steps as _steps
 from lowerings.linear_logprobs.op import upcast_lm_head
 from lowerings.naive_fusion.nodes import _DIV, _MUL, _erase_dead, _is, _val
 
@@ -360,24 +361,7 @@ def fused_call(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entrop
     return res.logprobs.view(lead), ent, res.lse.view(lead), dx, dw, db
 
 
-class _Attach(torch.autograd.Function):
-    """loss -> loss; backward: g on to loss's own graph, g * (dX, dW, d_bias) to hidden, weight, bias."""
-
-    @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, dx, dw, db):
-        ctx.save_for_backward(dx, dw, db)
-        ctx.has = (dx is not None, dw is not None, db is not None)
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        saved = ctx.saved_tensors
-        s = g.reshape(())
-        grads = [(s * t).to(t.dtype) if ok else None for t, ok in zip(saved, ctx.has)]
-        return (g, *grads, None, None, None)
-
-
 def attach_loss(loss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                 dx: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor]) -> Tensor:
     """The loss value carrying the gradients the fused schedule formed (fused_call)."""
-    return _Attach.apply(loss, hidden, weight, bias, dx, dw, db)
+    return _steps.AttachGrads.apply(loss, hidden, weight, bias, dx, dw, db)

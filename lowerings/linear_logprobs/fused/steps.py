@@ -212,3 +212,43 @@ def _(weight, ids_p, perm, counts, ws, zoff, xg, lse, ent, g_lp, g_ent, dx, dxp,
                                with_entropy, logit_scale, softcap, need_x, need_w, need_b, ref,
                                scaled, round_logits, exact_tf32)
     return None
+
+
+class AttachGrads(torch.autograd.Function):
+    """loss -> loss, whose backward returns g * (d_hidden, d_weight, d_bias) formed by the
+    fused schedule, and g itself to the loss's own graph (grpo_loss's fused mode computes the
+    loss from detached log-probs, where that g goes nowhere; the naive-fusion pass's rewrite
+    keeps any other gradient path to the loss there: separable.py)."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, dx, dw, db):
+        ctx.save_for_backward(dx, dw, db)
+        ctx.has = (dx is not None, dw is not None, db is not None)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        dx, dw, db = ctx.saved_tensors
+        # Eager 16/32-bit: scaled in place, so d_weight becomes weight.grad with no second
+        # [V, H] buffer (and no pass at all when g == 1); the mutating custom op bumps their
+        # version counters, so a second backward through the same graph (retain_graph=True)
+        # fails autograd's saved-tensor version check rather than reuse scaled gradients (on
+        # CUDA too, where scale_'s Triton kernel alone is invisible to autograd). Traced: out of
+        # place, a pass over dW a step (0.83 ms at qwen3-8b, H100): the same op there makes
+        # Inductor clone the saved gradients first (they are backward-graph inputs that nothing
+        # copies back to, so it cannot reinplace into them), a pass as well, two with g != 1.
+        # Float64 (gradcheck's repeated backward; memory is not its concern): out of place.
+        # (traced: Dynamo's trace of grpo_loss, or AOTAutograd's of the pass's rewritten graph,
+        # which runs this under a dispatch mode on functional tensors)
+        traced = (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+                  or type(g) is not Tensor)
+        in_place = not traced and not any(
+            t is not None and t.dtype == torch.float64 for t in (dx, dw, db))
+        g0 = g.reshape(())   # the pass's loss may be [1]
+
+        grads = [t if ok else None for t, ok in zip((dx, dw, db), ctx.has)]
+        if in_place:   # fp32 math (lowerings' scale_)
+            scale_grads_([t for t in grads if t is not None], g0)
+        else:
+            grads = [None if t is None else (g0 * t).to(t.dtype) for t in grads]
+        return (g, *grads, None, None, None)
