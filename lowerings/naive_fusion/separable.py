@@ -62,7 +62,6 @@ FUSED_GRADIENT_REASONS = {
     "fused": "rewritten: the loss's gradient formed in the forward's blocks",
     "no_grad": "neither hidden nor weight requires a gradient (the forward alone)",
     "device": "a device without the fused schedule (FUSED_GRADIENT_ON)",
-    "dynamic_shape": "the token count is symbolic (dynamic shapes): the block plan needs it static",
     "no_loss": "no single scalar graph output takes a gradient from the log-probs",
     "not_separable": "the loss is not a sum of per-token terms of the log-probs (GSPO, a normalizer "
                      "of the log-probs, an op the classifier does not know)",
@@ -245,7 +244,8 @@ def _cancel_lse(graph: Graph, lp: Node, lse: Node, ent: Optional[Node]) -> None:
     entropy as logsumexp(z) - sum(p z) (verl's entropy_from_logits): (lp + lse) - lse and
     lse - (lse - ent), a gradient of the lse that cancels, which the schedule cannot take. Each
     such subtraction becomes lp (or ent) itself, in its shape and dtype: the more exact value (no
-    rounding of lp + lse)."""
+    rounding of lp + lse). Static shapes only (the reshape's sizes): under dynamic ones the lse
+    stays, and the loss keeps the recompute op (counted "lse")."""
     dead = []
     for n in list(graph.nodes):
         v = _val(n)
@@ -276,8 +276,6 @@ def _try_fuse(graph: Graph, out: Node) -> str:
         return "no_grad"
     if vw is not None and vw.device.type not in FUSED_GRADIENT_ON:
         return "device"
-    if vh is None or not all(isinstance(d, int) for d in vh.shape):
-        return "dynamic_shape"
     outs = {u.args[1]: u for u in out.users if u.target is operator.getitem}
     if 2 in outs and (0 in outs or 1 in outs):
         _cancel_lse(graph, outs.get(0), outs[2], outs.get(1))
@@ -331,7 +329,9 @@ def fused_call(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entrop
     h2 = hidden.reshape(-1, hidden.shape[-1])                              # [N, H]
     n = h2.shape[0]
     budget = _plan.budget_rows(h2, weight, WORKSPACE_MIB, weight.shape[0])
-    blocks, rows = _plan.token_blocks(h2, weight, budget, n, False)
+    # a symbolic N (dynamic shapes): static R and G a step of plan.COMPILED_BLOCKS, as
+    # grpo_loss's compiled fused mode plans, so that a new N rarely recompiles
+    blocks, rows = _plan.token_blocks(h2, weight, budget, n, not isinstance(n, int))
     total = blocks * rows                                                  # G R >= N
     grad = torch.func.grad(lambda *a: f(*a).reshape(()), argnums=tuple(range(len(names))))
 
