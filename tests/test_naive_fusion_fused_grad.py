@@ -30,8 +30,10 @@ def batch(seed=0, dtype=torch.float32, device="cpu", bias=False, b=B, t=T, h=H, 
     mask = (torch.rand(b, t, generator=g) > 0.3).to(device)
     mask[:, 0] = True
     adv = torch.randn(b, generator=g).to(device)
-    old = (-3 + 0.3 * torch.randn(b, t, generator=g)).to(device)
-    ref = old + (0.1 * torch.randn(b, t, generator=g)).to(device)
+    with torch.no_grad():   # near the policy's own log-probs, as in a GRPO step (ratios ~1)
+        lp = logprobs(hid, w, bb, ids)
+    old = lp + (0.3 * torch.randn(b, t, generator=g)).to(device)
+    ref = lp + (0.3 * torch.randn(b, t, generator=g)).to(device)
     return hid, w, bb, ids, mask, adv, old, ref
 
 
@@ -180,23 +182,25 @@ def test_no_gradient_keeps_the_recompute_op():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_dynamic_shapes_one_graph_for_several_lengths(device):
+@pytest.mark.parametrize("fn", [masked_sum, dapo], ids=["matmul", "linear-float-temperature"])
+def test_dynamic_shapes_one_graph_for_several_lengths(device, fn):
     """dynamic=True: a symbolic N plans G as a step of plan.COMPILED_BLOCKS with static R, as
     grpo_loss's compiled fused mode does: three lengths, one frame, every one fused and equal to
-    eager within 2x its error of float64."""
+    eager within 2x its error of float64. (dapo's temperature, a float default argument, reaches
+    the graph as a symbolic float: z / t = (h / t) @ W.T, match._sym_float.)"""
     from torch._dynamo.testing import CompileCounterWithBackend
     cnt = CompileCounterWithBackend("inductor")
-    fn = torch.compile(masked_sum, backend=cnt, dynamic=True, fullgraph=True)
+    compiled = torch.compile(fn, backend=cnt, dynamic=True, fullgraph=True)
     for t in (9, 13, 17):
         args = batch(t=t, seed=t, device=device)
         params = list(args[:2])
-        got = fn(*args)
+        got = compiled(*args)
         got = (got, torch.autograd.grad(got, params))
-        want = masked_sum(*args)
+        want = fn(*args)
         want = (want, torch.autograd.grad(want, params))
         gold_args = [x.detach().double().requires_grad_(x.requires_grad) if x is not None and x.is_floating_point()
                      else x for x in args]
-        gold = masked_sum(*gold_args)
+        gold = fn(*gold_args)
         gold = (gold, torch.autograd.grad(gold, gold_args[:2]))
         assert_same(want, got, gold)
     assert cnt.frame_count == 1

@@ -69,8 +69,8 @@ def _walk_logits(m: dict) -> dict:
     and L = a without one; with one (a softcap, HF: c * tanh(a * s / c), then / T),
     L = tanh(a) / post, and only casts, scales and views may follow it.
 
-    A division by a 0-dim or per-row tensor t before any tanh ("tensor_temps"; verl's temperature
-    tensors) is the same as dividing h by it: z / t = (h / t) @ W.T; not with a bias, and a per-row
+    A division by a 0-dim or per-row tensor t, or a symbolic float, before any tanh ("tensor_temps";
+    verl's temperature tensors, a float under dynamic=True) is the same as dividing h by it: z / t = (h / t) @ W.T; not with a bias, and a per-row
     t only after the last leading-dim view (it is shaped like the logits' rows there).
 
     "scaling" is the op's (temperature, logit_scale, final_logit_softcapping) for L in terms of
@@ -98,7 +98,8 @@ def _walk_logits(m: dict) -> dict:
             else:
                 post = post * nxt.args[1]
         elif _is(nxt, _DIV, ("div", "true_divide")) and nxt.args[0] is cur and len(nxt.args) == 2 \
-                and not nxt.kwargs and post is None and _row_scale(nxt.args[1], cur):
+                and not nxt.kwargs and post is None and (_row_scale(nxt.args[1], cur)
+                                                         or _sym_float(nxt.args[1])):
             tensor_temps.append((nxt.args[1], len(lead_ops)))
         elif _is(nxt, _MUL, ("mul",)) and len(nxt.args) == 2 and not nxt.kwargs \
                 and len(other) == 1 and _number(other[0]):
@@ -125,10 +126,17 @@ def _walk_logits(m: dict) -> dict:
         cap = float(temp if cap is None else cap)
         scaling = (cap * post, cap / temp, cap) if min(temp, post, cap) > 0 else None
     if tensor_temps and (bias is not None or any(
-            _val(t).dim() and k < len(lead_ops) for t, k in tensor_temps)):
+            _val(t) is not None and _val(t).dim() and k < len(lead_ops) for t, k in tensor_temps)):
         scaling = None   # a bias (scaled or not), or a per-row t read through a later view
     return dict(L=cur, chain=chain, temp=temp, bias=bias, bias_temp=bias_temp, lead_ops=lead_ops,
                 scaling=scaling, tensor_temps=[t for t, _ in tensor_temps])
+
+
+def _sym_float(t: Any) -> bool:
+    """t is a symbolic float: under dynamic=True Dynamo passes a float default argument (a
+    temperature) as a 0-dim tensor input and divides by its .item(). z / t = (h / t) @ W.T as for
+    a 0-dim tensor t."""
+    return isinstance(t, Node) and isinstance(t.meta.get("example_value"), torch.SymFloat)
 
 
 def _row_scale(t: Any, cur: Node) -> bool:
