@@ -92,7 +92,7 @@ _POINTWISE_FNS = (torch.exp, torch.log, torch.log1p, torch.expm1, torch.exp2, to
                   torch.eq, torch.ne, torch.logical_and, torch.logical_or, torch.logical_not,
                   torch.isfinite, torch.isnan, torch.reciprocal, operator.lt, operator.gt,
                   operator.le, operator.ge, operator.eq, operator.ne, operator.and_, operator.or_,
-                  operator.invert, operator.pow, torch.sub, torch.rsub) + _MUL + _DIV
+                  operator.invert, operator.pow, torch.rsub) + _MUL + _DIV
 _POINTWISE_METHODS = ("exp", "log", "log1p", "expm1", "exp2", "sigmoid", "tanh", "abs", "sqrt",
                       "rsqrt", "clamp", "clip", "clamp_min", "clamp_max", "minimum", "maximum",
                       "pow", "square", "sign", "relu", "nan_to_num", "masked_fill", "where", "lt",
