@@ -17,7 +17,7 @@ The bound each case is held to (``bound_mib``; docs/gradient-modes.md states the
       and the [N]-sized per-token vectors: RECOMPUTE_TILES * WS_BYTES + 2 [N, H] + 64 [N] floats.
   fused (every path): fused_workspace_mib, which buys R rows of the [R, V] workspace and of the
       CPU body's [R, C] tiles (fused/schedule.ws_row_bytes), + the same 2 [N, H] + 64 [N] floats
-      + FIXED_MIB; while the budget holds 16 rows and N <= 64 R (fused.MIN_ROWS, MAX_BLOCKS).
+      + FIXED_MIB; while the budget holds 16 rows and N <= 64 R (fused/plan.py: MIN_ROWS, MAX_BLOCKS).
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ import torch
 
 from compiled_grpo._checks import LM_HEAD_DTYPES
 from compiled_grpo._registry import METRIC_LEVELS, registered_metrics
+from lowerings.linear_logprobs.fused.plan import WORKSPACE_MIB
 
 GRADIENT_MODES = ("auto", "fused", "recompute")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -124,7 +125,7 @@ class GRPOConfig:
     grad_divisor: Optional[float] = None
     metrics: Union[str, tuple] = "none"
     gradient_mode: str = "auto"
-    fused_workspace_mib: float = 640.0
+    fused_workspace_mib: float = WORKSPACE_MIB
     fused_scaled_backward: bool = True
 
     def __post_init__(self):

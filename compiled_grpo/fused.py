@@ -60,8 +60,7 @@ from lowerings.linear_logprobs.fused import schedule as _op
 from lowerings.linear_logprobs.fused import steps as _steps
 from lowerings.linear_logprobs.device import cdiv, size_hint
 
-from lowerings.linear_logprobs.fused.plan import (CPU_BLOCK_ROWS, COMPILED_BLOCKS, MAX_BLOCKS,  # noqa: F401
-                                                  MIN_ROWS, ROW_ALIGN, budget_rows, compiled_blocks,
+from lowerings.linear_logprobs.fused.plan import (CPU_BLOCK_ROWS, budget_rows, compiled_blocks,
                                                   token_blocks)
 
 

@@ -154,7 +154,7 @@ def test_auto_recomputes_sequence_losses_under_compile_on_torch_with_the_guard_b
 
 
 def test_compiled_block_counts_step_so_dynamic_sizes_rarely_recompile():
-    """Inside torch.compile the block count is the smallest of fused.COMPILED_BLOCKS (~1.5x steps)
+    """Inside torch.compile the block count is the smallest of fused/plan.COMPILED_BLOCKS (~1.5x steps)
     that holds the rows: ten row counts needing 1..10 blocks compile 7 graphs' counts (1, 2, 3,
     4, 6, 8, 12), where the exact count would compile 10 and pass Dynamo's recompile limit of 8.
     Compiled, row counts needing 1, 5, 6, 7 and 8 blocks of 16 rows compile 3 graphs (counts 1,

@@ -279,7 +279,7 @@ def test_compile_once_for_many_packings_whole_sequence_blocks():
     """GSPO in the fused mode on packed inputs (max_seqlen = 6 bounds every packing; whole
     sequences first-fit decreasing into 16-row blocks, 2 of them here): one graph for every packing, N and S
     dynamic, the recompute path's values. The block count stays within one step of
-    fused.COMPILED_BLOCKS (3-4 sequences of 17-18 tokens: min(cdiv(S, 16 // 6), 2 cdiv(N, 16) - 1)
+    fused/plan.COMPILED_BLOCKS (3-4 sequences of 17-18 tokens: min(cdiv(S, 16 // 6), 2 cdiv(N, 16) - 1)
     = 2 blocks); crossing one recompiles, as for padded whole-row blocks. CPU: on CUDA with torch
     2.11, "auto" recomputes compiled sequence-coupled losses (fused._guard_location_bug)."""
     cfg = cg.GRPOConfig(loss_type="grpo", importance_sampling_level="sequence", beta=0.04,

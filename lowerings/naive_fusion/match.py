@@ -69,9 +69,10 @@ def _walk_logits(m: dict) -> dict:
     and L = a without one; with one (a softcap, HF: c * tanh(a * s / c), then / T),
     L = tanh(a) / post, and only casts, scales and views may follow it.
 
-    A division by a 0-dim or per-row tensor t, or a symbolic float, before any tanh ("tensor_temps";
-    verl's temperature tensors, a float under dynamic=True) is the same as dividing h by it: z / t = (h / t) @ W.T; not with a bias, and a per-row
-    t only after the last leading-dim view (it is shaped like the logits' rows there).
+    A division by a 0-dim or per-row tensor t, or a symbolic float, before any tanh
+    ("tensor_temps"; verl's temperature tensors, a float under dynamic=True) is the same as dividing
+    h by it: z / t = (h / t) @ W.T; not with a bias, and a per-row t only after the last
+    leading-dim view (it is shaped like the logits' rows there).
 
     "scaling" is the op's (temperature, logit_scale, final_logit_softcapping) for L in terms of
     (GEMM + bias * temp / bias_temp): (temp, 1.0, None) without a tanh; with one, the cap c is

@@ -51,12 +51,12 @@ from lowerings.linear_logprobs.fused import plan as _plan
 from lowerings.linear_logprobs.fused import schedule as _op
 from lowerings.linear_logprobs.fused import steps as _steps
 from lowerings.linear_logprobs.op import upcast_lm_head
-from lowerings.naive_fusion.nodes import _DIV, _MUL, _erase_dead, _is, _val
+from lowerings.naive_fusion.nodes import _DIV, _MUL, _cast_dtype, _erase_dead, _is, _val
 
 # Where the rewrite applies: CUDA (the Triton blocks) and CPU (the PyTorch body: the CPU tests).
 FUSED_GRADIENT_ON = ("cuda", "cpu")
-# The workspace of one block's [R, V] logits: GRPOConfig.fused_workspace_mib's default.
-WORKSPACE_MIB = 640.0
+# The workspace of one block's [R, V] logits (the pass has no config): grpo_loss's default.
+WORKSPACE_MIB = _plan.WORKSPACE_MIB
 
 FUSED_GRADIENT_REASONS = {
     "fused": "rewritten: the loss's gradient formed in the forward's blocks",
@@ -227,13 +227,13 @@ def _known(n: Node) -> Optional[Tensor]:
     return _val(n)
 
 
-_SAME_VALUES = ("unsqueeze", "squeeze", "view", "reshape", "float")
+_VIEWS = ("unsqueeze", "squeeze", "view", "reshape")
 
 
 def _strip(n: Node) -> Node:
-    """n's source through views and fp32 casts (ops that keep every value)."""
-    while isinstance(n, Node) and (_is(n, (torch.unsqueeze, torch.squeeze, torch.reshape), _SAME_VALUES)
-                                   or (_is(n, (), ("to",)) and torch.float32 in n.args[1:])):
+    """n's source through views and casts to fp32 (ops that keep every value)."""
+    while isinstance(n, Node) and (_is(n, (torch.unsqueeze, torch.squeeze, torch.reshape), _VIEWS)
+                                   or _cast_dtype(n) == torch.float32):
         n = n.args[0]
     return n
 

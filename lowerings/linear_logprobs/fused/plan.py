@@ -19,6 +19,7 @@ MIN_ROWS = 16            # ... or of 16 when the workspace budget is smaller (te
 MAX_BLOCKS = 64          # bound on the unrolled loop (compiled graph size); past it R grows
 COMPILED_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)   # block counts inside torch.compile
 CPU_BLOCK_ROWS = 2048     # token-level block rows at most off CUDA (V = 151936 fp32: the budget's ~1k)
+WORKSPACE_MIB = 640.0     # the default budget of one block's [R, V] logits (GRPOConfig.fused_workspace_mib)
 
 
 def budget_rows(hidden: Tensor, weight: Tensor, workspace_mib: float, vocab_rows: int) -> int:
