@@ -58,7 +58,7 @@ from compiled_grpo.segments import segments_from_cu_seqlens
 from lowerings.linear_logprobs import LinearLogprobs
 from lowerings.linear_logprobs.fused import schedule as _op
 from lowerings.linear_logprobs.fused import steps as _steps
-from lowerings.linear_logprobs.device import cdiv, size_hint
+from lowerings.linear_logprobs.device import cdiv, is_static, size_hint
 
 from lowerings.linear_logprobs.fused.plan import (CPU_BLOCK_ROWS, budget_rows, compiled_blocks,
                                                   token_blocks)
@@ -237,14 +237,17 @@ def fused_logprobs(hidden, weight, token_ids, bias, valid, advantages, old_logpr
         if wave is not None and budget // wave * wave >= max_seqlen:
             block_rows = budget // wave * wave
         blocks = None
-        if compiling:   # a step at least the bound: cdiv(S, k) or 2 cdiv(N, R) - 1 blocks
+        if compiling and not (is_static(n) and is_static(s_num)):
+            # symbolic sizes: a step at least the bound, cdiv(S, k) or 2 cdiv(N, R) - 1 blocks
             by_seq = compiled_blocks(s_num, max(1, block_rows // max_seqlen))
             by_rows = compiled_blocks(2 * cdiv(n, block_rows) - 1, 1)
             blocks = by_seq if by_rows is None else by_rows if by_seq is None else min(by_seq, by_rows)
         if blocks is None:
             blocks = _op.next_fit_blocks(size_hint(s_num), size_hint(n), block_rows, size_hint(max_seqlen))
     else:   # several blocks: whole dX waves where the budget holds one, else forward waves
-        blocks, block_rows = token_blocks(hidden, weight, budget, n, compiling)
+        # static N (a compile of static shapes): eager's exact plan, so compiling runs the blocks
+        # eager runs (qwen3-4b: 10, where the step plan's 12 cost ~0.1 ms a step)
+        blocks, block_rows = token_blocks(hidden, weight, budget, n, compiling and not is_static(n))
 
     # the per-block gradient as one compiled graph in eager CUDA calls (fused_grads)
     compiled = (_grads.BLOCK_GRADS_COMPILED and _auto_device_ok(hidden)

@@ -153,6 +153,46 @@ def test_auto_recomputes_sequence_losses_under_compile_on_torch_with_the_guard_b
     assert len(calls) == 4
 
 
+@pytest.mark.parametrize("dynamic", [False, None, True])
+def test_is_static_tells_a_constant_from_a_symbol(dynamic):
+    """device.is_static under Dynamo: True for a static size, False for a symbol (dynamic=True, or
+    automatic dynamic's second compile), with no guard of its own (one frame under dynamic=True);
+    Dynamo answers isinstance(n, int) with True for both."""
+    from torch._dynamo.testing import CompileCounter
+    cnt = CompileCounter()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x + (1 if device.is_static(x.shape[0]) else 2), backend=cnt,
+                       fullgraph=True, dynamic=dynamic)
+    got = [fn(torch.zeros(n)).tolist()[0] for n in (4, 6, 9)]
+    assert got == {False: [1, 1, 1], None: [1, 2, 2], True: [2, 2, 2]}[dynamic]
+    assert cnt.frame_count == {False: 3, None: 2, True: 1}[dynamic]
+    assert device.is_static(5)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_static_rows_take_eagers_exact_plan(dynamic, monkeypatch):
+    """A compile of static shapes runs eager's block plan (N = 80 rows of 16: 5 blocks, the
+    exact count), a symbolic N a step of COMPILED_BLOCKS (6): compiling costs no empty blocks
+    where the sizes are known (issue 65's 'compiling never costs time'); loss and grads equal
+    eager's either way."""
+    seen = []
+    real = F._op.fused_linear_logprobs
+    monkeypatch.setattr(F._op, "fused_linear_logprobs",
+                        lambda *a, **k: seen.append(k["blocks"]) or real(*a, **k))
+    cfg = cg.GRPOConfig(beta=0.04, gradient_mode="fused", fused_workspace_mib=_mib(16))
+    inp = make_inputs(B=2, T=40, seed=4)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda **kw: cg.grpo_loss(**kw, config=cfg).loss, backend="aot_eager",
+                       fullgraph=True, dynamic=dynamic)
+    loss = fn(**inp)
+    ref = cg.grpo_loss(**inp, config=cfg).loss
+    assert seen == [6 if dynamic else 5, 5]
+    params = (inp["hidden"], inp["weight"])
+    torch.testing.assert_close(loss, ref)
+    for a, b in zip(torch.autograd.grad(loss, params), torch.autograd.grad(ref, params)):
+        torch.testing.assert_close(a, b)
+
+
 def test_compiled_block_counts_step_so_dynamic_sizes_rarely_recompile():
     """Inside torch.compile the block count is the smallest of fused/plan.COMPILED_BLOCKS (~1.5x steps)
     that holds the rows: ten row counts needing 1..10 blocks compile 7 graphs' counts (1, 2, 3,

@@ -35,6 +35,17 @@ def static_int(n) -> int:
     return len(range(n))
 
 
+def is_static(n) -> bool:
+    """Whether the size n is a compile-time constant: a Python int in eager, in a fake-tensor
+    trace of static shapes and in a Dynamo trace of static ones; False for a symbol (dynamic=True,
+    or the second compile of automatic dynamic shapes). Dynamo answers isinstance(n, int) and
+    type(n) is int with True for a symbol too, and is_concrete_int is not traceable;
+    statically_known_true of a bound no symbol has (sizes range to int_oo) is the spelling it
+    evaluates at trace time, with no guard, on torch 2.11 to 2.15 (tests/test_fused_modes.py)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return statically_known_true(n < 2**62)
+
+
 def static_value(v):
     """A config number as a Python constant. A float or int field that changed between two compiles
     of the same code (a sweep over entropy_coef, two configs through one step) comes back from

@@ -47,6 +47,7 @@ from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 from torch.utils._pytree import tree_flatten
 
+from lowerings.linear_logprobs.device import is_static
 from lowerings.linear_logprobs.fused import plan as _plan
 from lowerings.linear_logprobs.fused import schedule as _op
 from lowerings.linear_logprobs.fused import steps as _steps
@@ -331,7 +332,7 @@ def fused_call(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entrop
     budget = _plan.budget_rows(h2, weight, WORKSPACE_MIB, weight.shape[0])
     # a symbolic N (dynamic shapes): static R and G a step of plan.COMPILED_BLOCKS, as
     # grpo_loss's compiled fused mode plans, so that a new N rarely recompiles
-    blocks, rows = _plan.token_blocks(h2, weight, budget, n, not isinstance(n, int))
+    blocks, rows = _plan.token_blocks(h2, weight, budget, n, not is_static(n))
     total = blocks * rows                                                  # G R >= N
     grad = torch.func.grad(lambda *a: f(*a).reshape(()), argnums=tuple(range(len(names))))
 

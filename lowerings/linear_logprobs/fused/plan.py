@@ -4,8 +4,9 @@ rewrite (lowerings/naive_fusion/separable.py) plan alike.
 
 R, the rows of a block, is what the workspace budget holds (one block's [R, V] logits), whole
 kernel tiles, and on CUDA whole dX waves (schedule.block_align); G = cdiv(N, R) blocks, at most
-MAX_BLOCKS. Inside torch.compile R is the budget's and G a step of COMPILED_BLOCKS, so that a
-dynamic N rarely recompiles (compiled_blocks).
+MAX_BLOCKS. For a symbolic N (torch.compile under dynamic shapes) R is the budget's and G a step
+of COMPILED_BLOCKS, so that a dynamic N rarely recompiles (compiled_blocks); a static one, eager or
+compiled, gets the exact plan (device.is_static).
 """
 from typing import Optional
 
@@ -31,11 +32,11 @@ def budget_rows(hidden: Tensor, weight: Tensor, workspace_mib: float, vocab_rows
 
 
 def compiled_blocks(units, per_block: int) -> Optional[int]:
-    """Inside torch.compile: the smallest G of COMPILED_BLOCKS (steps of ~1.5x) whose G blocks of
-    per_block rows (or whole sequences) hold ``units``, None past MAX_BLOCKS. Under dynamic shapes
-    each comparison is a shape guard, so the graph recompiles only when the size crosses one of
-    these steps: the eager count, cdiv(units, per_block), would recompile at every multiple of
-    the budget (8 row counts of qwen3-8b's 2048-row blocks already reach Dynamo's recompile
+    """For a symbolic size (torch.compile under dynamic shapes): the smallest G of COMPILED_BLOCKS
+    (steps of ~1.5x) whose G blocks of per_block rows (or whole sequences) hold ``units``, None
+    past MAX_BLOCKS. Each comparison is a shape guard, so the graph recompiles only when the size
+    crosses one of these steps: the eager count, cdiv(units, per_block), would recompile at every
+    multiple of the budget (8 row counts of qwen3-8b's 2048-row blocks already reach Dynamo's recompile
     limit, past which the loss runs uncompiled). The blocks past the last valid row are empty:
     their kernels exit on the device count."""
     for g in COMPILED_BLOCKS:
@@ -44,11 +45,11 @@ def compiled_blocks(units, per_block: int) -> Optional[int]:
     return None
 
 
-def token_blocks(hidden: Tensor, weight: Tensor, budget: int, n, compiling: bool) -> tuple[int, int]:
+def token_blocks(hidden: Tensor, weight: Tensor, budget: int, n, symbolic: bool) -> tuple[int, int]:
     """(G, R) for n token-level rows (any row may be valid) under a budget of ``budget`` rows
     (budget_rows): several blocks of whole dX waves where the budget holds one, else of forward
-    waves (schedule.block_align); compiling: static R = the budget and G a step of
-    COMPILED_BLOCKS (static block shapes under a dynamic n)."""
+    waves (schedule.block_align); symbolic (n a symbol of a dynamic-shape compile): static R = the
+    budget and G a step of COMPILED_BLOCKS (static block shapes under a dynamic n)."""
     if hidden.device.type != "cuda":
         # The CPU body computes every row of a block, valid or not (the Triton kernels stop at
         # the device count), and a compiled graph's blocks have the budget's R rows (static
@@ -60,7 +61,7 @@ def token_blocks(hidden: Tensor, weight: Tensor, budget: int, n, compiling: bool
     if plan is not None and size_hint(n) > budget:   # (block_align's docstring)
         align = plan
     budget = budget // align * align
-    blocks = compiled_blocks(n, budget) if compiling else None
+    blocks = compiled_blocks(n, budget) if symbolic else None
     if blocks is not None:   # static R and G: static block shapes under dynamic N
         return blocks, budget
     blocks = min(MAX_BLOCKS, max(1, cdiv(size_hint(n), budget)))
