@@ -79,6 +79,30 @@ def _(tensors, g):
     return None
 
 
+@torch.library.custom_op("compiled_grpo::scale_saved_grads", mutates_args=())
+def scale_saved_grads(dx: Tensor, saved: list[Tensor], g: Tensor) -> Tensor:
+    """-> g * dx (a new tensor), and each of ``saved`` scaled by g in place (scale_: no pass when
+    g == 1): AttachGrads' backward inside a compiled graph, where the saved d_weight / d_bias are
+    the backward graph's inputs. Declared functional on purpose: as a declared mutation, AOTAutograd
+    would functionalize it and Inductor clone the saved gradients first (a graph input that
+    nothing copies back to is not reinplaced: fx_passes/reinplace.py), a pass over dW (~0.4 ms
+    at qwen3-4b, H200) that eager does not make. The write stays invisible only because nothing
+    in the backward graph reads the saved gradients after this op: AttachGrads returns them
+    (outputs are read after the graph's last op), the op's output keeps it from dead-code
+    elimination (dx is always a returned gradient here), and a second backward through the same
+    graph is refused (AOTAutograd with donated buffers; otherwise autograd's saved-tensor version
+    check, which the bump below arms)."""
+    scale_(list(saved), g)
+    for t in saved:
+        torch.autograd.graph.increment_version(t)
+    return (g.to(torch.float32) * dx).to(dx.dtype)
+
+
+@scale_saved_grads.register_fake
+def _(dx, saved, g):
+    return torch.empty_like(dx)
+
+
 # --- the two block steps as mutable custom ops ------------------------------------------------
 
 def _block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional[Tensor],
@@ -233,22 +257,23 @@ class AttachGrads(torch.autograd.Function):
         # [V, H] buffer (and no pass at all when g == 1); the mutating custom op bumps their
         # version counters, so a second backward through the same graph (retain_graph=True)
         # fails autograd's saved-tensor version check rather than reuse scaled gradients (on
-        # CUDA too, where scale_'s Triton kernel alone is invisible to autograd). Traced: out of
-        # place, a pass over dW a step (0.83 ms at qwen3-8b, H100): the same op there makes
-        # Inductor clone the saved gradients first (they are backward-graph inputs that nothing
-        # copies back to, so it cannot reinplace into them), a pass as well, two with g != 1.
-        # Float64 (gradcheck's repeated backward; memory is not its concern): out of place.
-        # (traced: Dynamo's trace of grpo_loss, or AOTAutograd's of the pass's rewritten graph,
-        # which runs this under a dispatch mode on functional tensors)
-        traced = (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-                  or type(g) is not Tensor)
-        in_place = not traced and not any(
-            t is not None and t.dtype == torch.float64 for t in (dx, dw, db))
+        # CUDA too, where scale_'s Triton kernel alone is invisible to autograd). Traced
+        # (Dynamo's trace of grpo_loss, or AOTAutograd's of the pass's rewritten graph, which
+        # runs this under a dispatch mode on functional tensors): in place as well, through
+        # scale_saved_grads, which says why it is declared functional. Float64 (gradcheck's
+        # repeated backward; memory is not its concern) and an eager tensor subclass: out of place.
+        tracing = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+        float64 = any(t is not None and t.dtype == torch.float64 for t in (dx, dw, db))
         g0 = g.reshape(())   # the pass's loss may be [1]
 
         grads = [t if ok else None for t, ok in zip((dx, dw, db), ctx.has)]
-        if in_place:   # fp32 math (lowerings' scale_)
+        if float64 or (type(g) is not Tensor and not tracing):   # a tensor subclass in eager
+            grads = [None if t is None else (g0 * t).to(t.dtype) for t in grads]
+        elif not tracing:   # fp32 math (lowerings' scale_)
             scale_grads_([t for t in grads if t is not None], g0)
-        else:
+        elif grads[0] is not None:   # traced: dW in place, out of the compiler's sight
+            saved = [t for t in grads[1:] if t is not None]
+            grads[0] = scale_saved_grads(grads[0], saved, g0)
+        else:   # traced, no d_hidden to carry the op (a frozen trunk): out of place
             grads = [None if t is None else (g0 * t).to(t.dtype) for t in grads]
         return (g, *grads, None, None, None)
