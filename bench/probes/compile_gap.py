@@ -37,7 +37,9 @@ def bench_step(name: str, mode: str = "auto"):
     """(loss, step) at the bench shape `name`: loss(*inputs) the DAPO + k3 KL grpo_loss value,
     step(f) a call of f's forward + backward on persistent leaves, their grads cleared."""
     x = make_inputs(SHAPES[name], "cuda", torch.bfloat16, seed=0)
-    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=mode)
+    # the shape's model as the bench runs it: Gemma 2's final-logit softcap, packed shapes' cu_seqlens
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=mode,
+                        final_logit_softcapping=x.softcap)
     w = x.weight.detach().requires_grad_()
     h = x.hidden.detach().requires_grad_()
 
@@ -48,7 +50,7 @@ def bench_step(name: str, mode: str = "auto"):
         return run
 
     def loss(*args):
-        return cg.grpo_loss(*args, config=cfg).loss
+        return cg.grpo_loss(*args, cu_seqlens=x.cu_seqlens, config=cfg).loss
     return loss, step
 
 
