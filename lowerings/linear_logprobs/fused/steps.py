@@ -69,8 +69,8 @@ def scale_(tensors: list[Tensor], g: Tensor) -> None:
 def scale_grads_(tensors: list[Tensor], g: Tensor) -> None:
     """scale_ as a mutating custom op: a call bumps the tensors' version counters, so autograd
     refuses a second backward through gradients it already scaled (on CUDA too: scale_'s Triton
-    body alone is invisible to autograd). Eager only (compiled_grpo/fused.py's _AttachGrads: in a
-    traced backward Inductor would clone the saved gradients before it)."""
+    body alone is invisible to autograd). Eager only (AttachGrads: in a traced backward Inductor
+    would clone the saved gradients before it; scale_saved_grads runs there)."""
     scale_(tensors, g)
 
 
