@@ -3,7 +3,9 @@ TRL 1.16's own `selective_log_softmax` (its per-row loops, both dtype branches) 
 `entropy_from_logits` (its chunk loop), together on one logits as TRL's trainer calls them, an HF
 causal LM's `.logits` sliced the way trainers slice them, einsum heads, take_along_dim, verl's
 remove-padding spelling (`.squeeze(0)`, a per-token temperature tensor), a 0-dim tensor
-temperature, and autocast regions. Each: the pass's counters, no [N, V] buffer in Inductor's
+temperature, and autocast regions; beyond the issue's list, OpenRLHF's chunked-logsumexp
+log-probs, log_softmax(dtype=float32), a p * log p entropy and a flattened cross_entropy, and
+torch.distributions.Categorical left alone (counted). Each: the pass's counters, no [N, V] buffer in Inductor's
 code, and outputs and gradients equal to the same code run unfused (fp32 cases to 1e-5; bf16 and
 autocast cases within the logits' bf16 rounding, which the op does not make: it keeps the GEMM's
 fp32 accumulation). verl's own functions run in tests/test_verl.py (its venv). The harness (the
@@ -85,6 +87,61 @@ def test_trainer_spelling_fused(fn, expect):
     sources = check(fn, expect, rtol=tol, atol=tol)
     assert not nv_buffers(sources), nv_buffers(sources)
     assert not counters["compiled_grpo_unfused"], dict(counters["compiled_grpo_unfused"])
+
+
+def openrlhf_log_probs(h, w, b, ids):
+    """OpenRLHF's log_probs_from_logits, fp32 branch without flash-attn: the target logit minus a
+    logsumexp taken in row chunks (its _logsumexp_by_chunk)."""
+    logits = F.linear(h, w, b)
+    labels = torch.gather(logits, dim=-1, index=ids.unsqueeze(-1)).squeeze(-1)
+    flat = logits.reshape(-1, V)
+    lse = torch.cat([torch.logsumexp(c, dim=-1) for c in torch.split(flat, 8, dim=0)])
+    return (labels - lse.view(B, T),)
+
+
+def logsumexp_head(h, w, b, ids):
+    logits = h @ w.T
+    return (logits.gather(-1, ids[..., None]).squeeze(-1) - torch.logsumexp(logits, -1),)
+
+
+def log_softmax_dtype_kwarg(h, w, b, ids):
+    """F.log_softmax(..., dtype=torch.float32), NeMo-RL's and many scripts' upcast."""
+    return (F.log_softmax(F.linear(h, w), dim=-1, dtype=torch.float32)
+            .gather(-1, ids[..., None]).squeeze(-1),)
+
+
+def entropy_p_logp(h, w, b, ids):
+    """Entropy as -(softmax * log_softmax).sum(-1), next to the log-probs of the same logits."""
+    logits = h @ w.T
+    p, logp = logits.softmax(-1), logits.log_softmax(-1)
+    return logp.gather(-1, ids[..., None])[..., 0], -(p * logp).sum(-1)
+
+
+def flat_cross_entropy(h, w, b, ids):
+    """-cross_entropy over the flattened [B T, V] logits, viewed back to [B, T]."""
+    logits = F.linear(h, w, b)
+    return (-F.cross_entropy(logits.view(-1, V), ids.view(-1), reduction="none").view(B, T),)
+
+
+MORE = [(openrlhf_log_probs, (1, 0)), (logsumexp_head, (1, 0)), (log_softmax_dtype_kwarg, (1, 0)),
+        (entropy_p_logp, (1, 1)), (flat_cross_entropy, (1, 0))]
+
+
+@pytest.mark.parametrize("fn,expect", MORE, ids=[f.__name__ for f, _ in MORE])
+def test_more_trainer_spellings_fused(fn, expect):
+    """Spellings beyond the issue's list (OpenRLHF, NeMo-RL-style upcasts, p * log p entropy)."""
+    assert not nv_buffers(check(fn, expect))
+
+
+def test_categorical_distribution_left_alone_and_counted():
+    """torch.distributions.Categorical(logits=...).log_prob / .entropy (normalizes with a keepdim
+    logsumexp and gathers through broadcast_tensors; its default validate_args reads every logit):
+    not proven, so the graph keeps its logits and the reason is counted; results stay equal."""
+    def categorical(h, w, b, ids):
+        d = torch.distributions.Categorical(logits=F.linear(h, w))
+        return d.log_prob(ids), d.entropy()
+    check(categorical, (0, 0))
+    assert counters["compiled_grpo_unfused"]["logits_users"] == 1
 
 
 def test_row_loops_are_folded():
