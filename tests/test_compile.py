@@ -230,3 +230,32 @@ def test_one_step_function_across_changing_configs(mode, device):
     # Two frames a config at most (Dynamo's automatic-dynamic compile, then the specialized one);
     # the first config again reuses what it compiled.
     assert frames[-2] <= 2 * (len(SWEEP) - 1) and frames[-1] == frames[-2], frames
+
+
+def test_compiled_backward_scales_saved_grads_in_place():
+    """Compiled (Inductor), the backward scales the stored d_weight in place and returns it: no
+    clone of it and no g * dW buffer in the generated code (steps.scale_saved_grads), the
+    gradients of (c * loss) equal eager's for c = 1 and 0.37, and a second backward through the
+    graph still fails autograd's version check."""
+    from torch._inductor.utils import run_and_get_code
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused")
+    inp = make_inputs(B=4, T=9, seed=13, device="cpu")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda **kw: cg.grpo_loss(**kw, config=cfg).loss, fullgraph=True, dynamic=False)
+    for c in (1.0, 0.37):
+        got, want = ({k: (v.detach().clone().requires_grad_() if k in ("hidden", "weight") else v)
+                      for k, v in inp.items()} for _ in range(2))
+        loss = fn(**got)
+        _, code = run_and_get_code(lambda: (c * loss).backward())
+        (c * cg.grpo_loss(**want, config=cfg).loss).backward()
+        for k in ("hidden", "weight"):
+            torch.testing.assert_close(got[k].grad, want[k].grad, rtol=1e-5, atol=1e-7)
+        if c == 1.0:   # the first backward compiled the graph: its code
+            code = "\n".join(code)
+            assert "scale_saved_grads" in code and "clone" not in code
+            ret = code[code.rindex("return ("):].split("\n")[0]
+            assert "getitem" in ret   # d_weight: the saved tensor itself
+    loss = fn(**inp)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
