@@ -5,7 +5,7 @@ launches, or launches more often, first).
     python -m bench.probes.compile_gap [--shapes qwen2.5-0.5b qwen3-8b] [--modes auto recompute]
                                        [--kernels]
 
-Eager and compiled are timed in alternating rounds (median of each side's rounds), so drift
+Eager and compiled are timed in alternating rounds, ABBA (median of each side's rounds), so drift
 (clocks, temperature) falls on both alike; --kernels adds the per-kernel table of one step.
 """
 import argparse
@@ -66,9 +66,10 @@ def main(argv=None):
         torch._dynamo.reset()
         comp = torch.compile(loss, fullgraph=True, dynamic=False)
         te, tc = [], []
-        for _ in range(a.rounds):
-            te.append(timed(step(loss), reps=9))
-            tc.append(timed(step(comp), reps=9))
+        for r in range(a.rounds):   # ABBA: each side runs first in every other round (the GPU
+            # warms over a round: at long shapes the second side always ran on a hotter chip)
+            for side in ((te, loss), (tc, comp))[::1 if r % 2 == 0 else -1]:
+                side[0].append(timed(step(side[1]), reps=9))
         te, tc = sorted(te)[len(te) // 2], sorted(tc)[len(tc) // 2]
         print(f"\n## {name} ({mode}): eager {te:.2f} ms, compiled {tc:.2f} ms ({tc / te:.3f}x)", flush=True)
         if not a.kernels:
