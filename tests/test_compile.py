@@ -234,9 +234,10 @@ def test_one_step_function_across_changing_configs(mode, device):
 
 def test_compiled_backward_scales_saved_grads_in_place():
     """Compiled (Inductor), the backward scales the stored d_weight in place and returns it: no
-    clone of it and no g * dW buffer in the generated code (steps.scale_saved_grads), the
-    gradients of (c * loss) equal eager's for c = 1 and 0.37, and a second backward through the
-    graph still fails autograd's version check."""
+    clone of it and no g * dW buffer in the generated code (steps.scale_saved_grads and its
+    Inductor lowering), the gradients of (c * loss) equal eager's for c = 1 and 0.37, and a
+    second backward through the graph still fails autograd's version check."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
     cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused")
     inp = make_inputs(B=4, T=9, seed=13, device="cpu")
@@ -245,17 +246,45 @@ def test_compiled_backward_scales_saved_grads_in_place():
     for c in (1.0, 0.37):
         got, want = ({k: (v.detach().clone().requires_grad_() if k in ("hidden", "weight") else v)
                       for k, v in inp.items()} for _ in range(2))
-        loss = fn(**got)
-        _, code = run_and_get_code(lambda: (c * loss).backward())
+        with inductor_config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):   # this run's own code
+            loss = fn(**got)
+            _, code = run_and_get_code(lambda: (c * loss).backward())
         (c * cg.grpo_loss(**want, config=cfg).loss).backward()
         for k in ("hidden", "weight"):
             torch.testing.assert_close(got[k].grad, want[k].grad, rtol=1e-5, atol=1e-7)
         if c == 1.0:   # the first backward compiled the graph: its code
             code = "\n".join(code)
-            assert "scale_saved_grads" in code and "clone" not in code
+            # scale_grads_ on the saved d_weight itself (Inductor's lowering of scale_saved_grads)
+            assert "scale_grads_.default([getitem" in code and "clone" not in code
             ret = code[code.rindex("return ("):].split("\n")[0]
             assert "getitem" in ret   # d_weight: the saved tensor itself
     loss = fn(**inp)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_compiled_in_place_scale_is_ordered_before_other_readers_of_the_head_gradient():
+    """Two losses on one head and an L2 term of W in one compiled graph, the sum scaled by 0.5:
+    W's gradient sums both saved d_weights (each scaled in place by its backward) and the L2
+    term's; the lowering's declared write orders that sum after the scales (Inductor could
+    otherwise run it first, on unscaled gradients). Equal to eager's."""
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused")
+    a, b = make_inputs(B=4, T=9, seed=13, device="cpu"), make_inputs(B=4, T=9, seed=14, device="cpu")
+    w0 = a["weight"].detach().clone()
+
+    def two(ha, hb, w):
+        la = cg.grpo_loss(**dict(a, hidden=ha, weight=w), config=cfg).loss
+        lb = cg.grpo_loss(**dict(b, hidden=hb, weight=w), config=cfg).loss
+        return (la + lb) * 0.5 + 0.01 * (w.float() ** 2).sum()
+
+    def grads(f):
+        ha, hb = (x["hidden"].detach().clone().requires_grad_() for x in (a, b))
+        w = w0.clone().requires_grad_()
+        f(ha, hb, w).backward()
+        return w.grad, ha.grad, hb.grad
+
+    torch._dynamo.reset()
+    for got, want in zip(grads(torch.compile(two, fullgraph=True)), grads(two)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

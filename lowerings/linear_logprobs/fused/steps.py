@@ -5,6 +5,7 @@ bodies, and the incoming gradient's scaling of the gradients they store: the Tri
 Legend: R' rows of a block (its n valid ones first, n = counts[b] on the device), H hidden,
 V vocab.
 """
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -81,17 +82,17 @@ def _(tensors, g):
 
 @torch.library.custom_op("compiled_grpo::scale_saved_grads", mutates_args=())
 def scale_saved_grads(dx: Tensor, saved: list[Tensor], g: Tensor) -> Tensor:
-    """-> g * dx (a new tensor, fp32 math), and each of ``saved`` scaled by g in place (scale_: no pass when
-    g == 1): AttachGrads' backward inside a compiled graph, where the saved d_weight / d_bias are
-    the backward graph's inputs. Declared functional on purpose: as a declared mutation, AOTAutograd
-    would functionalize it and Inductor clone the saved gradients first (a graph input that
-    nothing copies back to is not reinplaced: fx_passes/reinplace.py), a pass over dW (~0.4 ms
-    at qwen3-4b, H200) that eager does not make. The write stays invisible only because nothing
-    in the backward graph reads the saved gradients after this op: AttachGrads returns them
-    (outputs are read after the graph's last op), the op's output keeps it from dead-code
-    elimination (dx is always a returned gradient here), and a second backward through the same
-    graph is refused (AOTAutograd with donated buffers; otherwise autograd's saved-tensor version
-    check, which the bump below arms)."""
+    """-> g * dx (a new tensor, fp32 math), and each of ``saved`` scaled by g in place (scale_:
+    no pass when g == 1): AttachGrads' backward inside a compiled graph, where the saved d_weight
+    / d_bias are the backward graph's inputs. Declared functional on purpose: as a declared
+    mutation AOTAutograd would functionalize it, and Inductor clone the saved gradients first (a
+    graph input nothing copies back to is not reinplaced: fx_passes/reinplace.py), a pass over dW
+    (~0.4 ms at qwen3-4b, H200) that eager does not make. Inductor lowers it to scale_grads_, a
+    declared write in its own IR, so its scheduler orders every other reader of the saved
+    gradients after it (lower_scale_saved_grads); a backend that runs the traced graph as it is
+    (aot_eager) meets those readers after the op anyway, since they read AttachGrads' outputs. A
+    second backward through the same graph fails autograd's saved-tensor version check, as in
+    eager (the bump below, and scale_grads_'s own under Inductor)."""
     out = dx.clone()   # one pass over dX ([N, H]); scale_ skips it too when g == 1 (a bf16
     # dx * fp32 g in PyTorch takes TensorIterator's mixed-dtype path: 0.17 ms at qwen3-4b, H200)
     scale_([out, *saved], g)
@@ -102,7 +103,25 @@ def scale_saved_grads(dx: Tensor, saved: list[Tensor], g: Tensor) -> Tensor:
 
 @scale_saved_grads.register_fake
 def _(dx, saved, g):
+    lower_scale_saved_grads()   # here: plain Python under any trace (Dynamo does not step in)
     return torch.empty_like(dx)
+
+
+@functools.cache
+def lower_scale_saved_grads() -> None:
+    """Registers Inductor's lowering of scale_saved_grads: scale_grads_ on the saved gradients
+    through Inductor's fallback kernel (a write Inductor's IR declares; nothing functionalizes at
+    that level, so nothing is cloned) and g * dx as a pointwise kernel of its own."""
+    from torch._inductor import lowering as L
+    mutate = L.fallback_handler(torch.ops.compiled_grpo.scale_grads_.default,
+                                add_to_fallback_set=False)
+
+    @L.register_lowering(torch.ops.compiled_grpo.scale_saved_grads.default, type_promotion_kind=None)
+    def _(dx, saved, g):
+        mutate(list(saved), g)
+        prod = L.lowerings[torch.ops.aten.mul.Tensor](L.to_dtype(dx, torch.float32),
+                                                      L.to_dtype(g, torch.float32))
+        return L.to_dtype(prod, dx.get_dtype())
 
 
 # --- the two block steps as mutable custom ops ------------------------------------------------
