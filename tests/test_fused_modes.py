@@ -169,6 +169,16 @@ def test_is_static_tells_a_constant_from_a_symbol(dynamic):
     assert device.is_static(5)
 
 
+def test_is_static_false_for_a_bounded_dynamic_size():
+    """A mark_dynamic range with a max (a symbol whose range is bounded) is still a symbol."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x + (1 if device.is_static(x.shape[0]) else 2), backend="eager",
+                       fullgraph=True)
+    x = torch.zeros(6)
+    torch._dynamo.mark_dynamic(x, 0, min=2, max=64)
+    assert fn(x).tolist()[0] == 2
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compiled_static_rows_take_eagers_exact_plan(dynamic, monkeypatch):
     """A compile of static shapes runs eager's block plan (N = 80 rows of 16: 5 blocks, the

@@ -36,14 +36,13 @@ def static_int(n) -> int:
 
 
 def is_static(n) -> bool:
-    """Whether the size n is a compile-time constant: a Python int in eager, in a fake-tensor
-    trace of static shapes and in a Dynamo trace of static ones; False for a symbol (dynamic=True,
-    or the second compile of automatic dynamic shapes). Dynamo answers isinstance(n, int) and
-    type(n) is int with True for a symbol too, and is_concrete_int is not traceable;
-    statically_known_true of a bound no symbol has (sizes range to int_oo) is the spelling it
-    evaluates at trace time, with no guard, on torch 2.11 to 2.15 (tests/test_fused_modes.py)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-    return statically_known_true(n < 2**62)
+    """Whether the size n is a compile-time constant: a Python int in eager and in traces of
+    static shapes, or a symbol whose range is one value; False for a symbol (dynamic=True, the
+    second compile of automatic dynamic shapes, a mark_dynamic range). Dynamo answers
+    isinstance(n, int) and type(n) is int with True for a symbol too; has_static_value is the
+    test it evaluates at trace time, with no guard (tests/test_fused_modes.py)."""
+    from torch.fx.experimental.symbolic_shapes import has_static_value
+    return has_static_value(n)
 
 
 def static_value(v):
