@@ -288,3 +288,19 @@ def test_compiled_in_place_scale_is_ordered_before_other_readers_of_the_head_gra
     torch._dynamo.reset()
     for got, want in zip(grads(torch.compile(two, fullgraph=True)), grads(two)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("trainable", ["hidden", "weight"])
+def test_compiled_fused_backward_with_a_frozen_head_or_trunk(trainable):
+    """Only hidden (a frozen lm_head: no saved d_weight for the in-place scale) or only the head
+    (a frozen trunk: no d_hidden to carry steps.scale_saved_grads, out of place) trainable,
+    compiled by Inductor, the loss scaled by 0.5: the gradient equals eager's."""
+    cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused")
+    inp = make_inputs(B=4, T=9, seed=13, device="cpu")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda **kw: cg.grpo_loss(**kw, config=cfg).loss, fullgraph=True)
+    got, want = ({k: (v.detach().clone().requires_grad_(k == trainable) if k in ("hidden", "weight") else v)
+                  for k, v in inp.items()} for _ in range(2))
+    (0.5 * fn(**got)).backward()
+    (0.5 * cg.grpo_loss(**want, config=cfg).loss).backward()
+    torch.testing.assert_close(got[trainable].grad, want[trainable].grad, rtol=1e-5, atol=1e-7)

@@ -54,7 +54,9 @@ def scale_(tensors: list[Tensor], g: Tensor) -> None:
     none when g == 1 (checked on the device: no host sync); a bf16 t.mul_(g) with an fp32 0-dim
     g takes TensorIterator's slow mixed-dtype path instead (3 ms for a 1.2 GiB dW on H100). The
     PyTorch body elsewhere."""
-    if not tensors or not _triton_body(tensors[0]):
+    if not tensors:
+        return
+    if not _triton_body(tensors[0]):
         torch._foreach_mul_(tensors, g)
         return
     from lowerings.linear_logprobs.kernels.fused_block import _scale_kernel
@@ -118,7 +120,8 @@ def lower_scale_saved_grads() -> None:
 
     @L.register_lowering(torch.ops.compiled_grpo.scale_saved_grads.default, type_promotion_kind=None)
     def _(dx, saved, g):
-        mutate(list(saved), g)
+        if saved:   # a frozen head has no saved gradient to scale
+            mutate(list(saved), g)
         prod = L.lowerings[torch.ops.aten.mul.Tensor](L.to_dtype(dx, torch.float32),
                                                       L.to_dtype(g, torch.float32))
         return L.to_dtype(prod, dx.get_dtype())
