@@ -337,8 +337,10 @@ def fused_call(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entrop
     grad = torch.func.grad(lambda *a: f(*a).reshape(()), argnums=tuple(range(len(names))))
 
     def grad_fn(r0, idx, lp, ent):   # idx: rows r0 .. r0 + R of the identity order (all valid)
-        # (torch.cat, not F.pad: torch 2.13's Inductor CPU code for F.pad + narrow + view in
-        # these graphs left a block's rows of the second sequence at zero; eager was right)
+        # (torch.cat, not F.pad, in take: with F.pad(g.reshape(-1), (0, total - n)).narrow(0, r0,
+        # rows) there, torch 2.13's Inductor CPU code got a block's gradient wrong, eager right:
+        # test_separable_loss_takes_the_fused_schedule[grpo-seq-mean-entropy] fails with it. Not
+        # reduced below this graph; F.pad in place alone is fine)
         def place(t):   # the block's values at their places in [...], zeros elsewhere
             return torch.cat([t.new_zeros(r0), t, t.new_zeros(total - r0 - rows)]).narrow(0, 0, n).view(lead)
 
