@@ -72,8 +72,9 @@ def scale_(tensors: list[Tensor], g: Tensor) -> None:
 def scale_grads_(tensors: list[Tensor], g: Tensor) -> None:
     """scale_ as a mutating custom op: a call bumps the tensors' version counters, so autograd
     refuses a second backward through gradients it already scaled (on CUDA too: scale_'s Triton
-    body alone is invisible to autograd). Eager only (AttachGrads: in a traced backward Inductor
-    would clone the saved gradients before it; scale_saved_grads runs there)."""
+    body alone is invisible to autograd). Called by AttachGrads in eager code, and by Inductor's
+    code for scale_saved_grads (its lowering): in a traced graph it would be functionalized, and
+    Inductor would clone the saved gradients before it."""
     scale_(tensors, g)
 
 
@@ -291,13 +292,10 @@ class AttachGrads(torch.autograd.Function):
         g0 = g.reshape(())   # the pass's loss may be [1]
 
         grads = [t if ok else None for t, ok in zip((dx, dw, db), ctx.has)]
-        if float64 or (type(g) is not Tensor and not tracing):   # a tensor subclass in eager
-            grads = [None if t is None else (g0 * t).to(t.dtype) for t in grads]
-        elif not tracing:   # fp32 math (lowerings' scale_)
+        if not float64 and not tracing and type(g) is Tensor:   # fp32 math (scale_)
             scale_grads_([t for t in grads if t is not None], g0)
-        elif grads[0] is not None:   # traced: dW in place, out of the compiler's sight
-            saved = [t for t in grads[1:] if t is not None]
-            grads[0] = scale_saved_grads(grads[0], saved, g0)
-        else:   # traced, no d_hidden to carry the op (a frozen trunk): out of place
+        elif not float64 and tracing and grads[0] is not None:   # d_hidden carries the op
+            grads[0] = scale_saved_grads(grads[0], [t for t in grads[1:] if t is not None], g0)
+        else:   # float64, an eager tensor subclass, or traced with a frozen trunk
             grads = [None if t is None else (g0 * t).to(t.dtype) for t in grads]
         return (g, *grads, None, None, None)
