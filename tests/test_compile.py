@@ -232,7 +232,8 @@ def test_one_step_function_across_changing_configs(mode, device):
     assert frames[-2] <= 2 * (len(SWEEP) - 1) and frames[-1] == frames[-2], frames
 
 
-def test_compiled_backward_scales_saved_grads_in_place():
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_backward_scales_saved_grads_in_place(device):
     """Compiled (Inductor), the backward scales the stored d_weight in place and returns it: no
     clone of it and no g * dW buffer in the generated code (steps.scale_saved_grads and its
     Inductor lowering), the gradients of (c * loss) equal eager's for c = 1 and 0.37, and a
@@ -240,7 +241,7 @@ def test_compiled_backward_scales_saved_grads_in_place():
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
     cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused")
-    inp = make_inputs(B=4, T=9, seed=13, device="cpu")
+    inp = make_inputs(B=4, T=9, seed=13, device=device)
     torch._dynamo.reset()
     fn = torch.compile(lambda **kw: cg.grpo_loss(**kw, config=cfg).loss, fullgraph=True, dynamic=False)
     for c in (1.0, 0.37):
@@ -265,13 +266,14 @@ def test_compiled_backward_scales_saved_grads_in_place():
         loss.backward()
 
 
-def test_compiled_in_place_scale_is_ordered_before_other_readers_of_the_head_gradient():
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_in_place_scale_is_ordered_before_other_readers_of_the_head_gradient(device):
     """Two losses on one head and an L2 term of W in one compiled graph, the sum scaled by 0.5:
     W's gradient sums both saved d_weights (each scaled in place by its backward) and the L2
     term's; the lowering's declared write orders that sum after the scales (Inductor could
     otherwise run it first, on unscaled gradients). Equal to eager's."""
     cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused")
-    a, b = make_inputs(B=4, T=9, seed=13, device="cpu"), make_inputs(B=4, T=9, seed=14, device="cpu")
+    a, b = make_inputs(B=4, T=9, seed=13, device=device), make_inputs(B=4, T=9, seed=14, device=device)
     w0 = a["weight"].detach().clone()
 
     def two(ha, hb, w):
@@ -290,13 +292,14 @@ def test_compiled_in_place_scale_is_ordered_before_other_readers_of_the_head_gra
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("trainable", ["hidden", "weight"])
-def test_compiled_fused_backward_with_a_frozen_head_or_trunk(trainable):
+def test_compiled_fused_backward_with_a_frozen_head_or_trunk(trainable, device):
     """Only hidden (a frozen lm_head: no saved d_weight for the in-place scale) or only the head
     (a frozen trunk: no d_hidden to carry steps.scale_saved_grads, out of place) trainable,
     compiled by Inductor, the loss scaled by 0.5: the gradient equals eager's."""
     cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode="fused")
-    inp = make_inputs(B=4, T=9, seed=13, device="cpu")
+    inp = make_inputs(B=4, T=9, seed=13, device=device)
     torch._dynamo.reset()
     fn = torch.compile(lambda **kw: cg.grpo_loss(**kw, config=cfg).loss, fullgraph=True)
     got, want = ({k: (v.detach().clone().requires_grad_(k == trainable) if k in ("hidden", "weight") else v)

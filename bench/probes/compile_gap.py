@@ -3,7 +3,7 @@ the same step, and the CUDA kernels of one step of each side by side (the kernel
 launches, or launches more often, first).
 
     python -m bench.probes.compile_gap [--shapes qwen2.5-0.5b qwen3-8b] [--modes auto recompute]
-                                       [--kernels]
+                                       [--kernels] [--compile-mode reduce-overhead]
 
 Eager and compiled are timed in alternating rounds, ABBA (median of each side's rounds), so drift
 (clocks, temperature) falls on both alike; --kernels adds the per-kernel table of one step.
@@ -12,6 +12,7 @@ import argparse
 from collections import Counter
 
 import torch
+from torch._dynamo.utils import counters
 
 import compiled_grpo as cg
 from bench.shapes import SHAPES, make_inputs
@@ -60,18 +61,21 @@ def main(argv=None):
     p.add_argument("--modes", nargs="+", default=["auto"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kernels", action="store_true")
+    p.add_argument("--compile-mode", default=None, help="torch.compile's mode (e.g. reduce-overhead)")
     a = p.parse_args(argv)
     for name, mode in [(n, m) for n in a.shapes for m in a.modes]:
         loss, step = bench_step(name, mode)
         torch._dynamo.reset()
-        comp = torch.compile(loss, fullgraph=True, dynamic=False)
+        counters.clear()
+        comp = torch.compile(loss, fullgraph=True, dynamic=False, mode=a.compile_mode)
         te, tc = [], []
         for r in range(a.rounds):   # ABBA: each side runs first in every other round (the GPU
             # warms over a round: at long shapes the second side always ran on a hotter chip)
             for side in ((te, loss), (tc, comp))[::1 if r % 2 == 0 else -1]:
                 side[0].append(timed(step(side[1]), reps=9))
         te, tc = sorted(te)[len(te) // 2], sorted(tc)[len(tc) // 2]
-        print(f"\n## {name} ({mode}): eager {te:.2f} ms, compiled {tc:.2f} ms ({tc / te:.3f}x)", flush=True)
+        skips = f", cudagraph skips {counters['inductor']['cudagraph_skips']}" if a.compile_mode else ""
+        print(f"\n## {name} ({mode}): eager {te:.2f} ms, compiled {tc:.2f} ms ({tc / te:.3f}x){skips}", flush=True)
         if not a.kernels:
             continue
         (ce, ue), (cc, uc) = kernels(step(loss)), kernels(step(comp))
