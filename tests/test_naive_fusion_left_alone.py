@@ -2,6 +2,7 @@
 method): code the pass must leave alone, how it is switched on and off and chained with a user's
 pass, and the pass on a Dynamo graph of two heads."""
 import logging
+import operator
 
 import pytest
 import torch
@@ -59,9 +60,34 @@ def bias_after_tanh(h, w, b, ids):
     return (logp_of(2.0 * torch.tanh(h @ w.T / 2.0) + b, ids),)
 
 
+def view_before_inplace(h, w, b, ids):
+    """A view of the logits taken before their in-place scale and read after it: it sees the
+    write, so the scale stays in place (inplace.py) and the logits with it."""
+    logits = h @ w.T
+    first = logits[:, :1]
+    logits.div_(0.7)
+    return logp_of(logits, ids), first * 1.0
+
+
+def read_before_inplace(h, w, b, ids):
+    logits = h @ w.T
+    total = logits.sum(-1)          # read before the write
+    logits.div_(0.7)
+    return logp_of(logits, ids), total
+
+
+def inplace_on_a_shared_view(h, w, b, ids):
+    """The scaled tensor is a view of logits that are also read elsewhere."""
+    logits = h @ w.T
+    last = logits[:, -1:]
+    last.mul_(2.0)
+    return logp_of(logits, ids), last.sum(-1)
+
+
 @pytest.mark.parametrize("fn", [logits_returned, log_softmax_returned, mean_cross_entropy,
                                 label_smoothing, float64_code, two_targets, inplace_between,
-                                broadcast_bias, bias_after_tanh])
+                                broadcast_bias, bias_after_tanh, view_before_inplace,
+                                read_before_inplace, inplace_on_a_shared_view])
 def test_left_alone(fn):
     check(fn, (0, 0))
     unfused = counters["compiled_grpo_unfused"]
@@ -87,6 +113,34 @@ def test_unfused_reason_counted_and_logged_once(fn, reason, caplog, monkeypatch)
         check(fn, (0, 0))
     assert counters["compiled_grpo_unfused"][reason] == 2, dict(counters["compiled_grpo_unfused"])
     assert len(first) == 1 and len([r for r in caplog.records if reason in r.getMessage()]) == 1
+
+
+def inplace_scale_and_logits_returned(h, w, b, ids):
+    logits = h @ w.T
+    logits.div_(0.7)
+    return logp_of(logits, ids), logits
+
+
+def test_unused_inplace_swap_is_undone():
+    """An in-place scale the pass made out of place (inplace.py) but no rewrite then used (the
+    logits are returned too) is put back as the user wrote it: div_ on the logits, no
+    out-of-place copy; results equal, no swap counted."""
+    check(inplace_scale_and_logits_returned, (0, 0))
+    assert counters["compiled_grpo"]["naive_inplace_scale"] == 0
+    graphs = []
+
+    def backend(gm, example):
+        nf.naive_logprob_fusion_pass(gm.graph)
+        gm.recompile()
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    h, w, b, ids = make()
+    out = torch.compile(inplace_scale_and_logits_returned, backend=backend, fullgraph=True)(h, w, b, ids)
+    for o, r in zip(out, inplace_scale_and_logits_returned(h, w, b, ids)):
+        torch.testing.assert_close(o, r)
+    calls = [n.target for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    assert "div_" in calls and not {"div", torch.div, operator.truediv} & set(calls), calls
 
 
 def test_fused_graph_counts_nothing_unfused():

@@ -127,10 +127,45 @@ MORE = [(openrlhf_log_probs, (1, 0)), (logsumexp_head, (1, 0)), (log_softmax_dty
         (entropy_p_logp, (1, 1)), (flat_cross_entropy, (1, 0))]
 
 
+def verl_inplace_temperature(h, w, b, ids):
+    """verl's dp_actor: logits.squeeze(0), then logits.div_(temperature) in place."""
+    logits = F.linear(h.reshape(1, B * T, H), w).squeeze(0)                   # [nnz, V]
+    logits.div_(0.8)
+    return (logits.log_softmax(-1).gather(-1, ids.reshape(-1, 1)).squeeze(-1),)
+
+
+def inplace_true_divide(h, w, b, ids):
+    """`logits /= temperature` (older TRL), then `*=` by a 0-dim tensor, the entropy beside."""
+    logits = h @ w.T
+    logits /= 0.7
+    logits *= torch.tensor(1.25)
+    return (logits.log_softmax(-1).gather(-1, ids[..., None])[..., 0],
+            -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1))
+
+
+def tensor_temperature_product(h, w, b, ids):
+    """A multiplication by an inverse temperature held as a 0-dim tensor."""
+    return ((h @ w.T * torch.tensor(1 / 0.7)).log_softmax(-1).gather(-1, ids[..., None])[..., 0],)
+
+
+def per_sequence_temperature(h, w, b, ids):
+    """A [B, 1, 1] temperature tensor, one a sequence, broadcast over its tokens."""
+    t = torch.linspace(0.6, 1.2, B).view(B, 1, 1)
+    return ((F.linear(h, w) / t).log_softmax(-1).gather(-1, ids[..., None])[..., 0],)
+
+
+MORE += [(verl_inplace_temperature, (1, 0)), (inplace_true_divide, (1, 1)),
+         (tensor_temperature_product, (1, 0)), (per_sequence_temperature, (1, 0))]
+
+
 @pytest.mark.parametrize("fn,expect", MORE, ids=[f.__name__ for f, _ in MORE])
 def test_more_trainer_spellings_fused(fn, expect):
-    """Spellings beyond the issue's list (OpenRLHF, NeMo-RL-style upcasts, p * log p entropy)."""
-    assert not nv_buffers(check(fn, expect))
+    """Spellings beyond the issue's list (OpenRLHF, NeMo-RL-style upcasts, p * log p entropy,
+    in-place temperatures, tensor temperatures multiplied or per sequence)."""
+    tol = 1e-4 if expect[1] else 1e-5
+    assert not nv_buffers(check(fn, expect, rtol=tol, atol=tol))
+    assert counters["compiled_grpo"]["naive_inplace_scale"] == (
+        fn.__name__.count("inplace") + (fn is inplace_true_divide))
 
 
 def test_categorical_distribution_left_alone_and_counted():

@@ -101,7 +101,10 @@ def _walk_logits(m: dict) -> dict:
         elif _is(nxt, _DIV, ("div", "true_divide")) and nxt.args[0] is cur and len(nxt.args) == 2 \
                 and not nxt.kwargs and post is None and (_row_scale(nxt.args[1], cur)
                                                          or _sym_float(nxt.args[1])):
-            tensor_temps.append((nxt.args[1], len(lead_ops)))
+            tensor_temps.append((nxt.args[1], len(lead_ops), operator.truediv))
+        elif _is(nxt, _MUL, ("mul",)) and len(nxt.args) == 2 and not nxt.kwargs and len(other) == 1 \
+                and post is None and (_row_scale(other[0], cur) or _sym_float(other[0])):
+            tensor_temps.append((other[0], len(lead_ops), operator.mul))   # z * s = (h * s) @ W.T
         elif _is(nxt, _MUL, ("mul",)) and len(nxt.args) == 2 and not nxt.kwargs \
                 and len(other) == 1 and _number(other[0]):
             if post is None:
@@ -127,10 +130,10 @@ def _walk_logits(m: dict) -> dict:
         cap = float(temp if cap is None else cap)
         scaling = (cap * post, cap / temp, cap) if min(temp, post, cap) > 0 else None
     if tensor_temps and (bias is not None or any(
-            _val(t) is not None and _val(t).dim() and k < len(lead_ops) for t, k in tensor_temps)):
+            _val(t) is not None and _val(t).dim() and k < len(lead_ops) for t, k, _ in tensor_temps)):
         scaling = None   # a bias (scaled or not), or a per-row t read through a later view
     return dict(L=cur, chain=chain, temp=temp, bias=bias, bias_temp=bias_temp, lead_ops=lead_ops,
-                scaling=scaling, tensor_temps=[t for t, _ in tensor_temps])
+                scaling=scaling, tensor_temps=[(t, op) for t, _, op in tensor_temps])
 
 
 def _sym_float(t: Any) -> bool:
@@ -141,13 +144,16 @@ def _sym_float(t: Any) -> bool:
 
 
 def _row_scale(t: Any, cur: Node) -> bool:
-    """t divides the logits row by row: a floating tensor, 0-dim or [..., 1] over the logits'
-    leading dims (verl's per-token temperature). z / t = (h / t) @ W.T: the pass divides h."""
+    """t scales the logits row by row: a floating tensor, 0-dim or [..., 1] over the logits'
+    leading dims (verl's per-token temperature; a per-sequence [B, 1, 1] one broadcasts).
+    z / t = (h / t) @ W.T, z * t = (h * t) @ W.T: the pass scales h."""
     vt, vc = _val(t), _val(cur)
     if vt is None or vc is None or not vt.is_floating_point():
         return False
-    return vt.dim() == 0 or (vt.dim() == vc.dim() and vt.shape[-1] == 1
-                             and tuple(vt.shape[:-1]) == tuple(vc.shape[:-1]))
+    # 0-dim, or [..., 1] broadcasting over the leading dims only (each 1 or the logits')
+    return vt.dim() == 0 or (vt.dim() <= vc.dim() and vt.shape[-1] == 1 and all(
+        (isinstance(a, int) and a == 1) or _same_size(a, b)
+        for a, b in zip(reversed(vt.shape[:-1]), reversed(vc.shape[:-1]))))
 
 
 def _gather_parts(g: Node) -> tuple:
