@@ -143,6 +143,30 @@ def test_unused_inplace_swap_is_undone():
     assert "div_" in calls and not {"div", torch.div, operator.truediv} & set(calls), calls
 
 
+def sliced_log_softmax_returned(h, w, b, ids):
+    return (F.log_softmax(h @ w.T, dim=-1)[:, :-1],)
+
+
+def test_unused_view_swap_is_undone():
+    """log_softmax(z)[:, :-1] swapped to log_softmax(z[:, :-1]) (normalize.py) but not fused
+    (the log-probs of every token returned) is put back: log_softmax before the slice."""
+    check(sliced_log_softmax_returned, (0, 0))
+    assert counters["compiled_grpo"]["naive_view_before_log_softmax"] == 0
+    graphs = []
+
+    def backend(gm, example):
+        nf.naive_logprob_fusion_pass(gm.graph)
+        gm.recompile()
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    h, w, b, ids = make()
+    out = torch.compile(sliced_log_softmax_returned, backend=backend, fullgraph=True)(h, w, b, ids)
+    torch.testing.assert_close(out[0], sliced_log_softmax_returned(h, w, b, ids)[0])
+    calls = [n.target for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    assert calls.index(F.log_softmax) < calls.index(operator.getitem), calls
+
+
 def test_fused_graph_counts_nothing_unfused():
     check(matmul_T, (1, 0))
     assert not counters["compiled_grpo_unfused"]

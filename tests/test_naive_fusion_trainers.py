@@ -158,14 +158,36 @@ MORE += [(verl_inplace_temperature, (1, 0)), (inplace_true_divide, (1, 1)),
          (tensor_temperature_product, (1, 0)), (per_sequence_temperature, (1, 0))]
 
 
+def nemo_rl_logprobs(h, w, b, ids):
+    """NeMo-RL's get_logprobs: log_softmax of the fp32 logits, then the log-probs sliced
+    [:, :-1] (not the logits), gathered at the next tokens, a zero column put first."""
+    log_probs = torch.nn.functional.log_softmax(F.linear(h, w).to(torch.float32), dim=-1)
+    next_tokens = ids[:, 1:]
+    log_probs = log_probs[:, :-1]
+    token_logprobs = log_probs.gather(dim=-1, index=next_tokens.unsqueeze(-1)).squeeze(-1)
+    return (torch.cat([torch.zeros_like(token_logprobs[:, :1]), token_logprobs], dim=1),)
+
+
+def log_softmax_by_logsumexp(h, w, b, ids):
+    """log_softmax spelled out: z - z.logsumexp(-1, keepdim=True), then torch.gather(x, 2, i)."""
+    z = (h @ w.T).float()
+    logp = z - z.logsumexp(-1, keepdim=True)
+    return (torch.gather(logp, 2, ids.unsqueeze(2)).squeeze(2),)
+
+
+MORE += [(nemo_rl_logprobs, (1, 0)), (log_softmax_by_logsumexp, (1, 0))]
+
+
 @pytest.mark.parametrize("fn,expect", MORE, ids=[f.__name__ for f, _ in MORE])
 def test_more_trainer_spellings_fused(fn, expect):
-    """Spellings beyond the issue's list (OpenRLHF, NeMo-RL-style upcasts, p * log p entropy,
-    in-place temperatures, tensor temperatures multiplied or per sequence)."""
+    """Spellings beyond the issue's list (OpenRLHF, NeMo-RL's get_logprobs, p * log p entropy,
+    in-place temperatures, tensor temperatures multiplied or per sequence, log_softmax by
+    logsumexp)."""
     tol = 1e-4 if expect[1] else 1e-5
     assert not nv_buffers(check(fn, expect, rtol=tol, atol=tol))
     assert counters["compiled_grpo"]["naive_inplace_scale"] == (
         fn.__name__.count("inplace") + (fn is inplace_true_divide))
+    assert counters["compiled_grpo"]["naive_view_before_log_softmax"] == (fn is nemo_rl_logprobs)
 
 
 def test_categorical_distribution_left_alone_and_counted():

@@ -16,7 +16,8 @@ autograd and training, inference, frozen and trainable W are all one rewrite):
                                               after it only scales, casts and views)
       [:, :-1], [:, -k:], .view(-1, V)     -> the same leading-dim view applied to h (TRL, verl)
       .squeeze(0), / t, * t (0-dim / per-row t) -> h.squeeze(0), h / t (verl's remove-padding path)
-      (first, inplace.make_scales_out_of_place: logits.div_(t), logits /= t, as z / t)
+      (first, normalize.py: logits.div_(t), logits /= t as z / t; log_softmax(z)[:, :-1] as
+       log_softmax(z[:, :-1]))
     consumers of the logits z (all of them must be one of these):
       log_softmax(z, -1).gather(-1, ids.unsqueeze(-1) | ids[..., None])     -> logprobs
       z.gather(-1, idx) - z.logsumexp(-1, keepdim=True), logsumexp(z, -1)  -> logprobs + lse, lse
@@ -66,7 +67,7 @@ from lowerings.naive_fusion.match import (_ids_source, _match_consumers, _region
 from lowerings.naive_fusion.nodes import _EINSUM, _LINEAR, _MATMUL, _erase_dead, _is, _val
 from lowerings.linear_logprobs.op import linear_logprobs
 from lowerings.naive_fusion.loops import fold_row_loops, settle_folds
-from lowerings.naive_fusion import inplace, separable
+from lowerings.naive_fusion import normalize, separable
 
 # The fused-gradient rewrite (separable.py) after the log-prob rewrite; False: the recompute op
 # always (the op's own backward: one more head GEMM, no [N, V] logits either).
@@ -243,7 +244,8 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     rewrites = []         # the linear_logprobs_call nodes inserted
     tried: dict = {}      # GEMM node -> why it was left alone
     autocast = autocast_dtypes(graph)
-    swaps = inplace.make_scales_out_of_place(graph)   # verl's logits.div_(t), logits /= t
+    scales = normalize.scales_out_of_place(graph)      # verl's logits.div_(t), logits /= t
+    views = normalize.views_before_log_softmax(graph)  # NeMo-RL's log_softmax(z)[:, :-1]
     folds = fold_row_loops(graph)   # TRL / verl's per-row and per-chunk loops, as one computation
     for node in [n for n in graph.nodes if _is_gemm(n)]:
         if getattr(node, "_erased", False):
@@ -277,16 +279,17 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     kept = settle_folds(graph, folds)   # a fold no rewrite used: the user's loop back
     if kept:
         counters["compiled_grpo"]["naive_row_loop_fold"] += kept
-    kept = inplace.settle_swaps(graph, swaps)   # likewise the user's in-place scale
-    if kept:
-        counters["compiled_grpo"]["naive_inplace_scale"] += kept
-    if rewrites or folds or swaps:
+    for name, edits in (("naive_view_before_log_softmax", views), ("naive_inplace_scale", scales)):
+        kept = normalize.settle(graph, edits)   # likewise the user's spelling back
+        if kept:
+            counters["compiled_grpo"][name] += kept
+    if rewrites or folds or scales or views:
         stable_topological_sort(graph)
     # then, on the sorted graph: a token-separable loss of the log-probs takes the fused schedule
     fused = [separable.fuse_loss_gradient(graph, out) for out in rewrites] if FUSED_GRADIENT else []
     if "fused" in fused:
         stable_topological_sort(graph)
-    if rewrites or folds or swaps:
+    if rewrites or folds or scales or views:
         graph.lint()
     _report_unfused(graph, tried)
     return len(rewrites)

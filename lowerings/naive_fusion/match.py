@@ -176,6 +176,18 @@ def _ids_source(idx: Node) -> Any:
     return None
 
 
+def _log_softmax_by_lse(u: Node, L: Node, nd: int) -> bool:
+    """u = L - L.logsumexp(-1, keepdim=True): log_softmax(L) spelled out (its logsumexp read by
+    such subtractions only is no consumer of its own)."""
+    if not (_is(u, (operator.sub, torch.sub), ("sub",)) and len(u.args) == 2 and not u.kwargs
+            and u.args[0] is L and isinstance(u.args[1], Node)):
+        return False
+    lse = u.args[1]
+    return _is(lse, (torch.logsumexp,), ("logsumexp",)) and lse.args[0] is L \
+        and _last_dim(_arg(lse, 1, "dim"), nd) and _arg(lse, 2, "keepdim", False) is True \
+        and len(lse.args) + len(lse.kwargs) <= 3
+
+
 def _match_consumers(L: Node) -> Optional[dict]:
     """Classify every user of the logits; None unless all of them are matched consumers."""
     vL = _val(L)
@@ -196,7 +208,10 @@ def _match_consumers(L: Node) -> Optional[dict]:
             zgathers.append(u)
         elif _is(u, (torch.logsumexp,), ("logsumexp",)) and u.args[0] is L \
                 and _last_dim(_arg(u, 1, "dim"), nd) and len(u.args) + len(u.kwargs) <= 3:
-            lses.append((u, bool(_arg(u, 2, "keepdim", False))))
+            if not (u.users and all(_log_softmax_by_lse(s, L, nd) for s in u.users)):
+                lses.append((u, bool(_arg(u, 2, "keepdim", False))))
+        elif _log_softmax_by_lse(u, L, nd):    # z - z.logsumexp(-1, keepdim=True): log_softmax
+            lsm.append(u)
         elif _is(u, _MUL, ("mul",)) and len(u.args) == 2 and not u.kwargs:   # p * z (entropy)
             muls[u] = None
         elif (k := trl_kernel_call(u)) is not None:
