@@ -45,11 +45,11 @@ def two_targets(h, w, b, ids):
             + logp_all.gather(-1, ids.flip(0).unsqueeze(-1)).squeeze(-1),)
 
 
-def inplace_between(h, w, b, ids):
+def grad_switch_between(h, w, b, ids):
     logits = h @ w.T
-    h2 = h.detach().clone()
-    h2.mul_(2)
-    return logp_of(logits, ids), h2
+    with torch.no_grad():
+        scale = ids.float().mean()
+    return logp_of(logits, ids), scale
 
 
 def broadcast_bias(h, w, b, ids):
@@ -85,7 +85,7 @@ def inplace_on_a_shared_view(h, w, b, ids):
 
 
 @pytest.mark.parametrize("fn", [logits_returned, log_softmax_returned, mean_cross_entropy,
-                                label_smoothing, float64_code, two_targets, inplace_between,
+                                label_smoothing, float64_code, two_targets, grad_switch_between,
                                 broadcast_bias, bias_after_tanh, view_before_inplace,
                                 read_before_inplace, inplace_on_a_shared_view])
 def test_left_alone(fn):
@@ -94,13 +94,36 @@ def test_left_alone(fn):
     assert sum(unfused.values()) >= 1 and set(unfused) <= set(nf.UNFUSED_REASONS), dict(unfused)
 
 
+def write_to_the_hidden_copy(h, w, b, ids):
+    """A write, between the GEMM and the gather, to the tensor the GEMM read: the fused call
+    (where the gather stands) would read the new values. Left alone. (No gradients: autograd
+    itself refuses the write to a tensor the GEMM saved.)"""
+    hc = h.detach().clone()
+    logits = hc @ w.detach().T
+    hc.mul_(2.0)
+    return logp_of(logits, ids), hc
+
+
+def write_to_a_temperature(h, w, b, ids):
+    t = torch.full((1,), 0.7)     # a tensor the graph made: only the read rule refuses the write
+    logits = (h.detach() @ w.detach().T) / t
+    t.mul_(2.0)
+    return (logp_of(logits, ids),)
+
+
+@pytest.mark.parametrize("fn", [write_to_the_hidden_copy, write_to_a_temperature])
+def test_writes_to_what_the_rewrite_reads_are_left_alone(fn):
+    check(fn, (0, 0), grads=False)
+    assert counters["compiled_grpo_unfused"]["region"] == 1, dict(counters["compiled_grpo_unfused"])
+
+
 def tensordot_head(h, w, b, ids):   # a GEMM spelling the pass does not know (einsum it does)
     return (logp_of(torch.tensordot(h, w, dims=([2], [1])), ids),)
 
 
 @pytest.mark.parametrize("fn,reason", [(logits_returned, "logits_users"),
                                        (float64_code, "gemm_unmatched"),
-                                       (inplace_between, "region"), (tensordot_head, "no_gemm")])
+                                       (grad_switch_between, "region"), (tensordot_head, "no_gemm")])
 def test_unfused_reason_counted_and_logged_once(fn, reason, caplog, monkeypatch):
     """A log-prob graph the pass leaves unfused is counted by why and logged, once a reason a
     process: a torch upgrade that changes how Dynamo records a spelling shows up, never a silent

@@ -178,11 +178,26 @@ def log_softmax_by_logsumexp(h, w, b, ids):
 MORE += [(nemo_rl_logprobs, (1, 0)), (log_softmax_by_logsumexp, (1, 0))]
 
 
+def roll_labels(h, w, b, ids):
+    """ROLL's compute_log_probs: labels cloned and masked in place (labels[labels == -100] = 0)
+    between the GEMM and the gather, a write to the graph's own tensor; an unrelated in-place
+    op beside it."""
+    logits = F.linear(h, w)
+    labels = ids[:, 1:].clone()
+    labels[labels == 5] = 0
+    scratch = h.detach().clone()
+    scratch.mul_(2.0)
+    return logits[:, :-1, :].log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1), scratch
+
+
+MORE += [(roll_labels, (1, 0))]
+
+
 @pytest.mark.parametrize("fn,expect", MORE, ids=[f.__name__ for f, _ in MORE])
 def test_more_trainer_spellings_fused(fn, expect):
     """Spellings beyond the issue's list (OpenRLHF, NeMo-RL's get_logprobs, p * log p entropy,
     in-place temperatures, tensor temperatures multiplied or per sequence, log_softmax by
-    logsumexp)."""
+    logsumexp, ROLL's labels masked in place)."""
     tol = 1e-4 if expect[1] else 1e-5
     assert not nv_buffers(check(fn, expect, rtol=tol, atol=tol))
     assert counters["compiled_grpo"]["naive_inplace_scale"] == (

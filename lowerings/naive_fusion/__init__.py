@@ -34,8 +34,9 @@ sees `ids.masked_fill(ids == ignore_index, 0)` and the result is
 `(-logprobs).masked_fill(ids == ignore_index, 0)`, as are the gradients.
 
 The pass is conservative: it rewrites only when *every* user of the logits is one of the matched
-consumers (otherwise the logits are needed anyway), when no in-place op, grad-mode or autocast
-switch lies between the GEMM and its consumers, and when the dtypes are fp32/bf16/fp16 (fp64 code
+consumers (otherwise the logits are needed anyway), when no in-place op (but a write, before the
+first consumer, to a tensor the graph made and the fused call does not read) or grad-mode switch
+lies between the GEMM and its consumers (an autocast switch is fine: gemm.autocast_dtypes), and when the dtypes are fp32/bf16/fp16 (fp64 code
 is left alone: the CUDA kernels compute in fp32). Each replaced node gets the dtype the naive
 node had.
 Every rewrite bumps `torch._dynamo.utils.counters["compiled_grpo"]["naive_logprob_fusion"]`
@@ -267,7 +268,9 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
             tried[node] = "logits_users"
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
-        if not _region_is_clean(graph, node, max(_replaced(c), key=order.__getitem__)):
+        first_use = min(_replaced(c), key=order.__getitem__)
+        reads = (m["h"], m["w"], wk["bias"], *(t for t, _ in wk["tensor_temps"]), *wk["chain"])
+        if not _region_is_clean(graph, node, max(_replaced(c), key=order.__getitem__), first_use, reads):
             tried[node] = "region"
             continue
         rewrites.append(_rewrite(graph, m, wk, c))
