@@ -36,9 +36,9 @@ sees `ids.masked_fill(ids == ignore_index, 0)` and the result is
 The pass is conservative: it rewrites only when *every* user of the logits is one of the matched
 consumers (otherwise the logits are needed anyway), when no in-place op (but a write, before the
 first consumer, to a tensor the graph made and the fused call does not read) or grad-mode switch
-lies between the GEMM and its consumers (an autocast switch is fine: gemm.autocast_dtypes), and when the dtypes are fp32/bf16/fp16 (fp64 code
-is left alone: the CUDA kernels compute in fp32). Each replaced node gets the dtype the naive
-node had.
+lies between the GEMM and its consumers (an autocast switch is fine: gemm.autocast_dtypes), and
+when the dtypes are fp32/bf16/fp16 (fp64 code is left alone: the CUDA kernels compute in fp32).
+Each replaced node gets the dtype the naive node had.
 Every rewrite bumps `torch._dynamo.utils.counters["compiled_grpo"]["naive_logprob_fusion"]`
 and/or `["naive_entropy_fusion"]`. Every log_softmax / logsumexp / cross_entropy the pass leaves
 in a graph bumps `counters["compiled_grpo_unfused"][reason]` (UNFUSED_REASONS) and logs a warning
@@ -190,7 +190,7 @@ UNFUSED_REASONS = {
                "or a spelling this torch records differently)",
     "gemm_unmatched": "the GEMM is not logits = h @ W.T of a 2-D W (dtypes, shapes, layout)",
     "logits_users": "the logits have users other than log-prob / entropy / lse consumers",
-    "region": "an in-place op, grad-mode or autocast switch lies between GEMM and consumers",
+    "region": "an in-place op the rewrite cannot move across, or a grad-mode switch, lies between GEMM and consumers",
     "matcher_error": "the matcher raised (a bug: please report it with the graph)",
 }
 _warned: set = set()
