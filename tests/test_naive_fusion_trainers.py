@@ -193,16 +193,48 @@ def roll_labels(h, w, b, ids):
 MORE += [(roll_labels, (1, 0))]
 
 
+def hf_causal_lm_loss(h, w, b, ids):
+    """HF's ForCausalLMLoss (an SFT term beside the RL loss): labels shifted, -100 where ignored,
+    the mean cross-entropy over the kept tokens of the flattened logits."""
+    labels = F.pad(ids, (0, 1), value=-100)[:, 1:]
+    labels[0, :3] = -100
+    logits = F.linear(h, w, b).float()
+    return (F.cross_entropy(logits.view(-1, V), labels.reshape(-1), ignore_index=-100).reshape(1),)
+
+
+def summed_cross_entropy(h, w, b, ids):
+    return (F.cross_entropy((h @ w.T).view(-1, V), ids.view(-1), reduction="sum").reshape(1),)
+
+
+def class_dim_second_cross_entropy(h, w, b, ids):
+    """cross_entropy over [B, V, T] (the logits transposed), per token and the mean."""
+    z = F.linear(h, w, b)
+    return (-F.cross_entropy(z.transpose(1, 2), ids, reduction="none", ignore_index=5),
+            F.cross_entropy(z.permute(0, 2, 1), ids, ignore_index=5).reshape(1))
+
+
+MORE += [(hf_causal_lm_loss, (1, 0)), (summed_cross_entropy, (1, 0)), (class_dim_second_cross_entropy, (1, 0))]
+
+
 @pytest.mark.parametrize("fn,expect", MORE, ids=[f.__name__ for f, _ in MORE])
 def test_more_trainer_spellings_fused(fn, expect):
     """Spellings beyond the issue's list (OpenRLHF, NeMo-RL's get_logprobs, p * log p entropy,
     in-place temperatures, tensor temperatures multiplied or per sequence, log_softmax by
-    logsumexp, ROLL's labels masked in place)."""
+    logsumexp, ROLL's labels masked in place, mean / sum / class-dim-second cross_entropy)."""
     tol = 1e-4 if expect[1] else 1e-5
     assert not nv_buffers(check(fn, expect, rtol=tol, atol=tol))
     assert counters["compiled_grpo"]["naive_inplace_scale"] == (
         fn.__name__.count("inplace") + (fn is inplace_true_divide))
     assert counters["compiled_grpo"]["naive_view_before_log_softmax"] == (fn is nemo_rl_logprobs)
+
+
+def test_mean_cross_entropy_of_no_kept_target_is_nan_as_torchs():
+    """Every target ignored: torch's mean cross_entropy is 0 / 0 = nan; so is the fused one."""
+    def all_ignored(h, w, b, ids):
+        return (F.cross_entropy((h @ w.T).view(-1, V), torch.full_like(ids, -100).view(-1)).reshape(1),)
+    h, w, b, ids = make()
+    out = torch.compile(all_ignored, fullgraph=True)(h, w, b, ids)[0]
+    assert fired() == (1, 0) and torch.isnan(out).all() and torch.isnan(all_ignored(h, w, b, ids)[0]).all()
 
 
 def test_categorical_distribution_left_alone_and_counted():

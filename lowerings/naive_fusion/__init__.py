@@ -22,6 +22,7 @@ autograd and training, inference, frozen and trainable W are all one rewrite):
       log_softmax(z, -1).gather(-1, ids.unsqueeze(-1) | ids[..., None])     -> logprobs
       z.gather(-1, idx) - z.logsumexp(-1, keepdim=True), logsumexp(z, -1)  -> logprobs + lse, lse
       -F.cross_entropy(z.view(-1, V), ids.view(-1), reduction="none")       -> where(ign, 0, -lp)
+        (or of z.transpose(1, 2), [B, V, T]; "sum" / "mean": summed / over the kept targets)
       -(softmax(z, -1) * log_softmax(z, -1)).sum(-1), -(logp.exp() * logp).sum(-1),
       lse - (softmax(z, -1) * z).sum(-1)                                    -> entropy
     (F.* / torch.* / Tensor-method spellings, dim=-1 or the last dim's index, keepdim either way)
@@ -123,11 +124,10 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> Node:
             ids = _ids_source(idx)
             ids = graph.call_method("squeeze", (idx, -1)) if ids is None else ids
         elif c["ce"]:
-            _, _, tg, ignore_index = c["ce"][0]
+            _, _, tg, ignore_index, *_ = c["ce"][0]
             ignored = graph.call_function(operator.eq, (tg, ignore_index))          # [N]
             ids = graph.call_method("masked_fill", (tg, ignored, 0))
-            if vL.dim() != 2:
-                ids = graph.call_method("view_as", (ids, lead_ref))                 # [...]
+            ids = graph.call_method("view_as", (ids, lead_ref))                     # [...]
         elif trl_lp:                                # TRL's kernel: (logits / T)[ids]
             ids = next(k["ids"] for k in c["trl"] if any(i == 0 for _, i in k["outs"]))
             if _val(ids).dtype != torch.int64:
@@ -170,11 +170,17 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> Node:
                                                        (graph.call_method("size", (w, 0)),)))
             sz.replace_all_uses_with(r)
         if c["ce"]:
-            nll = graph.call_function(operator.neg, (lp,))
-            nll = graph.call_method("reshape", (nll, -1)) if vL.dim() != 2 else nll     # [N]
-            nll = graph.call_method("masked_fill", (nll, ignored, 0.0))
-            for x, *_ in c["ce"]:
-                x.replace_all_uses_with(cast(nll, x))
+            nll = graph.call_function(operator.neg, (lp,))                              # [...]
+            kept = graph.call_function(operator.invert, (ignored,))                     # [N] | [...]
+            nll = graph.call_method("masked_fill", (graph.call_method("view_as", (nll, ignored)),
+                                                    ignored, 0.0))
+            for x, _, _, _, reduction, _ in c["ce"]:
+                r = nll     # "none": [N] (flat) or [B, T] (class dim second), as the targets
+                if reduction != "none":   # torch's: the sum over kept targets (/ their count)
+                    r = graph.call_method("sum", (nll,))
+                    if reduction == "mean":
+                        r = graph.call_function(operator.truediv, (r, graph.call_method("sum", (kept,))))
+                x.replace_all_uses_with(cast(r, x))
     _erase_dead(graph, [lead_ref, lp, ent, lse, *replaced, *c["sizes"]])    # cascades up the naive chain
     for b in bodies:            # TRL's autograd.Function bodies (get_attr), once their call is gone
         if not b.users and not getattr(b, "_erased", False):

@@ -188,6 +188,20 @@ def _log_softmax_by_lse(u: Node, L: Node, nd: int) -> bool:
         and len(lse.args) + len(lse.kwargs) <= 3
 
 
+_CLASS_DIM_1 = (torch.transpose, torch.permute)
+
+
+def _class_dim_1(u: Node) -> bool:
+    """u = z.transpose(1, 2) / z.permute(0, 2, 1) of 3-D logits z: the class dim second, as
+    cross_entropy takes [B, V, T]."""
+    if _is(u, (torch.transpose,), ("transpose",)) and len(u.args) == 3 and not u.kwargs:
+        return {d % 3 for d in u.args[1:] if isinstance(d, int)} == {1, 2}
+    if _is(u, (torch.permute,), ("permute",)) and not u.kwargs:
+        dims = u.args[1] if len(u.args) == 2 and isinstance(u.args[1], (list, tuple)) else u.args[1:]
+        return [d % 3 if isinstance(d, int) else d for d in dims] == [0, 2, 1]
+    return False
+
+
 def _match_consumers(L: Node) -> Optional[dict]:
     """Classify every user of the logits; None unless all of them are matched consumers."""
     vL = _val(L)
@@ -218,9 +232,10 @@ def _match_consumers(L: Node) -> Optional[dict]:
             trl.append((u, k))
         else:
             others.append(u)
-    for u in others:    # cross_entropy(logits | logits.view(-1, V), target, reduction="none")
+    for u in others:    # cross_entropy(logits.view(-1, V) | logits.transpose(1, 2), target)
         x = u
-        if _is(u, _VIEW, ("view", "reshape", "flatten")) and len(u.users) == 1:
+        if _is(u, _VIEW + _CLASS_DIM_1, ("view", "reshape", "flatten", "transpose", "permute")) \
+                and len(u.users) == 1:
             x = next(iter(u.users))
         if not _is(x, (F.cross_entropy,)) or x.args[0] is not (L if x is u else u):
             return None
@@ -229,13 +244,17 @@ def _match_consumers(L: Node) -> Optional[dict]:
               (4, "ignore_index", -100), (5, "reduce", None), (6, "reduction", "mean"),
               (7, "label_smoothing", 0.0))}
         vt = _val(tg)
-        if vx is None or vt is None or vx.dim() != 2 or vx.shape[1] != vL.shape[-1] \
-                or vt.shape != vx.shape[:1] or vt.dtype != torch.int64 \
+        # [N, V] logits and [N] targets, or [B, V, T] (the class dim second) and [B, T]
+        flat = vx is not None and vx.dim() == 2
+        shaped = vx is not None and x is not u and vL.dim() == 3 and _class_dim_1(u) \
+            and vt is not None and tuple(vt.shape) == tuple(vL.shape[:-1])
+        if vx is None or vt is None or not (flat or shaped) or vx.shape[1] != vL.shape[-1] \
+                or (flat and vt.shape != vx.shape[:1]) or vt.dtype != torch.int64 \
                 or kw["weight"] is not None or kw["size_average"] is not None \
-                or kw["reduce"] is not None or kw["reduction"] != "none" \
+                or kw["reduce"] is not None or kw["reduction"] not in ("none", "mean", "sum") \
                 or kw["label_smoothing"] != 0.0 or not isinstance(kw["ignore_index"], int):
             return None
-        ce.append((x, u if x is not u else None, tg, kw["ignore_index"]))
+        ce.append((x, u if x is not u else None, tg, kw["ignore_index"], kw["reduction"], flat))
     gathers, exps = [], []
     for ls in lsm:
         for u in ls.users:
@@ -289,7 +308,7 @@ def _match_consumers(L: Node) -> Optional[dict]:
     if kernels and (targets or ce or sums or lses
                     or len({k["temperature"] for k in kernels}) > 1):
         return None
-    ids = {_ids_source(i) or i for _, i, _ in targets} | {(t, ii) for _, _, t, ii in ce} \
+    ids = {_ids_source(i) or i for _, i, _ in targets} | {(t, ii) for _, _, t, ii, *_ in ce} \
         | {_spelled(k["ids"]) for k in kernels if any(i == 0 for _, i in k["outs"])}
     if len(ids) > 1 or not (targets or ce or sums or lses or kernels):
         return None
