@@ -11,6 +11,8 @@ autocast cases within the logits' bf16 rounding, which the op does not make: it 
 fp32 accumulation). verl's own functions run in tests/test_verl.py (its venv). The harness (the
 pass on, tiny shapes, `check`) is naive_fusion_harness.py's.
 """
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -216,11 +218,28 @@ def class_dim_second_cross_entropy(h, w, b, ids):
 MORE += [(hf_causal_lm_loss, (1, 0)), (summed_cross_entropy, (1, 0)), (class_dim_second_cross_entropy, (1, 0))]
 
 
+def chunked_entropy_written(h, w, b, ids):
+    """verl's entropy_from_logits_with_chunking as verl 0.9.1 spells it (a zeros buffer, each
+    chunk's fp32 entropy written into it; tests/test_verl.py runs verl's own), beside the
+    log-probs of the same [nnz, V] logits."""
+    logits = F.linear(h, w).reshape(B * T, V)
+    entropy = torch.zeros(logits.shape[0], device=logits.device)
+    for i in range(0, logits.shape[0], 8):
+        chunk = logits[i:i + 8].float()
+        pd = torch.nn.functional.softmax(chunk, dim=-1)
+        entropy[i:i + 8] = torch.logsumexp(chunk, dim=-1) - torch.sum(pd * chunk, dim=-1)
+    return logits.log_softmax(-1).gather(-1, ids.reshape(-1, 1)).squeeze(-1), entropy
+
+
+MORE += [(chunked_entropy_written, (1, 1))]
+
+
 @pytest.mark.parametrize("fn,expect", MORE, ids=[f.__name__ for f, _ in MORE])
 def test_more_trainer_spellings_fused(fn, expect):
     """Spellings beyond the issue's list (OpenRLHF, NeMo-RL's get_logprobs, p * log p entropy,
     in-place temperatures, tensor temperatures multiplied or per sequence, log_softmax by
-    logsumexp, ROLL's labels masked in place, mean / sum / class-dim-second cross_entropy)."""
+    logsumexp, ROLL's labels masked in place, mean / sum / class-dim-second cross_entropy,
+    verl's chunked entropy written into a buffer)."""
     tol = 1e-4 if expect[1] else 1e-5
     assert not nv_buffers(check(fn, expect, rtol=tol, atol=tol))
     assert counters["compiled_grpo"]["naive_inplace_scale"] == (
@@ -345,12 +364,22 @@ def rows_beside_the_logits(h, w, b, ids):
     return torch.stack([torch.logsumexp(lg, -1) for lg in logits]), logits
 
 
+def chunks_written_beside_the_logits(h, w, b, ids):
+    """A chunk loop writing into a buffer (verl's chunked entropy) beside a user that needs the
+    logits themselves: unfused, the writes put back."""
+    logits = (h @ w.T).reshape(B * T, V)
+    out = torch.zeros(B * T)
+    for i in range(0, B * T, 8):
+        out[i:i + 8] = torch.logsumexp(logits[i:i + 8], dim=-1)
+    return out, logits
+
+
 def rows_of_no_logits(h, w, b, ids):
     """A foldable row loop over no logits at all (no GEMM feeds it)."""
     return (torch.stack([torch.logsumexp(r, -1) for r in h]),)
 
 
-@pytest.mark.parametrize("fn", [rows_beside_the_logits, rows_of_no_logits])
+@pytest.mark.parametrize("fn", [rows_beside_the_logits, rows_of_no_logits, chunks_written_beside_the_logits])
 def test_unused_fold_is_undone(fn):
     """A loop the pass folded but no rewrite then used is put back as the user wrote it (one
     logsumexp a row, then the stack: the loop's memory, not a batched [B, T, V] one), the
@@ -370,6 +399,11 @@ def test_unused_fold_is_undone(fn):
     for o, r in zip(out, fn(h, w, b, ids)):
         torch.testing.assert_close(o, r)
     calls = [n.target for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    if fn is chunks_written_beside_the_logits:     # three chunks, three writes, in order
+        assert sum(t is torch.logsumexp for t in calls) == 3 and calls.count(operator.setitem) == 3, calls
+        keys = [n.args[1] for n in graphs[0].graph.nodes if n.target is operator.setitem]
+        assert keys == [slice(0, 8), slice(8, 16), slice(16, 24)], keys
+        return
     assert sum(t in (torch.logsumexp, "logsumexp") for t in calls) == B, calls
     assert calls.count(torch.stack) == 1, calls
 

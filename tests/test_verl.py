@@ -322,6 +322,46 @@ def test_naive_fusion_fuses_verls_functions(dtype, remove_padding):
         torch.testing.assert_close(a.float(), c.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_naive_fusion_fuses_megatron_engines_in_place_temperature_and_chunked_entropy(dtype):
+    """verl's megatron engine: the remove-padding logits scaled in place by the per-token
+    temperature (`logits.div_(temperature.unsqueeze(dim=-1).to(logits.dtype))`), then
+    logprobs_from_logits and, with `entropy_from_logits_with_chunking`, the entropy written chunk
+    by chunk into a zeros buffer (verl_F.entropy_from_logits_with_chunking, 3 chunks here):
+    one fused call, equal to verl's code run as it is."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+    from verl.utils.torch_functional import entropy_from_logits_with_chunking, logprobs_from_logits
+
+    g = torch.Generator().manual_seed(6)
+    nnz, h_, v = 21, 16, 37
+    hidden = torch.randn(1, nnz, h_, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h_, generator=g) / 2).to(dtype).requires_grad_()
+    labels = torch.randint(0, v, (nnz,), generator=g)
+    temperature = torch.linspace(0.7, 1.1, nnz)
+
+    def step(hidden, weight):
+        logits = (hidden @ weight.T).squeeze(0)                              # [nnz, V]
+        logits.div_(temperature.unsqueeze(dim=-1).to(logits.dtype))
+        return logprobs_from_logits(logits, labels), entropy_from_logits_with_chunking(logits, chunk_size=8)
+
+    torch._dynamo.reset()
+    counters.clear()
+    with inductor_config.patch(fx_graph_cache=False), cg.naive_logprob_fusion():
+        got = torch.compile(step, fullgraph=True)(hidden, weight)
+    c = counters["compiled_grpo"]
+    assert (c["naive_logprob_fusion"], c["naive_entropy_fusion"], c["naive_inplace_scale"]) == (1, 1, 1), dict(c)
+    assert c["naive_row_loop_fold"] >= 1 and not counters["compiled_grpo_unfused"]
+    want = step(hidden, weight)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    gw = torch.autograd.grad(sum(x.float().sum() for x in want), [hidden, weight])
+    gg = torch.autograd.grad(sum(x.float().sum() for x in got), [hidden, weight])
+    for a, b in zip(gg, gw):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
 def test_example_runs():
     """examples/verl_backend_tiny.py as docs/verl.md shows it: verl's patched forward, verl's loss
     and compiled_grpo's mapping of it agree each step (the example asserts it)."""

@@ -6,14 +6,20 @@ Trainers loop over the rows of the logits to bound their memory, and Dynamo unro
     torch.stack([F.log_softmax(r, -1).gather(-1, i) for r, i in zip(logits, index)])   # (bf16)
     torch.cat([entropy(c) for c in logits.reshape(-1, V).split(k, dim=0)], dim=0)      # TRL
 
-records one copy of the row's ops per row: ``f(X[0]), f(X[1]), ...`` then stack, or
-``f(S[0]), f(S[1]), ...`` of ``S = X.split(k, 0)`` then cat. Every copy reads the logits, so the
+    buf = torch.zeros(N); for i in range(0, N, k): buf[i:i + k] = entropy(X[i:i + k].float())  # verl
+
+records one copy of the row's ops per row: ``f(X[0]), f(X[1]), ...`` then stack,
+``f(S[0]), f(S[1]), ...`` of ``S = X.split(k, 0)`` then cat, or ``buf[a:b] = f(X[a:b])`` writes
+into a fresh buffer. Every copy reads the logits, so the
 matchers see them used by B getitems and leave them alone. ``fold_row_loops`` replaces such a
 stack / cat by ``f(X)`` (f's ops once, on the whole tensor) when it can prove that equal:
 
   - the items are f applied to row i (``X[i]``, ``Y[i]``: one int index per row input, in order,
     covering X's leading dim) or to chunk i of splits of dim 0 covering X, for every i (every
     split of the same chunk size over the same number of rows, so chunk i is the same rows);
+    for writes, slices ``[a_i:b_i]`` of dim 0, contiguous from 0 to the buffer's (and X's)
+    length, the buffer a fresh zeros / empty that nothing reads between the writes (its later
+    readers read f(X), cast to the buffer's dtype as the writes cast);
   - the copies are the same ops with the same non-tensor arguments (the same graph up to the row
     inputs), and every op is row-wise: elementwise ops and casts, and last-dim ops
     (log_softmax, softmax, logsumexp, gather, sum, unsqueeze, squeeze, with their dims given)
@@ -51,13 +57,27 @@ _DIM_METHODS = {"log_softmax": (1, "dim"), "softmax": (1, "dim"), "logsumexp": (
                 "sum": (1, "dim"), "unsqueeze": (1, "dim"), "squeeze": (1, "dim")}
 
 
+def _slice_bounds(key) -> Optional[tuple]:
+    """(start, stop) of a slice of dim 0 with int bounds and no step (X[a:b]); None otherwise."""
+    if not isinstance(key, slice) or key.step is not None:
+        return None
+    start = 0 if key.start is None else key.start
+    if not isinstance(start, int) or not isinstance(key.stop, int) or isinstance(start, bool):
+        return None
+    return start, key.stop
+
+
 def _row_input(n: Node) -> Optional[tuple]:
-    """(source, i, kind) for a row input: X[i] (kind 'row') or getitem(X.split(k, 0), i) (kind
-    'chunk', source the split node)."""
-    if n.op != "call_function" or n.target is not operator.getitem or not isinstance(n.args[1], int):
+    """(source, i, kind) for a row input: X[i] (kind 'row'), getitem(X.split(k, 0), i) (kind
+    'chunk', source the split node) or X[a:b] (kind 'slice', i = (a, b))."""
+    if n.op != "call_function" or n.target is not operator.getitem:
         return None
     src, i = n.args
     if not isinstance(src, Node):
+        return None
+    if _slice_bounds(i) is not None and _val(src) is not None and _val(src).dim() >= 1:
+        return src, _slice_bounds(i), "slice"
+    if not isinstance(i, int):
         return None
     if _val(src) is not None:
         return (src, i, "row") if _val(src).dim() >= 1 else None
@@ -172,22 +192,8 @@ def _fold(graph: Graph, joint: Node) -> Optional[Fold]:
         return None
     kind = "row" if joint.target is torch.stack else "chunk"
     subs = [_subgraph(x, i) for i, x in enumerate(items)]
-    if any(s is None for s in subs):
-        return None
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    sigs = []
-    for nodes, row_inputs, sources in subs:
-        if any(k != kind for _, k in sources):
-            return None
-        nodes = sorted(nodes, key=order.__getitem__)
-        index = {n: i for i, n in enumerate(nodes)}
-        # the row inputs numbered by their source, so that the copies compare
-        by_source = {n: (sources[k][0], k) for n, k in row_inputs.items()}
-        sig = [_signature(n, index, {n: id(by_source[n][0]) for n in row_inputs}) for n in nodes]
-        if any(s is None for s in sig):
-            return None
-        sigs.append((tuple(sig), nodes))
-    if any(s != sigs[0][0] for s, _ in sigs):
+    f_nodes = _one_f(graph, subs, kind)
+    if f_nodes is None:
         return None
     # the items cover the source: rows 0..B-1 of X, or every chunk of the split(s)
     sources = {src for _, _, srcs in subs for src, _ in srcs}
@@ -207,7 +213,6 @@ def _fold(graph: Graph, joint: Node) -> Optional[Fold]:
         if any(src.args[1] != first.args[1] or not _same_size(_val(src.args[0]).shape[0], n0)
                for src in sources):
             return None
-    f_nodes = sigs[0][1]
     row_inputs0 = subs[0][1]
     env, created = {}, []
     try:
@@ -222,6 +227,89 @@ def _fold(graph: Graph, joint: Node) -> Optional[Fold]:
     erased: list = []
     _erase_dead(graph, [joint], record=erased)
     return Fold(joint, env[items[0]], created, erased)
+
+
+def _one_f(graph: Graph, subs: list, kind: str) -> Optional[list]:
+    """The first copy's f nodes (in graph order) when every copy in `subs` (_subgraph's) is the
+    same ops on row inputs of `kind`; None otherwise."""
+    if any(s is None for s in subs):
+        return None
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    sigs = []
+    for nodes, row_inputs, sources in subs:
+        if any(k != kind for _, k in sources):
+            return None
+        nodes = sorted(nodes, key=order.__getitem__)
+        index = {n: i for i, n in enumerate(nodes)}
+        # the row inputs numbered by their source, so that the copies compare
+        by_source = {n: (sources[k][0], k) for n, k in row_inputs.items()}
+        sig = [_signature(n, index, {n: id(by_source[n][0]) for n in row_inputs}) for n in nodes]
+        if any(s is None for s in sig):
+            return None
+        sigs.append((tuple(sig), nodes))
+    if any(s != sigs[0][0] for s, _ in sigs):
+        return None
+    return sigs[0][1]
+
+
+# the preallocated result a chunk loop writes into (verl's entropy_from_logits_with_chunking)
+_BUFFERS = (torch.zeros, torch.empty, torch.zeros_like, torch.empty_like)
+
+
+def _fold_writes(graph: Graph, buf: Node) -> Optional[Fold]:
+    """buf = torch.zeros(N); buf[a_i:b_i] = f(X[a_i:b_i]) for chunks covering 0..N in order,
+    nothing reading buf between the writes: buf's later readers read f(X) (cast to buf's dtype,
+    as the writes cast), the writes and their chunks' copies of f erased (recorded)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    users = sorted(buf.users, key=order.__getitem__)
+    writes = [u for u in users if u.op == "call_function" and u.target is operator.setitem
+              and u.args[0] is buf and len(u.args) == 3 and isinstance(u.args[2], Node)]
+    vb = _val(buf)
+    if len(writes) < 2 or vb is None or vb.dim() < 1 \
+            or any(order[u] < order[writes[-1]] for u in users if u not in writes):
+        return None
+    bounds = [_slice_bounds(w.args[1]) for w in writes]
+    if any(b is None for b in bounds) or bounds[0][0] != 0 \
+            or any(b[0] != a[1] for a, b in zip(bounds, bounds[1:])) \
+            or not all(isinstance(d, int) for d in vb.shape[:1]) \
+            or not (bounds[-1][0] < vb.shape[0] <= bounds[-1][1]):
+        return None
+    items = [w.args[2] for w in writes]
+    subs = [_subgraph(x, b) for x, b in zip(items, bounds)]
+    f_nodes = _one_f(graph, subs, "slice")
+    if f_nodes is None:
+        return None
+    sources = {src for _, _, srcs in subs for src, _ in srcs}
+    vi = _val(items[0])
+    if vi is None or any(_val(src) is None or not _same_size(_val(src).shape[0], vb.shape[0]) for src in sources) \
+            or tuple(vi.shape[1:]) != tuple(vb.shape[1:]):
+        return None
+    env, created = {}, []
+    try:
+        if not _build(graph, writes[-1], "slice", f_nodes, subs[0][1], env, created):
+            raise ValueError("not foldable")
+        _refresh(graph, created)
+        out = env[items[0]]
+        if _val(out).dtype != vb.dtype:
+            with graph.inserting_before(writes[-1]):
+                out = graph.call_method("to", (out, vb.dtype))
+            created.append(out)
+            _refresh(graph, [out])
+        if tuple(_val(out).shape) != tuple(vb.shape):
+            raise ValueError("not the buffer's shape")
+    except Exception:
+        for n in reversed(created):     # leave the graph as it was
+            graph.erase_node(n)
+        return None
+    for u in users:
+        if u not in writes:
+            u.replace_input_with(buf, out)
+    erased: list = []
+    for w in reversed(writes):          # recorded last write first: undo puts them back in order
+        erased.append((w, w.op, w.target, w.args, dict(w.kwargs), dict(w.meta)))
+        graph.erase_node(w)
+    _erase_dead(graph, [buf, *items], record=erased)
+    return Fold(buf, out, created, erased)
 
 
 def _build(graph: Graph, joint: Node, kind: str, f_nodes: list, row_inputs0: dict, env: dict,
@@ -240,7 +328,7 @@ def _build(graph: Graph, joint: Node, kind: str, f_nodes: list, row_inputs0: dic
     with graph.inserting_before(joint):
         for r, _k in row_inputs0.items():
             src = r.args[0]
-            env[r] = src if kind == "row" else unflat.get(src.args[0], src.args[0])
+            env[r] = src if kind in ("row", "slice") else unflat.get(src.args[0], src.args[0])
         for n in f_nodes:
             nd = _row_ndim(n.args[0]) if n.args and isinstance(n.args[0], Node) else None
 
@@ -328,13 +416,14 @@ def fold_row_loops(graph: Graph) -> list:
     erased with the stack / cat, recorded for Fold.undo)."""
     folds = []
     for n in list(graph.nodes):
-        if n.op == "call_function" and n.target in (torch.stack, torch.cat):
-            try:
-                fold = _fold(graph, n)
-            except Exception:   # noqa: BLE001  a fold that cannot be proved is not made
-                continue
-            if fold is not None:
-                folds.append(fold)
+        if n.op != "call_function" or n.target not in (torch.stack, torch.cat) + _BUFFERS:
+            continue
+        try:
+            fold = _fold(graph, n) if n.target in (torch.stack, torch.cat) else _fold_writes(graph, n)
+        except Exception:   # noqa: BLE001  a fold that cannot be proved is not made
+            continue
+        if fold is not None:
+            folds.append(fold)
     return folds
 
 

@@ -203,28 +203,32 @@ def _class_dim_1(u: Node) -> bool:
 
 
 def _match_consumers(L: Node) -> Optional[dict]:
-    """Classify every user of the logits; None unless all of them are matched consumers."""
+    """Classify every user of the logits; None unless all of them are matched consumers. A
+    float cast of the logits that some consumers read (verl's chunked entropy reads
+    `logits[i:j].float()`, folded to `logits.float()`, beside log-probs of `logits`) counts as
+    the logits: the op computes in fp32, and each replaced node keeps its own dtype."""
     vL = _val(L)
     if vL is None or vL.dtype not in _FLOATS:
         return None
     nd = vL.dim()
+    Ls = {L} | {c for c in L.users if _cast_dtype(c) in _FLOATS and c.args[0] is L and c.users}
     lsm, sm, ce, others, zgathers, lses, muls, sizes, trl = [], [], [], [], [], [], {}, [], []
-    for u in L.users:
+    for u in [u for x in Ls for u in x.users if u not in Ls]:
         if u.op == "call_method" and u.target == "size" and u.args[0] is L and not u.kwargs \
                 and (len(u.args) == 1 or (len(u.args) == 2 and isinstance(u.args[1], int))):
             sizes.append(u)     # logits.shape (TRL reads it under dynamic shapes): no data needed
-        elif _is(u, _LOG_SOFTMAX + _SOFTMAX, ("log_softmax", "softmax")) and u.args[0] is L \
+        elif _is(u, _LOG_SOFTMAX + _SOFTMAX, ("log_softmax", "softmax")) and u.args[0] in Ls \
                 and _last_dim(_arg(u, 1, "dim", None), nd) \
                 and _arg(u, 3 if u.target in (F.log_softmax, F.softmax) else 2, "dtype", None) \
                 in (None,) + _FLOATS:
             (lsm if u.target in _LOG_SOFTMAX + ("log_softmax",) else sm).append(u)
-        elif _is(u, _GATHER, ("gather", "take_along_dim")) and u.args[0] is L:       # z[target]
+        elif _is(u, _GATHER, ("gather", "take_along_dim")) and u.args[0] in Ls:      # z[target]
             zgathers.append(u)
-        elif _is(u, (torch.logsumexp,), ("logsumexp",)) and u.args[0] is L \
+        elif _is(u, (torch.logsumexp,), ("logsumexp",)) and u.args[0] in Ls \
                 and _last_dim(_arg(u, 1, "dim"), nd) and len(u.args) + len(u.kwargs) <= 3:
-            if not (u.users and all(_log_softmax_by_lse(s, L, nd) for s in u.users)):
+            if not (u.users and all(_log_softmax_by_lse(s, u.args[0], nd) for s in u.users)):
                 lses.append((u, bool(_arg(u, 2, "keepdim", False))))
-        elif _log_softmax_by_lse(u, L, nd):    # z - z.logsumexp(-1, keepdim=True): log_softmax
+        elif _log_softmax_by_lse(u, u.args[0], nd):   # z - z.logsumexp(-1, keepdim=True)
             lsm.append(u)
         elif _is(u, _MUL, ("mul",)) and len(u.args) == 2 and not u.kwargs:   # p * z (entropy)
             muls[u] = None
@@ -237,7 +241,8 @@ def _match_consumers(L: Node) -> Optional[dict]:
         if _is(u, _VIEW + _CLASS_DIM_1, ("view", "reshape", "flatten", "transpose", "permute")) \
                 and len(u.users) == 1:
             x = next(iter(u.users))
-        if not _is(x, (F.cross_entropy,)) or x.args[0] is not (L if x is u else u):
+        if not _is(x, (F.cross_entropy,)) or (x is u and x.args[0] not in Ls) \
+                or (x is not u and (x.args[0] is not u or u.args[0] not in Ls)):
             return None
         vx, tg = _val(x.args[0]), _arg(x, 1, "target")
         kw = {k: _arg(x, i, k, d) for i, k, d in ((2, "weight", None), (3, "size_average", None),
@@ -284,7 +289,7 @@ def _match_consumers(L: Node) -> Optional[dict]:
     for m in muls:      # p * logp or p * z (either order); then .sum(-1) or -(...) then .sum(-1)
         a, b = m.args
         rest = {a, b} - probs
-        if not ({a, b} & probs) or len(rest) != 1 or not (rest <= set(lsm) or rest == {L}) \
+        if not ({a, b} & probs) or len(rest) != 1 or not (rest <= set(lsm) or rest <= Ls) \
                 or len(m.users) != 1:
             return None
         s, sign = next(iter(m.users)), 1.0
@@ -294,11 +299,11 @@ def _match_consumers(L: Node) -> Optional[dict]:
                 and _arg(s, 3, "dtype", None) is None and len(s.args) <= 3):
             return None
         # sum(p * logp) = -entropy; sum(p * z) = lse - entropy
-        sums.append((s, sign, bool(_arg(s, 2, "keepdim", False)), rest == {L}))
+        sums.append((s, sign, bool(_arg(s, 2, "keepdim", False)), rest <= Ls))
     kernels = []
     for u, k in trl:   # TRL's CUDA kernel: the only consumer kind of these logits, one temperature
         outs = [(g, g.args[1]) for g in u.users]
-        if k["logits"] is not L or any(not (g.op == "call_function" and g.target is operator.getitem
+        if k["logits"] not in Ls or any(not (g.op == "call_function" and g.target is operator.getitem
                                             and g.args[1] in (0, 1)) for g, _ in outs):
             return None
         vi = _val(k["ids"])

@@ -52,11 +52,11 @@ _FNS = {operator.itruediv: operator.truediv, operator.imul: operator.mul}
 @dataclasses.dataclass
 class Edit:
     """One normalization: the nodes it erased ((node, op, target, args, kwargs, meta), users
-    before their inputs), the nodes it created (in graph order) and the readers it moved to a
-    created node: (reader, created node, what it read before)."""
+    before their inputs), the nodes it created (in graph order; the last one stands for `old`)
+    and `old`, what the readers of the last created node read before (an erased node or not)."""
     erased: list
     created: list
-    moved: list
+    old: Node
 
     def used(self) -> bool:
         """Whether a rewrite consumed the edited computation (erased a created node)."""
@@ -72,8 +72,8 @@ class Edit:
                                       map_arg(kwargs, lambda a: back.get(a, a)))
                 b.meta = meta
                 back[n] = b
-        for reader, new, old in self.moved:
-            reader.replace_input_with(new, back.get(old, old))
+        # every reader, also one a row-loop fold's undo made after the edit (loops.Fold.undo)
+        self.created[-1].replace_all_uses_with(back.get(self.old, self.old))
         for n in reversed(self.created):
             graph.erase_node(n)
 
@@ -137,12 +137,14 @@ def scales_out_of_place(graph: Graph) -> list:
             new = graph.call_function(fn, (x, c))
         new.meta = dict(m.meta)
         _refresh(graph, [new])      # its own value (m's is x's, the same tensor)
-        moved = []
-        for reader, old in [(u, x) for u in x.users if u is not m and u is not new] \
-                + [(u, m) for u in m.users]:
+        readers = [u for u in x.users if u is not m and u is not new]
+        if readers and m.users:     # both names read after the write: not worth a case
+            graph.erase_node(new)
+            continue
+        old = m if m.users else x
+        for reader in readers or list(m.users):
             reader.replace_input_with(old, new)
-            moved.append((reader, new, old))
-        edits.append(Edit([_record(m)], [new], moved))
+        edits.append(Edit([_record(m)], [new], old))
         graph.erase_node(m)
     return edits
 
@@ -173,14 +175,11 @@ def views_before_log_softmax(graph: Graph) -> list:
             ls2 = graph.create_node(ls.op, ls.target, tuple(args), kwargs)
         v2.meta, ls2.meta = dict(view.meta), dict(ls.meta)
         _refresh(graph, [v2, ls2])
-        moved = []
-        for reader in list(view.users):
-            reader.replace_input_with(view, ls2)
-            moved.append((reader, ls2, view))
+        view.replace_all_uses_with(ls2)
         erased = [_record(view), _record(ls)]
         graph.erase_node(view)
         graph.erase_node(ls)
-        edits.append(Edit(erased, [v2, ls2], moved))
+        edits.append(Edit(erased, [v2, ls2], view))
     return edits
 
 
