@@ -174,7 +174,7 @@ def test_unused_view_swap_is_undone():
     """log_softmax(z)[:, :-1] swapped to log_softmax(z[:, :-1]) (normalize.py) but not fused
     (the log-probs of every token returned) is put back: log_softmax before the slice."""
     check(sliced_log_softmax_returned, (0, 0))
-    assert counters["compiled_grpo"]["naive_view_before_log_softmax"] == 0
+    assert counters["compiled_grpo"]["naive_respelled"] == 0
     graphs = []
 
     def backend(gm, example):
@@ -188,6 +188,37 @@ def test_unused_view_swap_is_undone():
     torch.testing.assert_close(out[0], sliced_log_softmax_returned(h, w, b, ids)[0])
     calls = [n.target for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
     assert calls.index(F.log_softmax) < calls.index(operator.getitem), calls
+
+
+def weighted_nll_of_sliced_log_softmax(h, w, b, ids):
+    """Two respellings (the view taken of the logits, then nll_loss(log_softmax) as
+    cross_entropy) that no rewrite uses (class weights): both put back."""
+    return (F.nll_loss(F.log_softmax(h @ w.T, dim=-1).view(-1, V), ids.view(-1), weight=torch.ones(V),
+                       reduction="none"),)
+
+
+def arange_indexed_beside_the_log_probs(h, w, b, ids):
+    logp = torch.log_softmax(h @ w.T, dim=-1).view(-1, V)
+    return logp[torch.arange(logp.shape[0]), ids.view(-1)], logp
+
+
+@pytest.mark.parametrize("fn", [weighted_nll_of_sliced_log_softmax, arange_indexed_beside_the_log_probs])
+def test_unused_respellings_are_undone(fn):
+    check(fn, (0, 0))
+    assert counters["compiled_grpo"]["naive_respelled"] == 0
+    graphs = []
+
+    def backend(gm, example):
+        before = [(n.op, n.target) for n in gm.graph.nodes]
+        nf.naive_logprob_fusion_pass(gm.graph)
+        gm.recompile()
+        graphs.append((before, [(n.op, n.target) for n in gm.graph.nodes]))
+        return gm.forward
+    torch._dynamo.reset()
+    h, w, b, ids = make()
+    torch.compile(fn, backend=backend, fullgraph=True)(h, w, b, ids)
+    before, after = graphs[0]
+    assert after == before, (before, after)     # the same ops in the same order
 
 
 def test_fused_graph_counts_nothing_unfused():

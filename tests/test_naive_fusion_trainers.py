@@ -234,17 +234,41 @@ def chunked_entropy_written(h, w, b, ids):
 MORE += [(chunked_entropy_written, (1, 1))]
 
 
+def nll_of_log_softmax(h, w, b, ids):
+    """F.nll_loss of the log-probs, per token (older PPO code) and the mean with ignore_index."""
+    logp = F.log_softmax(F.linear(h, w, b), dim=-1).view(-1, V)
+    return (-F.nll_loss(logp, ids.view(-1), reduction="none", ignore_index=5).view(B, T),
+            F.nll_loss(logp, ids.view(-1), ignore_index=5).reshape(1))
+
+
+def arange_indexed_logprobs(h, w, b, ids):
+    """logp[arange(B)[:, None], arange(T)[None, :], ids] (advanced indexing, not gather)."""
+    logp = torch.log_softmax(h @ w.T, dim=-1)
+    return (logp[torch.arange(B)[:, None], torch.arange(T)[None, :], ids],)
+
+
+def arange_indexed_flat_logprobs(h, w, b, ids):
+    """logp.view(-1, V)[arange(N), ids.view(-1)]: the view taken of the logits, then a gather."""
+    logp = F.log_softmax(F.linear(h, w, b), dim=-1).view(-1, V)
+    return (logp[torch.arange(logp.shape[0]), ids.view(-1)].view(B, T),)
+
+
+MORE += [(nll_of_log_softmax, (1, 0)), (arange_indexed_logprobs, (1, 0)), (arange_indexed_flat_logprobs, (1, 0))]
+
+
 @pytest.mark.parametrize("fn,expect", MORE, ids=[f.__name__ for f, _ in MORE])
 def test_more_trainer_spellings_fused(fn, expect):
     """Spellings beyond the issue's list (OpenRLHF, NeMo-RL's get_logprobs, p * log p entropy,
     in-place temperatures, tensor temperatures multiplied or per sequence, log_softmax by
     logsumexp, ROLL's labels masked in place, mean / sum / class-dim-second cross_entropy,
-    verl's chunked entropy written into a buffer)."""
+    verl's chunked entropy written into a buffer, nll_loss of log_softmax, arange indexing)."""
     tol = 1e-4 if expect[1] else 1e-5
     assert not nv_buffers(check(fn, expect, rtol=tol, atol=tol))
     assert counters["compiled_grpo"]["naive_inplace_scale"] == (
         fn.__name__.count("inplace") + (fn is inplace_true_divide))
-    assert counters["compiled_grpo"]["naive_view_before_log_softmax"] == (fn is nemo_rl_logprobs)
+    respelled = {nemo_rl_logprobs: 1, nll_of_log_softmax: 2, arange_indexed_logprobs: 1,   # edits kept
+                 arange_indexed_flat_logprobs: 2}
+    assert counters["compiled_grpo"]["naive_respelled"] == respelled.get(fn, 0), dict(counters["compiled_grpo"])
 
 
 def test_mean_cross_entropy_of_no_kept_target_is_nan_as_torchs():

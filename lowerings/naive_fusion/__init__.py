@@ -17,7 +17,8 @@ autograd and training, inference, frozen and trainable W are all one rewrite):
       [:, :-1], [:, -k:], .view(-1, V)     -> the same leading-dim view applied to h (TRL, verl)
       .squeeze(0), / t, * t (0-dim / per-row t) -> h.squeeze(0), h / t (verl's remove-padding path)
       (first, normalize.py: logits.div_(t), logits /= t as z / t; log_softmax(z)[:, :-1] as
-       log_softmax(z[:, :-1]))
+       log_softmax(z[:, :-1]); nll_loss(log_softmax(z), t) as cross_entropy(z, t);
+       logp[arange(N), ids] as a gather)
     consumers of the logits z (all of them must be one of these):
       log_softmax(z, -1).gather(-1, ids.unsqueeze(-1) | ids[..., None])     -> logprobs
       z.gather(-1, idx) - z.logsumexp(-1, keepdim=True), logsumexp(z, -1)  -> logprobs + lse, lse
@@ -253,6 +254,8 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     autocast = autocast_dtypes(graph)
     scales = normalize.scales_out_of_place(graph)      # verl's logits.div_(t), logits /= t
     views = normalize.views_before_log_softmax(graph)  # NeMo-RL's log_softmax(z)[:, :-1]
+    views += normalize.nll_of_log_softmax(graph)       # F.nll_loss(log_softmax(z), t): CE
+    views += normalize.fancy_index_as_gather(graph)    # logp[arange(N), ids]: a gather
     folds = fold_row_loops(graph)   # TRL / verl's per-row and per-chunk loops, as one computation
     for node in [n for n in graph.nodes if _is_gemm(n)]:
         if getattr(node, "_erased", False):
@@ -288,7 +291,7 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     kept = settle_folds(graph, folds)   # a fold no rewrite used: the user's loop back
     if kept:
         counters["compiled_grpo"]["naive_row_loop_fold"] += kept
-    for name, edits in (("naive_view_before_log_softmax", views), ("naive_inplace_scale", scales)):
+    for name, edits in (("naive_respelled", views), ("naive_inplace_scale", scales)):
         kept = normalize.settle(graph, edits)   # likewise the user's spelling back
         if kept:
             counters["compiled_grpo"][name] += kept

@@ -313,7 +313,7 @@ def _match_consumers(L: Node) -> Optional[dict]:
     if kernels and (targets or ce or sums or lses
                     or len({k["temperature"] for k in kernels}) > 1):
         return None
-    ids = {_ids_source(i) or i for _, i, _ in targets} | {(t, ii) for _, _, t, ii, *_ in ce} \
+    ids = {_ids_source(i) or i for _, i, _ in targets} | {(_spelled(t), ii) for _, _, t, ii, *_ in ce} \
         | {_spelled(k["ids"]) for k in kernels if any(i == 0 for _, i in k["outs"])}
     if len(ids) > 1 or not (targets or ce or sums or lses or kernels):
         return None

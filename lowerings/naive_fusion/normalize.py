@@ -28,6 +28,11 @@ Leading-dim views taken of the log-probs instead of the logits (NeMo-RL's `get_l
 row by row over the last dim, so a view of the leading dims commutes with it exactly (the same
 values and gradients, bitwise), and the matchers read leading-dim views of the logits.
 
+Two more spellings of a matched consumer: ``nll_of_log_softmax`` reads
+`F.nll_loss(F.log_softmax(z, -1), t, ...)` as `F.cross_entropy(z, t, ...)` (its definition), and
+``fancy_index_as_gather`` reads `logp[torch.arange(N), ids]` (and the [B, T] form with
+broadcast aranges) as `logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)`.
+
 Each edit is tentative (``Edit``): ``settle`` puts the user's spelling back when no rewrite
 consumed the edited nodes, so the pass changes nothing where it does not fuse.
 """
@@ -36,6 +41,7 @@ import operator
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
@@ -52,19 +58,19 @@ _FNS = {operator.itruediv: operator.truediv, operator.imul: operator.mul}
 @dataclasses.dataclass
 class Edit:
     """One normalization: the nodes it erased ((node, op, target, args, kwargs, meta), users
-    before their inputs), the nodes it created (in graph order; the last one stands for `old`)
-    and `old`, what the readers of the last created node read before (an erased node or not)."""
+    before their inputs), the nodes it created (in graph order) and `stands_for`: for each
+    created node readers read, what they read before (an erased node or not)."""
     erased: list
     created: list
-    old: Node
+    stands_for: dict
 
     def used(self) -> bool:
         """Whether a rewrite consumed the edited computation (erased a created node)."""
         return any(getattr(n, "_erased", False) for n in self.created)
 
-    def undo(self, graph: Graph) -> None:
+    def undo(self, graph: Graph) -> dict:
         """The erased nodes back (inputs first, before the first created node), the readers
-        back on them, the created nodes erased."""
+        back on them, the created nodes erased; returns {erased node: its re-creation}."""
         back: dict = {}
         with graph.inserting_before(self.created[0]):
             for n, op, target, args, kwargs, meta in reversed(self.erased):
@@ -73,9 +79,11 @@ class Edit:
                 b.meta = meta
                 back[n] = b
         # every reader, also one a row-loop fold's undo made after the edit (loops.Fold.undo)
-        self.created[-1].replace_all_uses_with(back.get(self.old, self.old))
+        for new, old in self.stands_for.items():
+            new.replace_all_uses_with(back.get(old, old))
         for n in reversed(self.created):
             graph.erase_node(n)
+        return back
 
 
 def _record(n: Node) -> tuple:
@@ -144,7 +152,7 @@ def scales_out_of_place(graph: Graph) -> list:
         old = m if m.users else x
         for reader in readers or list(m.users):
             reader.replace_input_with(old, new)
-        edits.append(Edit([_record(m)], [new], old))
+        edits.append(Edit([_record(m)], [new], {new: old}))
         graph.erase_node(m)
     return edits
 
@@ -179,16 +187,110 @@ def views_before_log_softmax(graph: Graph) -> list:
         erased = [_record(view), _record(ls)]
         graph.erase_node(view)
         graph.erase_node(ls)
-        edits.append(Edit(erased, [v2, ls2], view))
+        edits.append(Edit(erased, [v2, ls2], {ls2: view}))
+    return edits
+
+
+def nll_of_log_softmax(graph: Graph) -> list:
+    """Every F.nll_loss(log_softmax(z, class dim), t, ...) of a GEMM's output made
+    F.cross_entropy(z, t, ...), which is that by definition (the same arguments, positions and
+    names up to `reduction`), when nll_loss calls are all the log_softmax's readers; the Edits."""
+    edits = []
+    for ls in list(graph.nodes):
+        if not (_is(ls, _LOG_SOFTMAX, ("log_softmax",)) and ls.args and isinstance(ls.args[0], Node)
+                and ls.users and all(_is(u, (F.nll_loss,)) and u.args and u.args[0] is ls
+                                     and "label_smoothing" not in u.kwargs for u in ls.users)):
+            continue
+        vz = _val(ls.args[0])
+        if vz is None or vz.dim() != 2 or not _from_gemm(ls.args[0]) \
+                or not _last_dim(_arg(ls, 1, "dim", None), 2) \
+                or _arg(ls, 3 if ls.target is F.log_softmax else 2, "dtype", None) is not None:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        nlls = sorted(ls.users, key=order.__getitem__)
+        created, stands_for = [], {}
+        for nll in nlls:
+            with graph.inserting_before(nll):
+                ce = graph.call_function(F.cross_entropy, (ls.args[0], *nll.args[1:]), dict(nll.kwargs))
+            ce.meta = dict(nll.meta)
+            nll.replace_all_uses_with(ce)
+            created.append(ce)
+            stands_for[ce] = nll
+        erased = [_record(n) for n in reversed(nlls)] + [_record(ls)]
+        for n in nlls:
+            graph.erase_node(n)
+        graph.erase_node(ls)
+        edits.append(Edit(erased, created, stands_for))
+    return edits
+
+
+def _arange_of_dim(n: Any, j: int, lead: tuple) -> bool:
+    """n is torch.arange(lead[j]) shaped to index dim j of `lead` by broadcasting (its size at
+    dim j of the key's broadcast, 1 elsewhere), through unsqueeze / None indexing / view."""
+    v = _val(n) if isinstance(n, Node) else None
+    k = len(lead)
+    if v is None or v.dtype != torch.int64 or v.dim() > k or v.numel() != lead[j] \
+            or any(d != (lead[j] if i == j else 1) for i, d in zip(range(k - v.dim(), k), v.shape)):
+        return False
+    for _ in range(8):
+        if _is(n, (torch.arange,)):
+            args = [a for a in n.args]
+            return (args == [lead[j]] or args == [0, lead[j]]) and set(n.kwargs) <= {"device", "dtype"}
+        if not (isinstance(n, Node) and n.args and isinstance(n.args[0], Node)
+                and (_is(n, (torch.unsqueeze,), ("unsqueeze", "view", "reshape"))
+                     or (n.op == "call_function" and n.target is operator.getitem
+                         and all(x is None or x == slice(None) or x is Ellipsis
+                                 for x in (n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)))))):
+            return False
+        n = n.args[0]
+    return False
+
+
+def fancy_index_as_gather(graph: Graph) -> list:
+    """Every `logp[arange(N), ids]` / `logp[arange(B)[:, None], arange(T)[None, :], ids]` of a
+    log_softmax of a GEMM's output made `logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)`: the
+    aranges pick every leading index once, in order, so both read logp[..., ids[...]]; the
+    Edits."""
+    edits = []
+    for g in list(graph.nodes):
+        if not (g.op == "call_function" and g.target is operator.getitem and isinstance(g.args[1], tuple)
+                and isinstance(g.args[0], Node) and _is(g.args[0], _LOG_SOFTMAX, ("log_softmax",))):
+            continue
+        lp, key = g.args
+        vl, vg = _val(lp), _val(g)
+        ids = key[-1] if key else None
+        vi = _val(ids) if isinstance(ids, Node) else None
+        lead = tuple(vl.shape[:-1]) if vl is not None else ()
+        if vl is None or vg is None or vi is None or vi.dtype != torch.int64 or len(key) != vl.dim() \
+                or tuple(vi.shape) != lead or tuple(vg.shape) != lead \
+                or not all(isinstance(d, int) for d in lead) \
+                or not all(_arange_of_dim(a, j, lead) for j, a in enumerate(key[:-1])) \
+                or not _from_gemm(lp.args[0]):
+            continue
+        with graph.inserting_before(g):
+            idx = graph.call_method("unsqueeze", (ids, -1))
+            gat = graph.call_method("gather", (lp, -1, idx))
+            out = graph.call_method("squeeze", (gat, -1))
+        for n in (idx, gat, out):
+            n.meta = dict(g.meta)
+        _refresh(graph, [idx, gat, out])
+        g.replace_all_uses_with(out)
+        erased = [_record(g)]
+        graph.erase_node(g)
+        edits.append(Edit(erased, [idx, gat, out], {out: g}))
     return edits
 
 
 def settle(graph: Graph, edits: list) -> int:
     """After the matchers: undo every edit no rewrite consumed, latest first; how many were kept."""
-    kept = 0
+    kept, back = 0, {}
     for e in reversed(edits):
+        # an edit may have erased what an earlier one created (nll_of_log_softmax the log_softmax
+        # views_before_log_softmax made): that earlier edit sees the re-creation
+        e.created = [back.get(n, n) for n in e.created]
+        e.stands_for = {back.get(n, n): old for n, old in e.stands_for.items()}
         if e.used():
             kept += 1
         else:
-            e.undo(graph)
+            back.update(e.undo(graph))
     return kept
