@@ -455,7 +455,9 @@ def test_trl_trainer_head_dynamic_shapes():
 # TRL 1.16 runs its own Triton kernel (_fused_logprob_entropy), not the loops, and the pass does
 # not rewrite that kernel (docs/inductor-pass.md).
 CUDA_CASES = [(einsum_head, (1, 0)), (take_along_dim, (1, 0)), (verl_remove_padding, (1, 1)),
-              (tensor_temperature, (1, 0)), (autocast_head, (1, 0))]
+              (tensor_temperature, (1, 0)), (autocast_head, (1, 0)), (verl_inplace_temperature, (1, 0)),
+              (nemo_rl_logprobs, (1, 0)), (hf_causal_lm_loss, (1, 0)), (chunked_entropy_written, (1, 1)),
+              (nll_of_log_softmax, (1, 0)), (class_dim_second_cross_entropy, (1, 0))]
 
 
 @pytest.mark.gpu
