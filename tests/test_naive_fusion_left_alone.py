@@ -221,6 +221,18 @@ def test_unused_respellings_are_undone(fn):
     assert after == before, (before, after)     # the same ops in the same order
 
 
+def test_a_failing_respelling_check_costs_the_edit_not_the_compile(monkeypatch):
+    """A bug in a normalize.py check (here: it raises) leaves the user's spelling as it is: the
+    compile succeeds, the results equal eager's, the in-place scale is not made out of place."""
+    from lowerings.naive_fusion import normalize
+
+    def broken(x, depth=12):
+        raise RuntimeError("a matcher bug")
+    monkeypatch.setattr(normalize, "_from_gemm", broken)
+    check(inplace_scale_and_logits_returned, (0, 0))
+    assert counters["compiled_grpo"]["naive_inplace_scale"] == 0
+
+
 def test_fused_graph_counts_nothing_unfused():
     check(matmul_T, (1, 0))
     assert not counters["compiled_grpo_unfused"]

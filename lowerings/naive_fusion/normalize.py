@@ -86,6 +86,24 @@ class Edit:
         return back
 
 
+def _safely(check) -> bool:
+    """check(); False when it raises: a matcher bug costs the edit, never the user's compile."""
+    try:
+        return bool(check())
+    except Exception:   # noqa: BLE001
+        return False
+
+
+def _made(graph: Graph, nodes: list) -> bool:
+    """The created nodes' values computed from their inputs'; when that fails they are erased
+    (nothing reads them yet) and the edit is not made."""
+    if _safely(lambda: _refresh(graph, nodes) or True):
+        return True
+    for n in reversed(nodes):
+        graph.erase_node(n)
+    return False
+
+
 def _record(n: Node) -> tuple:
     return (n, n.op, n.target, n.args, dict(n.kwargs), dict(n.meta))
 
@@ -138,16 +156,14 @@ def scales_out_of_place(graph: Graph) -> list:
             continue
         x, c, fn = parts
         order = {n: i for i, n in enumerate(graph.nodes)}
-        if not _from_gemm(x) or not _keeps_x(x, c) \
-                or any(order[u] < order[m] for u in x.users if u is not m):
+        readers = [u for u in x.users if u is not m]
+        if (readers and m.users) or not _safely(     # both names read after it: not a case
+                lambda: _from_gemm(x) and _keeps_x(x, c) and all(order[u] > order[m] for u in readers)):
             continue
         with graph.inserting_before(m):
             new = graph.call_function(fn, (x, c))
         new.meta = dict(m.meta)
-        _refresh(graph, [new])      # its own value (m's is x's, the same tensor)
-        readers = [u for u in x.users if u is not m and u is not new]
-        if readers and m.users:     # both names read after the write: not worth a case
-            graph.erase_node(new)
+        if not _made(graph, [new]):     # its own value (m's is x's, the same tensor)
             continue
         old = m if m.users else x
         for reader in readers or list(m.users):
@@ -167,9 +183,9 @@ def views_before_log_softmax(graph: Graph) -> list:
             continue
         x, view = ls.args[0], next(iter(ls.users))
         vx = _val(x)
-        if vx is None or len(x.users) != 1 or not _from_gemm(x) \
-                or not _last_dim(_arg(ls, 1, "dim", None), vx.dim()) \
-                or _lead_op(view, ls) is None or view.args[0] is not ls:
+        if vx is None or len(x.users) != 1 or not _safely(
+                lambda: _from_gemm(x) and _last_dim(_arg(ls, 1, "dim", None), vx.dim())  # noqa: B023
+                and _lead_op(view, ls) is not None and view.args[0] is ls):  # noqa: B023
             continue
         with graph.inserting_before(view):
             v2 = graph.create_node(view.op, view.target, (x, *view.args[1:]), dict(view.kwargs))
@@ -182,7 +198,8 @@ def views_before_log_softmax(graph: Graph) -> list:
                 kwargs["dim"] = -1
             ls2 = graph.create_node(ls.op, ls.target, tuple(args), kwargs)
         v2.meta, ls2.meta = dict(view.meta), dict(ls.meta)
-        _refresh(graph, [v2, ls2])
+        if not _made(graph, [v2, ls2]):
+            continue
         view.replace_all_uses_with(ls2)
         erased = [_record(view), _record(ls)]
         graph.erase_node(view)
@@ -202,9 +219,9 @@ def nll_of_log_softmax(graph: Graph) -> list:
                                      and "label_smoothing" not in u.kwargs for u in ls.users)):
             continue
         vz = _val(ls.args[0])
-        if vz is None or vz.dim() != 2 or not _from_gemm(ls.args[0]) \
-                or not _last_dim(_arg(ls, 1, "dim", None), 2) \
-                or _arg(ls, 3 if ls.target is F.log_softmax else 2, "dtype", None) is not None:
+        if vz is None or vz.dim() != 2 or not _safely(
+                lambda: _from_gemm(ls.args[0]) and _last_dim(_arg(ls, 1, "dim", None), 2)  # noqa: B023
+                and _arg(ls, 3 if ls.target is F.log_softmax else 2, "dtype", None) is None):  # noqa: B023
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
         nlls = sorted(ls.users, key=order.__getitem__)
@@ -246,6 +263,17 @@ def _arange_of_dim(n: Any, j: int, lead: tuple) -> bool:
     return False
 
 
+def _fancy_gather(g: Node, lp: Node, key: tuple, ids: Any) -> bool:
+    """g = lp[aranges..., ids] picks lp[..., ids[...]] at every leading index (see below)."""
+    vl, vg = _val(lp), _val(g)
+    vi = _val(ids) if isinstance(ids, Node) else None
+    if vl is None or vg is None or vi is None or vi.dtype != torch.int64 or len(key) != vl.dim():
+        return False
+    lead = tuple(vl.shape[:-1])
+    return tuple(vi.shape) == lead and tuple(vg.shape) == lead and all(isinstance(d, int) for d in lead) \
+        and all(_arange_of_dim(a, j, lead) for j, a in enumerate(key[:-1])) and _from_gemm(lp.args[0])
+
+
 def fancy_index_as_gather(graph: Graph) -> list:
     """Every `logp[arange(N), ids]` / `logp[arange(B)[:, None], arange(T)[None, :], ids]` of a
     log_softmax of a GEMM's output made `logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)`: the
@@ -257,15 +285,8 @@ def fancy_index_as_gather(graph: Graph) -> list:
                 and isinstance(g.args[0], Node) and _is(g.args[0], _LOG_SOFTMAX, ("log_softmax",))):
             continue
         lp, key = g.args
-        vl, vg = _val(lp), _val(g)
         ids = key[-1] if key else None
-        vi = _val(ids) if isinstance(ids, Node) else None
-        lead = tuple(vl.shape[:-1]) if vl is not None else ()
-        if vl is None or vg is None or vi is None or vi.dtype != torch.int64 or len(key) != vl.dim() \
-                or tuple(vi.shape) != lead or tuple(vg.shape) != lead \
-                or not all(isinstance(d, int) for d in lead) \
-                or not all(_arange_of_dim(a, j, lead) for j, a in enumerate(key[:-1])) \
-                or not _from_gemm(lp.args[0]):
+        if not _safely(lambda: _fancy_gather(g, lp, key, ids)):  # noqa: B023
             continue
         with graph.inserting_before(g):
             idx = graph.call_method("unsqueeze", (ids, -1))
@@ -273,7 +294,8 @@ def fancy_index_as_gather(graph: Graph) -> list:
             out = graph.call_method("squeeze", (gat, -1))
         for n in (idx, gat, out):
             n.meta = dict(g.meta)
-        _refresh(graph, [idx, gat, out])
+        if not _made(graph, [idx, gat, out]):
+            continue
         g.replace_all_uses_with(out)
         erased = [_record(g)]
         graph.erase_node(g)
