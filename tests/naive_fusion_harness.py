@@ -106,5 +106,24 @@ def check(fn, expect, make_kw=(), grads=True, rtol=1e-5, atol=1e-5):
     return sources
 
 
+def pass_on_graph(fn):
+    """(the (op, target) list of fn's Dynamo graph before naive_logprob_fusion_pass, the graph
+    module after it), the pass's graph run on make()'s inputs and checked equal to fn's."""
+    graphs = []
+
+    def backend(gm, example):
+        before = [(n.op, n.target) for n in gm.graph.nodes]
+        nf.naive_logprob_fusion_pass(gm.graph)
+        gm.recompile()
+        graphs.append((before, gm))
+        return gm.forward
+    torch._dynamo.reset()
+    h, w, b, ids = make()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(h, w, b, ids)
+    for o, r in zip(out, fn(h, w, b, ids)):
+        torch.testing.assert_close(o, r)
+    return graphs[0]
+
+
 def logp_of(logits, ids):
     return logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)

@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-import lowerings.naive_fusion as nf
-from naive_fusion_harness import B, H, T, V, check, fired, fusion_on, make, nv_buffers  # noqa: F401
+from naive_fusion_harness import B, H, T, V, check, fired, fusion_on, make, nv_buffers, pass_on_graph  # noqa: F401
 
 
 def selective_log_softmax(*args, **kwargs):   # TRL's own, imported where called (the GPU
@@ -410,22 +409,11 @@ def test_unused_fold_is_undone(fn):
     results equal, and no fold is counted."""
     check(fn, (0, 0))
     assert counters["compiled_grpo"]["naive_row_loop_fold"] == 0
-    graphs = []
-
-    def backend(gm, example):
-        nf.naive_logprob_fusion_pass(gm.graph)
-        gm.recompile()
-        graphs.append(gm)
-        return gm.forward
-    torch._dynamo.reset()
-    h, w, b, ids = make()
-    out = torch.compile(fn, backend=backend, fullgraph=True)(h, w, b, ids)
-    for o, r in zip(out, fn(h, w, b, ids)):
-        torch.testing.assert_close(o, r)
-    calls = [n.target for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    _, after = pass_on_graph(fn)
+    calls = [n.target for n in after.graph.nodes if n.op in ("call_function", "call_method")]
     if fn is chunks_written_beside_the_logits:     # three chunks, three writes, in order
         assert sum(t is torch.logsumexp for t in calls) == 3 and calls.count(operator.setitem) == 3, calls
-        keys = [n.args[1] for n in graphs[0].graph.nodes if n.target is operator.setitem]
+        keys = [n.args[1] for n in after.graph.nodes if n.target is operator.setitem]
         assert keys == [slice(0, 8), slice(8, 16), slice(16, 24)], keys
         return
     assert sum(t in (torch.logsumexp, "logsumexp") for t in calls) == B, calls

@@ -276,6 +276,24 @@ def test_unmapped_settings_name_themselves(setting, match):
 
 # --- the naive-fusion pass on verl's own log-prob and entropy code ---------------------------------
 
+def _fused_like_verl(step, hidden, weight, dtype):
+    """step compiled with the naive-fusion pass (caches off): its outputs and the gradients of
+    their sum equal step's run as it is (bf16: within the logits' rounding); the counters."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+    torch._dynamo.reset()
+    counters.clear()
+    with inductor_config.patch(fx_graph_cache=False), cg.naive_logprob_fusion():
+        got = torch.compile(step, fullgraph=True)(hidden, weight)
+    want = step(hidden, weight)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    gw = torch.autograd.grad(sum(x.float().sum() for x in want), [hidden, weight])
+    gg = torch.autograd.grad(sum(x.float().sum() for x in got), [hidden, weight])
+    for a, c in zip([*got, *gg], [*want, *gw]):
+        torch.testing.assert_close(a.float(), c.float(), rtol=tol, atol=tol)
+    return counters
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("remove_padding", [False, True])
 def test_naive_fusion_fuses_verls_functions(dtype, remove_padding):
@@ -283,8 +301,6 @@ def test_naive_fusion_fuses_verls_functions(dtype, remove_padding):
     bf16) and entropy_from_logits, padded [B, T] or remove-padding [1, nnz] -> squeeze(0) with
     the engine's per-token temperature (_scale_logits_by_temperature), compiled with the pass:
     one fused call, equal to verl's code run as it is (bf16: within the logits' rounding)."""
-    from torch._dynamo.utils import counters
-    from torch._inductor import config as inductor_config
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
     from verl.workers.engine.fsdp.transformer_impl import _scale_logits_by_temperature
 
@@ -305,21 +321,10 @@ def test_naive_fusion_fuses_verls_functions(dtype, remove_padding):
             labels = ids
         return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
 
-    torch._dynamo.reset()
-    counters.clear()
-    with inductor_config.patch(fx_graph_cache=False), cg.naive_logprob_fusion():
-        got = torch.compile(step, fullgraph=True)(hidden, weight)
+    counters = _fused_like_verl(step, hidden, weight, dtype)
     assert counters["compiled_grpo"]["naive_logprob_fusion"] == 1
     assert counters["compiled_grpo"]["naive_entropy_fusion"] == 1
     assert not counters["compiled_grpo_unfused"], dict(counters["compiled_grpo_unfused"])
-    want = step(hidden, weight)
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    for a, c in zip(got, want):
-        torch.testing.assert_close(a.float(), c.float(), rtol=tol, atol=tol)
-    gw = torch.autograd.grad(sum(x.float().sum() for x in want), [hidden, weight])
-    gg = torch.autograd.grad(sum(x.float().sum() for x in got), [hidden, weight])
-    for a, c in zip(gg, gw):
-        torch.testing.assert_close(a.float(), c.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -329,8 +334,6 @@ def test_naive_fusion_fuses_megatron_engines_in_place_temperature_and_chunked_en
     logprobs_from_logits and, with `entropy_from_logits_with_chunking`, the entropy written chunk
     by chunk into a zeros buffer (verl_F.entropy_from_logits_with_chunking, 3 chunks here):
     one fused call, equal to verl's code run as it is."""
-    from torch._dynamo.utils import counters
-    from torch._inductor import config as inductor_config
     from verl.utils.torch_functional import entropy_from_logits_with_chunking, logprobs_from_logits
 
     g = torch.Generator().manual_seed(6)
@@ -345,21 +348,10 @@ def test_naive_fusion_fuses_megatron_engines_in_place_temperature_and_chunked_en
         logits.div_(temperature.unsqueeze(dim=-1).to(logits.dtype))
         return logprobs_from_logits(logits, labels), entropy_from_logits_with_chunking(logits, chunk_size=8)
 
-    torch._dynamo.reset()
-    counters.clear()
-    with inductor_config.patch(fx_graph_cache=False), cg.naive_logprob_fusion():
-        got = torch.compile(step, fullgraph=True)(hidden, weight)
+    counters = _fused_like_verl(step, hidden, weight, dtype)
     c = counters["compiled_grpo"]
     assert (c["naive_logprob_fusion"], c["naive_entropy_fusion"], c["naive_inplace_scale"]) == (1, 1, 1), dict(c)
     assert c["naive_row_loop_fold"] >= 1 and not counters["compiled_grpo_unfused"]
-    want = step(hidden, weight)
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
-    gw = torch.autograd.grad(sum(x.float().sum() for x in want), [hidden, weight])
-    gg = torch.autograd.grad(sum(x.float().sum() for x in got), [hidden, weight])
-    for a, b in zip(gg, gw):
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
 
 
 def test_example_runs():

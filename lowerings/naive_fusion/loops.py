@@ -40,9 +40,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
-from torch.fx.node import map_arg
 
-from lowerings.naive_fusion.nodes import _erase_dead, _same_size, _val
+from lowerings.naive_fusion.nodes import _erase_dead, _recreate, _same_size, _val
 
 # f's ops: elementwise (any tensor arguments must be row values) ...
 _ELEMENTWISE_FNS = (torch.exp, torch.log, torch.neg, torch.tanh, operator.neg, operator.add, operator.sub,
@@ -173,13 +172,7 @@ class Fold:
     def undo(self, graph: Graph) -> None:
         """Put the loop back as it was (its nodes recreated, inputs first, before `out`) and
         erase the folded computation."""
-        new: dict = {}
-        with graph.inserting_before(self.out):
-            for n, op, target, args, kwargs, meta in reversed(self.erased):
-                back = graph.create_node(op, target, map_arg(args, lambda a: new.get(a, a)),
-                                         map_arg(kwargs, lambda a: new.get(a, a)))
-                back.meta = meta
-                new[n] = back
+        new = _recreate(graph, self.erased, self.out)
         self.out.replace_all_uses_with(new[self.joint])
         _erase_dead(graph, [self.out])
 

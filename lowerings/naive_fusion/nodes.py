@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
+from torch.fx.node import map_arg
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -112,3 +113,16 @@ def _erase_dead(graph: Graph, seeds: list, record: Optional[list] = None) -> Non
             record.append((n, n.op, n.target, n.args, dict(n.kwargs), dict(n.meta)))
         graph.erase_node(n)
         work.extend(inputs)
+
+
+def _recreate(graph: Graph, records: list, before: Node) -> dict:
+    """Nodes erased with a record (_erase_dead's: users before their inputs) made again before
+    `before`, inputs first, reading each other's re-creations; {erased node: re-creation}."""
+    back: dict = {}
+    with graph.inserting_before(before):
+        for n, op, target, args, kwargs, meta in reversed(records):
+            b = graph.create_node(op, target, map_arg(args, lambda a: back.get(a, a)),
+                                  map_arg(kwargs, lambda a: back.get(a, a)))
+            b.meta = meta
+            back[n] = b
+    return back

@@ -43,12 +43,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
-from torch.fx.node import map_arg
 
 from lowerings.naive_fusion.loops import _refresh
 from lowerings.naive_fusion.match import _lead_op
 from lowerings.naive_fusion.nodes import (_EINSUM, _LINEAR, _LOG_SOFTMAX, _MATMUL, _arg, _is, _last_dim,
-                                          _same_size, _val)
+                                          _recreate, _same_size, _val)
 
 # in-place op (method name or function) -> its out-of-place function
 _METHODS = {"div_": operator.truediv, "mul_": operator.mul}
@@ -71,13 +70,7 @@ class Edit:
     def undo(self, graph: Graph) -> dict:
         """The erased nodes back (inputs first, before the first created node), the readers
         back on them, the created nodes erased; returns {erased node: its re-creation}."""
-        back: dict = {}
-        with graph.inserting_before(self.created[0]):
-            for n, op, target, args, kwargs, meta in reversed(self.erased):
-                b = graph.create_node(op, target, map_arg(args, lambda a: back.get(a, a)),
-                                      map_arg(kwargs, lambda a: back.get(a, a)))
-                b.meta = meta
-                back[n] = b
+        back = _recreate(graph, self.erased, self.created[0])
         # every reader, also one a row-loop fold's undo made after the edit (loops.Fold.undo)
         for new, old in self.stands_for.items():
             new.replace_all_uses_with(back.get(old, old))
