@@ -2,9 +2,8 @@
 
 In-place scales of the logits, which trainers use to save a copy:
 
-    logits = output.logits.squeeze(0)       # verl's dp_actor (remove-padding path)
-    logits.div_(temperature)
-    logits /= self.temperature              # older TRL, many scripts
+    logits.div_(temperature.unsqueeze(dim=-1).to(logits.dtype))   # verl 0.9.1's megatron engine
+    logits /= self.temperature                                    # older TRL, many scripts
 
 Dynamo records `div_` / `mul_` (call_method, its result unused, later code reading `logits`) or
 `operator.itruediv` / `imul` (later code reading its result). The matchers refuse any in-place op
