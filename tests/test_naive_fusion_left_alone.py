@@ -172,6 +172,22 @@ def test_unused_respellings_are_undone(fn):
     assert [(n.op, n.target) for n in after.graph.nodes] == before
 
 
+def test_cross_entropy_of_transposed_square_logits_is_left_alone():
+    """N == V: z.transpose(0, 1) is [V, N], shaped like [N, V] logits but not them; the pass
+    must not read it as per-token cross_entropy. Results equal eager's."""
+    from naive_fusion_harness import H, run_case
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(V, H, generator=g).requires_grad_(), torch.randn(V, H, generator=g).requires_grad_()
+    ids = torch.randint(0, V, (V,), generator=g)
+
+    def square(h, w, b, ids):
+        return (F.cross_entropy((h @ w.T).transpose(0, 1), ids, reduction="none"),)
+    ref, out, ref_grads, got_grads, _ = run_case(square, h, w, None, ids)
+    assert fired() == (0, 0)
+    for r, o in zip([*ref, *ref_grads], [*out, *got_grads]):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+
+
 def test_a_failing_respelling_check_costs_the_edit_not_the_compile(monkeypatch):
     """A bug in a normalize.py check (here: it raises) leaves the user's spelling as it is: the
     compile succeeds, the results equal eager's, the in-place scale is not made out of place."""

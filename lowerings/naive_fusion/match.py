@@ -250,8 +250,9 @@ def _match_consumers(L: Node) -> Optional[dict]:
               (7, "label_smoothing", 0.0))}
         vt = _val(tg)
         # [N, V] logits and [N] targets, or [B, V, T] (the class dim second) and [B, T]
-        flat = vx is not None and vx.dim() == 2
-        shaped = vx is not None and x is not u and vL.dim() == 3 and _class_dim_1(u) \
+        moved = x is not u and _is(u, _CLASS_DIM_1, ("transpose", "permute"))   # dims reordered
+        flat = vx is not None and vx.dim() == 2 and not moved    # (a [V, V] transpose is no [N, V])
+        shaped = vx is not None and moved and vL.dim() == 3 and _class_dim_1(u) \
             and vt is not None and tuple(vt.shape) == tuple(vL.shape[:-1])
         if vx is None or vt is None or not (flat or shaped) or vx.shape[1] != vL.shape[-1] \
                 or (flat and vt.shape != vx.shape[:1]) or vt.dtype != torch.int64 \
