@@ -65,9 +65,9 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
 from lowerings.naive_fusion.gemm import _match_gemm, autocast_dtypes
-from lowerings.naive_fusion.match import (_ids_source, _match_consumers, _region_is_clean, _replaced,
-                                          _walk_logits, trl_kernel_call)
-from lowerings.naive_fusion.nodes import _EINSUM, _LINEAR, _MATMUL, _erase_dead, _is, _val
+from lowerings.naive_fusion.match import _ids_source, _match_consumers, _replaced, _walk_logits, trl_kernel_call
+from lowerings.naive_fusion.region import _region_is_clean
+from lowerings.naive_fusion.nodes import _erase_dead, _is, _is_gemm, _val
 from lowerings.linear_logprobs.op import linear_logprobs
 from lowerings.naive_fusion.loops import fold_row_loops, settle_folds
 from lowerings.naive_fusion import normalize, separable
@@ -172,15 +172,15 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> Node:
             sz.replace_all_uses_with(r)
         if c["ce"]:
             nll = graph.call_function(operator.neg, (lp,))                              # [...]
-            kept = graph.call_function(operator.invert, (ignored,))                     # [N] | [...]
             nll = graph.call_method("masked_fill", (graph.call_method("view_as", (nll, ignored)),
-                                                    ignored, 0.0))
+                                                    ignored, 0.0))                   # [N] | [...]
             for x, _, _, _, reduction, _ in c["ce"]:
                 r = nll     # "none": [N] (flat) or [B, T] (class dim second), as the targets
                 if reduction != "none":   # torch's: the sum over kept targets (/ their count)
                     r = graph.call_method("sum", (nll,))
                     if reduction == "mean":
-                        r = graph.call_function(operator.truediv, (r, graph.call_method("sum", (kept,))))
+                        kept = graph.call_method("sum", (graph.call_function(operator.invert, (ignored,)),))
+                        r = graph.call_function(operator.truediv, (r, kept))
                 x.replace_all_uses_with(cast(r, x))
     _erase_dead(graph, [lead_ref, lp, ent, lse, *replaced, *c["sizes"]])    # cascades up the naive chain
     for b in bodies:            # TRL's autograd.Function bodies (get_attr), once their call is gone
@@ -204,11 +204,6 @@ _warned: set = set()
 # the ops that mark a log-prob computation (softmax alone is attention's, not counted)
 _LOGPROB_SINKS = (torch.log_softmax, torch.nn.functional.log_softmax, torch.special.log_softmax,
                   torch.logsumexp, torch.nn.functional.cross_entropy)
-
-
-def _is_gemm(n: Node) -> bool:
-    """A matmul / mm / linear / einsum node: what the pass tries as the lm_head GEMM."""
-    return _is(n, _MATMUL + _LINEAR + _EINSUM, ("matmul", "mm"))
 
 
 def _unfused(reason: str, node: Node) -> None:

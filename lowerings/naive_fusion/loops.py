@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
 
-from lowerings.naive_fusion.nodes import _erase_dead, _recreate, _same_size, _val
+from lowerings.naive_fusion.nodes import _erase_dead, _recreate, _record, _same_size, _val
 
 # f's ops: elementwise (any tensor arguments must be row values) ...
 _ELEMENTWISE_FNS = (torch.exp, torch.log, torch.neg, torch.tanh, operator.neg, operator.add, operator.sub,
@@ -253,6 +253,8 @@ def _fold_writes(graph: Graph, buf: Node) -> Optional[Fold]:
     """buf = torch.zeros(N); buf[a_i:b_i] = f(X[a_i:b_i]) for chunks covering 0..N in order,
     nothing reading buf between the writes: buf's later readers read f(X) (cast to buf's dtype,
     as the writes cast), the writes and their chunks' copies of f erased (recorded)."""
+    if sum(u.target is operator.setitem for u in buf.users) < 2:   # most zeros are no such buffer
+        return None
     order = {n: i for i, n in enumerate(graph.nodes)}
     users = sorted(buf.users, key=order.__getitem__)
     writes = [u for u in users if u.op == "call_function" and u.target is operator.setitem
@@ -299,7 +301,7 @@ def _fold_writes(graph: Graph, buf: Node) -> Optional[Fold]:
             u.replace_input_with(buf, out)
     erased: list = []
     for w in reversed(writes):          # recorded last write first: undo puts them back in order
-        erased.append((w, w.op, w.target, w.args, dict(w.kwargs), dict(w.meta)))
+        erased.append(_record(w))
         graph.erase_node(w)
     _erase_dead(graph, [buf, *items], record=erased)
     return Fold(buf, out, created, erased)

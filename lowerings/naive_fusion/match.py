@@ -2,18 +2,19 @@
 
 Legend: H hidden size, V vocab size, [...] the leading dims of hidden, N = prod([...]).
 From the GEMM that gemm.py's `_match_gemm` finds, `_walk_logits` walks the casts, bias,
-temperature, softcap and leading-dim views to the logits; `_match_consumers` checks that every user of the logits is a log-prob, lse,
-cross-entropy or entropy spelling; `_region_is_clean` refuses a rewrite across in-place ops and
-grad-mode / autocast switches. They read the graph only; `naive_fusion._rewrite` edits it.
+temperature, softcap and leading-dim views to the logits; `_match_consumers` checks that every
+user of the logits is a log-prob, lse, cross-entropy or entropy spelling (region.py: which
+in-place ops and switches a rewrite may move across). They read the graph only;
+`naive_fusion._rewrite` edits it.
 """
 import operator
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.fx import Graph, Node
+from torch.fx import Node
 
-from lowerings.naive_fusion.nodes import (_ADD, _DIV, _FLOATS, _GATHER, _LOG_SOFTMAX, _MUL, _NEG, _REGION_FNS,
+from lowerings.naive_fusion.nodes import (_ADD, _DIV, _FLOATS, _GATHER, _LOG_SOFTMAX, _MUL, _NEG,
                                           _SOFTMAX, _TANH, _VIEW, _arg, _cast_dtype, _is, _last_dim, _mutating,
                                           _number, _same_size, _val)
 
@@ -371,62 +372,6 @@ def trl_kernel_call(u: Node) -> Optional[dict]:
     if logits is None or ids is None:
         return None
     return dict(logits=logits, ids=ids, temperature=float(temperature))
-
-
-# ops whose result may share its input's memory (args[0]): what an in-place op's write reaches
-_ALIAS_FNS = (operator.getitem, torch.reshape, torch.squeeze, torch.unsqueeze, torch.flatten, torch.transpose,
-              torch.permute, torch.narrow, torch.select, torch.detach, torch.t, torch.split, torch.chunk,
-              torch.unbind, torch.movedim, torch.swapaxes, torch.diagonal)
-_ALIAS_METHODS = ("view", "view_as", "reshape", "reshape_as", "squeeze", "unsqueeze", "flatten", "unflatten",
-                  "transpose", "permute", "t", "expand", "expand_as", "narrow", "select", "detach", "contiguous",
-                  "float", "half", "bfloat16", "to", "type", "type_as", "split", "chunk", "unbind", "movedim",
-                  "swapaxes", "diagonal", "as_strided", "__getitem__")
-# ops that make a new tensor, owned by the graph
-_FRESH_FNS = (torch.clone, torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like,
-              torch.empty_like, torch.full_like)
-_FRESH_METHODS = ("clone", "new_zeros", "new_ones", "new_empty", "new_full")
-
-
-def _root(n: Any) -> Any:
-    """The node whose memory n may be a view of (n itself when it makes its own)."""
-    for _ in range(64):
-        if not isinstance(n, Node) or not n.args or not isinstance(n.args[0], Node):
-            return n
-        if not ((n.op == "call_function" and n.target in _ALIAS_FNS)
-                or (n.op == "call_method" and n.target in _ALIAS_METHODS)):
-            return n
-        n = n.args[0]
-    return n
-
-
-def _private_write(n: Node, reads: set) -> bool:
-    """In-place op n writes a tensor the graph made itself (a clone, zeros, ...) that is none of
-    `reads` (roots of what the rewrite reads where it stands: h, W, b, temperatures): e.g. ROLL's
-    `labels = ids[:, 1:].clone(); labels[labels == -100] = 0` before the gather."""
-    r = _root(n.args[0]) if n.args else None
-    return isinstance(r, Node) and r not in reads and (
-        (r.op == "call_function" and r.target in _FRESH_FNS)
-        or (r.op == "call_method" and r.target in _FRESH_METHODS))
-
-
-def _region_is_clean(graph: Graph, first: Node, last: Node, anchor: Optional[Node] = None,
-                     reads: tuple = ()) -> bool:
-    """No in-place op or grad-mode switch between the GEMM and its last consumer, except, before
-    `anchor` (where the rewrite's call goes: it reads h, W, b and the ids there, the consumers
-    read the ids there too), writes to the graph's own tensors that none of `reads` shares. An
-    autocast switch is harmless: the rewrite casts the GEMM's operands as autocast did
-    (``autocast``) and gives each replaced value the dtype the naive node had."""
-    inside, before, roots = False, anchor is not None, {_root(x) for x in reads if isinstance(x, Node)}
-    for n in graph.nodes:
-        inside = inside or n is first
-        before = before and n is not anchor
-        if inside and n.op == "call_function" and n.target in _REGION_FNS[:1]:
-            return False
-        if inside and _mutating(n) and not (before and _private_write(n, roots)):
-            return False
-        if n is last:
-            return True
-    return True
 
 
 def _replaced(c: dict) -> list:

@@ -98,6 +98,16 @@ def _mutating(n: Node) -> bool:
         and name.endswith("_") and not name.endswith("__"))
 
 
+def _is_gemm(n: Node) -> bool:
+    """A matmul / mm / linear / einsum node: what the pass tries as the lm_head GEMM."""
+    return _is(n, _MATMUL + _LINEAR + _EINSUM, ("matmul", "mm"))
+
+
+def _record(n: Node) -> tuple:
+    """What _recreate needs to make n again: (node, op, target, args, kwargs, meta)."""
+    return (n, n.op, n.target, n.args, dict(n.kwargs), dict(n.meta))
+
+
 def _erase_dead(graph: Graph, seeds: list, record: Optional[list] = None) -> None:
     """Erase the seeds that have no users, then their inputs that are left without users, up the
     graph. record: each erased node's (node, op, target, args, kwargs, meta) appended, users
@@ -110,7 +120,7 @@ def _erase_dead(graph: Graph, seeds: list, record: Optional[list] = None) -> Non
             continue
         inputs = n.all_input_nodes
         if record is not None:
-            record.append((n, n.op, n.target, n.args, dict(n.kwargs), dict(n.meta)))
+            record.append(_record(n))
         graph.erase_node(n)
         work.extend(inputs)
 

@@ -7,7 +7,7 @@ In-place scales of the logits, which trainers use to save a copy:
 
 Dynamo records `div_` / `mul_` (call_method, its result unused, later code reading `logits`) or
 `operator.itruediv` / `imul` (later code reading its result). The matchers refuse any in-place op
-between the GEMM and its consumers (match._region_is_clean). ``scales_out_of_place`` replaces
+between the GEMM and its consumers (region._region_is_clean). ``scales_out_of_place`` replaces
 ``m = x.div_(c)`` by ``y = x / c`` and points every later reader of x (and of m) at y, when that is
 provably the same program:
 
@@ -45,8 +45,8 @@ from torch.fx import Graph, Node
 
 from lowerings.naive_fusion.loops import _refresh
 from lowerings.naive_fusion.match import _lead_op
-from lowerings.naive_fusion.nodes import (_EINSUM, _LINEAR, _LOG_SOFTMAX, _MATMUL, _arg, _is, _last_dim,
-                                          _recreate, _same_size, _val)
+from lowerings.naive_fusion.nodes import (_LOG_SOFTMAX, _arg, _is, _is_gemm, _last_dim, _recreate, _record,
+                                          _same_size, _val)
 
 # in-place op (method name or function) -> its out-of-place function
 _METHODS = {"div_": operator.truediv, "mul_": operator.mul}
@@ -96,15 +96,11 @@ def _made(graph: Graph, nodes: list) -> bool:
     return False
 
 
-def _record(n: Node) -> tuple:
-    return (n, n.op, n.target, n.args, dict(n.kwargs), dict(n.meta))
-
-
 def _from_gemm(x: Node, depth: int = 12) -> bool:
     """x is a GEMM's output, or reached from one through single-user nodes."""
     n = x
     for _ in range(depth):
-        if _is(n, _MATMUL + _LINEAR + _EINSUM, ("matmul", "mm")):
+        if _is_gemm(n):
             return True
         ins = [a for a in n.all_input_nodes if _val(a) is not None]
         if n.op not in ("call_function", "call_method") or not ins or len(ins[0].users) != 1 \
@@ -112,6 +108,17 @@ def _from_gemm(x: Node, depth: int = 12) -> bool:
             return False
         n = ins[0]
     return False
+
+
+def _all_after(graph: Graph, m: Node, nodes: list) -> bool:
+    """Every node of `nodes` comes after m in the graph (a walk from m; only in-place ops on a
+    GEMM's output get here, so the walk is rare)."""
+    left = set(nodes)
+    n = m.next
+    while left and n.op != "root":
+        left.discard(n)
+        n = n.next
+    return not left
 
 
 def _in_place_scale(m: Node) -> Optional[tuple]:
@@ -147,10 +154,9 @@ def scales_out_of_place(graph: Graph) -> list:
         if parts is None:
             continue
         x, c, fn = parts
-        order = {n: i for i, n in enumerate(graph.nodes)}
         readers = [u for u in x.users if u is not m]
         if (readers and m.users) or not _safely(     # both names read after it: not a case
-                lambda: _from_gemm(x) and _keeps_x(x, c) and all(order[u] > order[m] for u in readers)):
+                lambda: _from_gemm(x) and _keeps_x(x, c) and _all_after(graph, m, readers)):  # noqa: B023
             continue
         with graph.inserting_before(m):
             new = graph.call_function(fn, (x, c))
