@@ -234,9 +234,9 @@ def test_one_step_function_across_changing_configs(mode, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_backward_scales_saved_grads_in_place(device):
-    """Compiled (Inductor), the backward scales the stored d_weight in place and returns it: no
-    clone of it and no g * dW buffer in the generated code (steps.scale_saved_grads and its
-    Inductor lowering), the gradients of (c * loss) equal eager's for c = 1 and 0.37, and a
+    """Compiled (Inductor), the backward scales the stored d_hidden and d_weight in place and
+    returns them: no clone and no g * dX / g * dW buffer in the generated code
+    (steps.scale_saved_grads and its Inductor lowering), the gradients of (c * loss) equal eager's for c = 1 and 0.37, and a
     second backward through the graph still fails autograd's version check."""
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
@@ -256,10 +256,13 @@ def test_compiled_backward_scales_saved_grads_in_place(device):
             torch.testing.assert_close(got[k].grad, want[k].grad, rtol=1e-5, atol=1e-7)
         if c == 1.0:   # the first backward compiled the graph: its code
             code = "\n".join(code)
-            # scale_grads_ on the saved d_weight itself (Inductor's lowering of scale_saved_grads)
-            assert "scale_grads_.default([getitem" in code and "clone" not in code
+            # scale_grads_ on the saved d_hidden and d_weight themselves (Inductor's lowering of
+            # scale_saved_grads), both returned: no clone, no g * dX or g * dW kernel
+            call = code[code.index("scale_grads_.default(["):]
+            scaled = call[len("scale_grads_.default(["):call.index("]")].split(", ")
             ret = code[code.rindex("return ("):].split("\n")[0]
-            assert "getitem" in ret   # d_weight: the saved tensor itself
+            assert len(scaled) == 2 and all(f"{t}," in ret for t in scaled), (scaled, ret)
+            assert "clone" not in code and "triton_" not in code and "cpp_fused" not in code
     loss = fn(**inp)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):

@@ -3,10 +3,13 @@ the same step, and the CUDA kernels of one step of each side by side (the kernel
 launches, or launches more often, first).
 
     python -m bench.probes.compile_gap [--shapes qwen2.5-0.5b qwen3-8b] [--modes auto recompute]
-                                       [--kernels] [--compile-mode reduce-overhead]
+                                       [--kernels] [--compile-mode reduce-overhead] [--pairs 40]
 
 Eager and compiled are timed in alternating rounds, ABBA (median of each side's rounds), so drift
-(clocks, temperature) falls on both alike; --kernels adds the per-kernel table of one step.
+(clocks, temperature) falls on both alike; --pairs N adds N pairs of single steps, one of each
+side back to back (ABBA again), and the median and quartiles of the per-pair ratio: drift over
+a round (seconds at long shapes) cancels within a pair. --kernels adds the per-kernel table of
+one step.
 """
 import argparse
 from collections import Counter
@@ -60,6 +63,7 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["qwen2.5-0.5b", "qwen3-8b"])
     p.add_argument("--modes", nargs="+", default=["auto"])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pairs", type=int, default=0)
     p.add_argument("--kernels", action="store_true")
     p.add_argument("--compile-mode", default=None, help="torch.compile's mode (e.g. reduce-overhead)")
     a = p.parse_args(argv)
@@ -76,6 +80,14 @@ def main(argv=None):
         te, tc = sorted(te)[len(te) // 2], sorted(tc)[len(tc) // 2]
         skips = f", cudagraph skips {counters['inductor']['cudagraph_skips']}" if a.compile_mode else ""
         print(f"\n## {name} ({mode}): eager {te:.2f} ms, compiled {tc:.2f} ms ({tc / te:.3f}x){skips}", flush=True)
+        if a.pairs:
+            ratios = []
+            for r in range(a.pairs):
+                t = {f: timed(step(f), reps=1, warm=0) for f in ((loss, comp), (comp, loss))[r % 2]}
+                ratios.append(t[comp] / t[loss])
+            q = sorted(ratios)
+            print(f"   {a.pairs} pairs, compiled / eager a pair: median {q[len(q) // 2]:.4f}, "
+                  f"quartiles {q[len(q) // 4]:.4f} .. {q[3 * len(q) // 4]:.4f}", flush=True)
         if not a.kernels:
             continue
         (ce, ue), (cc, uc) = kernels(step(loss)), kernels(step(comp))

@@ -6,8 +6,8 @@ import compiled_grpo as cg
 from bench.shapes import SHAPES, make_inputs
 
 
-def timed(fn, reps=5):
-    for _ in range(2):
+def timed(fn, reps=5, warm=2):
+    for _ in range(warm):
         fn()
     torch.cuda.synchronize()
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
