@@ -4,15 +4,21 @@ launches, or launches more often, first).
 
     python -m bench.probes.compile_gap [--shapes qwen2.5-0.5b qwen3-8b] [--modes auto recompute]
                                        [--kernels] [--compile-mode reduce-overhead] [--pairs 40]
+                                       [--clocks]
 
 Eager and compiled are timed in alternating rounds, ABBA (median of each side's rounds), so drift
 (clocks, temperature) falls on both alike; --pairs N adds N pairs of single steps, one of each
 side back to back (ABBA again), and the median and quartiles of the per-pair ratio: drift over
-a round (seconds at long shapes) cancels within a pair. --kernels adds the per-kernel table of
+a round (seconds at long shapes) cancels within a pair. --clocks samples nvidia-smi (SM clock,
+power, temperature every 20 ms) and reports each side's mean over its timed rounds: a GPU at its
+power limit runs a step with fewer idle gaps at a lower clock. --kernels adds the per-kernel table of
 one step.
 """
 import argparse
+import subprocess
+import time
 from collections import Counter
+from datetime import datetime
 
 import torch
 from torch._dynamo.utils import counters
@@ -35,6 +41,37 @@ def kernels(run) -> tuple:
             count[e.name] += 1
             us[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
     return count, us
+
+
+class Clocks:
+    """nvidia-smi sampling SM clock (MHz), power (W) and temperature (C) every 20 ms; mean(t0, t1)
+    averages the samples taken between two time.time() stamps."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
+             "--format=csv,noheader,nounits", "-lms", "20", "-i", str(torch.cuda.current_device())],
+            stdout=subprocess.PIPE, text=True)
+        self.samples = None
+
+    def stop(self):
+        self.proc.terminate()
+        out, _ = self.proc.communicate()
+        self.samples = []
+        for line in out.splitlines():
+            try:
+                ts, mhz, watts, temp = (f.strip() for f in line.split(","))
+                t = datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                self.samples.append((t, float(mhz), float(watts), float(temp)))
+            except ValueError:
+                continue
+
+    def mean(self, windows) -> str:
+        s = [x for x in self.samples if any(t0 <= x[0] <= t1 for t0, t1 in windows)]
+        if not s:
+            return "no samples"
+        return (f"SM {sum(x[1] for x in s) / len(s):.0f} MHz, {sum(x[2] for x in s) / len(s):.0f} W, "
+                f"{sum(x[3] for x in s) / len(s):.0f} C ({len(s)} samples)")
 
 
 def bench_step(name: str, mode: str = "auto"):
@@ -64,6 +101,7 @@ def main(argv=None):
     p.add_argument("--modes", nargs="+", default=["auto"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pairs", type=int, default=0)
+    p.add_argument("--clocks", action="store_true")
     p.add_argument("--kernels", action="store_true")
     p.add_argument("--compile-mode", default=None, help="torch.compile's mode (e.g. reduce-overhead)")
     a = p.parse_args(argv)
@@ -72,14 +110,22 @@ def main(argv=None):
         torch._dynamo.reset()
         counters.clear()
         comp = torch.compile(loss, fullgraph=True, dynamic=False, mode=a.compile_mode)
-        te, tc = [], []
+        timed(step(comp), reps=1)   # compiles outside the sampled windows
+        te, tc, windows = [], [], {loss: [], comp: []}
+        clocks = Clocks() if a.clocks else None
         for r in range(a.rounds):   # ABBA: each side runs first in every other round (the GPU
             # warms over a round: at long shapes the second side always ran on a hotter chip)
             for side in ((te, loss), (tc, comp))[::1 if r % 2 == 0 else -1]:
+                t0 = time.time()
                 side[0].append(timed(step(side[1]), reps=9))
+                windows[side[1]].append((t0, time.time()))
         te, tc = sorted(te)[len(te) // 2], sorted(tc)[len(tc) // 2]
         skips = f", cudagraph skips {counters['inductor']['cudagraph_skips']}" if a.compile_mode else ""
         print(f"\n## {name} ({mode}): eager {te:.2f} ms, compiled {tc:.2f} ms ({tc / te:.3f}x){skips}", flush=True)
+        if clocks is not None:
+            time.sleep(0.1)
+            clocks.stop()
+            print(f"   eager: {clocks.mean(windows[loss])}; compiled: {clocks.mean(windows[comp])}")
         if a.pairs:
             ratios = []
             for r in range(a.pairs):

@@ -39,7 +39,8 @@ def trace(run) -> list[dict]:
 
 def report(events: list[dict], min_us: float, top: int) -> None:
     dev = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
-    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    # launches: cudaLaunchKernel (ATen) and cuLaunchKernel(Ex) (Triton's launcher, the driver API)
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     ops = [e for e in events if e.get("cat") == "cpu_op"]
     launch = {e["args"].get("correlation"): e for e in runtime if "correlation" in e.get("args", {})}
     if not dev:
@@ -58,6 +59,11 @@ def report(events: list[dict], min_us: float, top: int) -> None:
     print(f"device work: {len(dev)} items, {busy / 1e3:.2f} ms busy over {(t1 - t0) / 1e3:.2f} ms "
           f"(first item {(t0 - host0) / 1e3:.2f} ms after the host's first op); "
           f"{len(gaps)} gaps > {min_us:.0f} us, {sum(g[0] for g in gaps) / 1e3:.2f} ms")
+    late = [ln["ts"] - start for _, start, _, b in gaps
+            if (ln := launch.get(b.get("args", {}).get("correlation"))) is not None]
+    print(f"  of them {sum(t > 0 for t in late)} with the next launch after the gap opened (the "
+          f"host behind), {sum(t <= 0 for t in late)} queued before it, "
+          f"{len(gaps) - len(late)} without a recorded launch")
     for dur, start, a, b in sorted(gaps, key=lambda g: -g[0])[:top]:
         ln = launch.get(b.get("args", {}).get("correlation"))
         where = ""
