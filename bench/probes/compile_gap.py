@@ -47,10 +47,17 @@ class Clocks:
     """nvidia-smi sampling SM clock (MHz), power (W) and temperature (C) every 20 ms; mean(t0, t1)
     averages the samples taken between two time.time() stamps."""
 
+    FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu"
+    CAP = ",clocks_event_reasons.sw_power_cap"    # "Active" while the power limit holds the clock
+
     def __init__(self):
+        dev = ["-i", str(torch.cuda.current_device())]
+        fields = self.FIELDS + self.CAP
+        if subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader", *dev],
+                          capture_output=True).returncode != 0:
+            fields = self.FIELDS                     # a driver without the field
         self.proc = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
-             "--format=csv,noheader,nounits", "-lms", "20", "-i", str(torch.cuda.current_device())],
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "20", *dev],
             stdout=subprocess.PIPE, text=True)
         self.samples = None
 
@@ -60,9 +67,10 @@ class Clocks:
         self.samples = []
         for line in out.splitlines():
             try:
-                ts, mhz, watts, temp = (f.strip() for f in line.split(","))
+                ts, mhz, watts, temp, *cap = (f.strip() for f in line.split(","))
                 t = datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                self.samples.append((t, float(mhz), float(watts), float(temp)))
+                capped = None if not cap else float("Not" not in cap[0])
+                self.samples.append((t, float(mhz), float(watts), float(temp), capped))
             except ValueError:
                 continue
 
@@ -70,8 +78,10 @@ class Clocks:
         s = [x for x in self.samples if any(t0 <= x[0] <= t1 for t0, t1 in windows)]
         if not s:
             return "no samples"
+        cap = [x[4] for x in s if x[4] is not None]
+        cap = f", power cap holding the clock in {100 * sum(cap) / len(cap):.0f}%" if cap else ""
         return (f"SM {sum(x[1] for x in s) / len(s):.0f} MHz, {sum(x[2] for x in s) / len(s):.0f} W, "
-                f"{sum(x[3] for x in s) / len(s):.0f} C ({len(s)} samples)")
+                f"{sum(x[3] for x in s) / len(s):.0f} C{cap} ({len(s)} samples)")
 
 
 def bench_step(name: str, mode: str = "auto"):
