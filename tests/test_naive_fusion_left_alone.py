@@ -159,17 +159,53 @@ def arange_indexed_beside_the_log_probs(h, w, b, ids):
     return logp[torch.arange(logp.shape[0]), ids.view(-1)], logp
 
 
+def categorical_probs_returned(h, w, b, ids):
+    """Categorical's log_prob and entropy (both respelled) and its normalized logits returned:
+    the [N, V] log-probs are needed, nothing fuses, both respellings are put back."""
+    d = torch.distributions.Categorical(logits=h @ w.T)
+    return d.log_prob(ids), d.entropy(), d.logits
+
+
 @pytest.mark.parametrize("fn", [inplace_scale_and_logits_returned, sliced_log_softmax_returned,
-                                weighted_nll_of_sliced_log_softmax, arange_indexed_beside_the_log_probs])
+                                weighted_nll_of_sliced_log_softmax, arange_indexed_beside_the_log_probs,
+                                categorical_probs_returned])
 def test_unused_respellings_are_undone(fn):
     """An in-place scale made out of place, a view taken of the logits, nll_loss read as
-    cross_entropy, arange indexing read as a gather (normalize.py), none of them then used by a
-    rewrite (the logits or all log-probs returned, class weights): put back as the user wrote
+    cross_entropy, arange indexing read as a gather, Categorical's gather through
+    broadcast_tensors (normalize.py), none of them then used by a rewrite (the logits or all log-probs returned, class weights): put back as the user wrote
     them, the same ops in the same order; results equal, nothing counted."""
     check(fn, (0, 0))
     assert not counters["compiled_grpo"]["naive_respelled"] and not counters["compiled_grpo"]["naive_inplace_scale"]
     before, after = pass_on_graph(fn)
     assert [(n.op, n.target) for n in after.graph.nodes] == before
+
+
+def clamped_entropy(min_):
+    def f(h, w, b, ids):
+        lp = F.log_softmax(h @ w.T, dim=-1)
+        return (-(torch.clamp(lp, min=min_) * F.softmax(lp, dim=-1)).sum(-1),)
+    return f
+
+
+def broadcast_gather(ids_shape):
+    def f(h, w, b, ids):
+        lp = F.log_softmax(h @ w.T, dim=-1)
+        idx = ids[..., None] if ids_shape == "rows" else ids[:1, :, None]   # [1, T, 1] broadcasts
+        v, pmf = torch.broadcast_tensors(idx, lp)
+        return (pmf.gather(-1, v[..., :1]).squeeze(-1),)
+    return f
+
+
+@pytest.mark.parametrize("fn,expect", [(clamped_entropy(torch.finfo(torch.float32).min), (0, 1)),
+                                       (clamped_entropy(-30.0), (0, 0)),
+                                       (broadcast_gather("rows"), (1, 0)),
+                                       (broadcast_gather("broadcast"), (0, 0))])
+def test_categorical_respelling_only_where_it_is_the_same(fn, expect):
+    """Categorical's clamp of the log-probs is the identity only at finfo.min (a clamp at -30
+    moves real log-probs), and its broadcast_tensors only when the index already has the
+    log-probs' leading shape (a [1, T, 1] index is broadcast over the batch: a gather of other
+    rows' targets). Results equal the unfused graph's either way."""
+    check(fn, expect, rtol=1e-4, atol=1e-4)
 
 
 def test_cross_entropy_of_transposed_square_logits_is_left_alone():

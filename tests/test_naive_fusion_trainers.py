@@ -4,8 +4,8 @@ TRL 1.16's own `selective_log_softmax` (its per-row loops, both dtype branches) 
 causal LM's `.logits` sliced the way trainers slice them, einsum heads, take_along_dim, verl's
 remove-padding spelling (`.squeeze(0)`, a per-token temperature tensor), a 0-dim tensor
 temperature, and autocast regions; beyond the issue's list, OpenRLHF's chunked-logsumexp
-log-probs, log_softmax(dtype=float32), a p * log p entropy and a flattened cross_entropy, and
-torch.distributions.Categorical left alone (counted). Each: the pass's counters, no [N, V] buffer in Inductor's
+log-probs, log_softmax(dtype=float32), a p * log p entropy, a flattened cross_entropy,
+torch.distributions.Categorical and more (MORE). Each: the pass's counters, no [N, V] buffer in Inductor's
 code, and outputs and gradients equal to the same code run unfused (fp32 cases to 1e-5; bf16 and
 autocast cases within the logits' bf16 rounding, which the op does not make: it keeps the GEMM's
 fp32 accumulation). verl's own functions run in tests/test_verl.py (its venv). The harness (the
@@ -255,18 +255,34 @@ def arange_indexed_flat_logprobs(h, w, b, ids):
 MORE += [(nll_of_log_softmax, (1, 0)), (arange_indexed_logprobs, (1, 0)), (arange_indexed_flat_logprobs, (1, 0))]
 
 
+def categorical(h, w, b, ids):
+    """torch.distributions.Categorical(logits=...).log_prob and .entropy (a keepdim logsumexp,
+    a gather through broadcast_tensors, a clamped p * log p; Dynamo records no validation)."""
+    d = torch.distributions.Categorical(logits=F.linear(h, w, b))
+    return d.log_prob(ids), d.entropy()
+
+
+def categorical_tempered_log_prob(h, w, b, ids):
+    d = torch.distributions.Categorical(logits=(h @ w.T) / 0.8, validate_args=False)
+    return (d.log_prob(ids),)
+
+
+MORE += [(categorical, (1, 1)), (categorical_tempered_log_prob, (1, 0))]
+
+
 @pytest.mark.parametrize("fn,expect", MORE, ids=[f.__name__ for f, _ in MORE])
 def test_more_trainer_spellings_fused(fn, expect):
     """Spellings beyond the issue's list (OpenRLHF, NeMo-RL's get_logprobs, p * log p entropy,
     in-place temperatures, tensor temperatures multiplied or per sequence, log_softmax by
     logsumexp, ROLL's labels masked in place, mean / sum / class-dim-second cross_entropy,
-    verl's chunked entropy written into a buffer, nll_loss of log_softmax, arange indexing)."""
+    verl's chunked entropy written into a buffer, nll_loss of log_softmax, arange indexing,
+    torch.distributions.Categorical)."""
     tol = 1e-4 if expect[1] else 1e-5
     assert not nv_buffers(check(fn, expect, rtol=tol, atol=tol))
     assert counters["compiled_grpo"]["naive_inplace_scale"] == (
         fn.__name__.count("inplace") + (fn is inplace_true_divide))
     respelled = {nemo_rl_logprobs: 1, nll_of_log_softmax: 2, arange_indexed_logprobs: 1,   # edits kept
-                 arange_indexed_flat_logprobs: 2}
+                 arange_indexed_flat_logprobs: 2, categorical: 2, categorical_tempered_log_prob: 1}
     assert counters["compiled_grpo"]["naive_respelled"] == respelled.get(fn, 0), dict(counters["compiled_grpo"])
 
 
@@ -279,15 +295,30 @@ def test_mean_cross_entropy_of_no_kept_target_is_nan_as_torchs():
     assert fired() == (1, 0) and torch.isnan(out).all() and torch.isnan(all_ignored(h, w, b, ids)[0]).all()
 
 
-def test_categorical_distribution_left_alone_and_counted():
-    """torch.distributions.Categorical(logits=...).log_prob / .entropy (normalizes with a keepdim
-    logsumexp and gathers through broadcast_tensors; its default validate_args reads every logit):
-    not proven, so the graph keeps its logits and the reason is counted; results stay equal."""
-    def categorical(h, w, b, ids):
-        d = torch.distributions.Categorical(logits=F.linear(h, w))
-        return d.log_prob(ids), d.entropy()
-    check(categorical, (0, 0))
-    assert counters["compiled_grpo_unfused"]["logits_users"] == 1
+def test_categorical_with_a_masked_vocab_entry():
+    """A -inf bias entry (a token masked out of the vocabulary): Categorical's clamp keeps its
+    entropy finite (0 * finfo.min, not 0 * -inf); the fused entropy, which drops the respelled
+    clamp, is finite and equal too, and so are the gradients of lp.sum() + entropy.sum(). Under
+    an entropy weight above 1, torch's own Categorical gradient overflows (c * finfo.min = -inf,
+    times p = 0: nan everywhere); the fused one stays finite."""
+    from naive_fusion_harness import loss_of
+    h, w, b, ids = make()
+    b = b.detach().clone()
+    b[3] = float("-inf")
+    b.requires_grad_()
+    ids = ids.masked_fill(ids == 3, 4)          # no target on the masked token
+    compiled = torch.compile(categorical, fullgraph=True)
+    for f in (compiled, categorical):
+        out = f(h, w, b, ids)
+        grads = torch.autograd.grad(out[0].sum() + out[1].sum(), (h, w, b))
+        if f is compiled:
+            got = [*out, *grads]
+            weighted = torch.autograd.grad(loss_of(f(h, w, b, ids)), (h, w, b))
+            assert all(torch.isfinite(g).all() for g in weighted)
+    assert fired() == (1, 1)
+    for r, o in zip([*out, *grads], got):
+        assert torch.isfinite(o).all() and torch.isfinite(r).all()
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
 
 
 def test_row_loops_are_folded():
@@ -445,7 +476,8 @@ def test_trl_trainer_head_dynamic_shapes():
 CUDA_CASES = [(einsum_head, (1, 0)), (take_along_dim, (1, 0)), (verl_remove_padding, (1, 1)),
               (tensor_temperature, (1, 0)), (autocast_head, (1, 0)), (verl_inplace_temperature, (1, 0)),
               (nemo_rl_logprobs, (1, 0)), (hf_causal_lm_loss, (1, 0)), (chunked_entropy_written, (1, 1)),
-              (nll_of_log_softmax, (1, 0)), (class_dim_second_cross_entropy, (1, 0))]
+              (nll_of_log_softmax, (1, 0)), (class_dim_second_cross_entropy, (1, 0)),
+              (categorical, (1, 1))]
 
 
 @pytest.mark.gpu

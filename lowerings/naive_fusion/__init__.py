@@ -18,7 +18,7 @@ autograd and training, inference, frozen and trainable W are all one rewrite):
       .squeeze(0), / t, * t (0-dim / per-row t) -> h.squeeze(0), h / t (verl's remove-padding path)
       (first, normalize.py: logits.div_(t), logits /= t as z / t; log_softmax(z)[:, :-1] as
        log_softmax(z[:, :-1]); nll_loss(log_softmax(z), t) as cross_entropy(z, t);
-       logp[arange(N), ids] as a gather)
+       logp[arange(N), ids] as a gather; Categorical's log_prob / entropy spellings)
     consumers of the logits z (all of them must be one of these):
       log_softmax(z, -1).gather(-1, ids.unsqueeze(-1) | ids[..., None])     -> logprobs
       z.gather(-1, idx) - z.logsumexp(-1, keepdim=True), logsumexp(z, -1)  -> logprobs + lse, lse
@@ -251,6 +251,7 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     views = normalize.views_before_log_softmax(graph)  # NeMo-RL's log_softmax(z)[:, :-1]
     views += normalize.nll_of_log_softmax(graph)       # F.nll_loss(log_softmax(z), t): CE
     views += normalize.fancy_index_as_gather(graph)    # logp[arange(N), ids]: a gather
+    views += normalize.categorical_spelling(graph)     # torch.distributions.Categorical
     folds = fold_row_loops(graph)   # TRL / verl's per-row and per-chunk loops, as one computation
     for node in [n for n in graph.nodes if _is_gemm(n)]:
         if getattr(node, "_erased", False):
