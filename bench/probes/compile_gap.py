@@ -4,7 +4,7 @@ launches, or launches more often, first).
 
     python -m bench.probes.compile_gap [--shapes qwen2.5-0.5b qwen3-8b] [--modes auto recompute]
                                        [--kernels] [--compile-mode reduce-overhead] [--pairs 40]
-                                       [--clocks]
+                                       [--clocks] [--tp1]
 
 Eager and compiled are timed in alternating rounds, ABBA (median of each side's rounds), so drift
 (clocks, temperature) falls on both alike; --pairs N adds N pairs of single steps, one of each
@@ -84,9 +84,20 @@ class Clocks:
                 f"{sum(x[3] for x in s) / len(s):.0f} C{cap} ({len(s)} samples)")
 
 
-def bench_step(name: str, mode: str = "auto"):
-    """(loss, step) at the bench shape `name`: loss(*inputs) the DAPO + k3 KL grpo_loss value,
-    step(f) a call of f's forward + backward on persistent leaves, their grads cleared."""
+def one_rank_group():
+    """The WORLD group of a one-process NCCL job (bench.tp's tp=1 eager / compiled rows pass
+    grpo_loss such a tp_group)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1,
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
+    return dist.group.WORLD
+
+
+def bench_step(name: str, mode: str = "auto", tp1: bool = False):
+    """(loss, step) at the bench shape `name`: loss(*inputs) the DAPO + k3 KL grpo_loss value
+    (tp1: with a tp_group of one rank), step(f) a call of f's forward + backward on persistent
+    leaves, their grads cleared."""
     x = make_inputs(SHAPES[name], "cuda", torch.bfloat16, seed=0)
     # the shape's model as the bench runs it: Gemma 2's final-logit softcap, packed shapes' cu_seqlens
     cfg = cg.GRPOConfig(loss_type="dapo", beta=0.04, gradient_mode=mode,
@@ -100,8 +111,10 @@ def bench_step(name: str, mode: str = "auto"):
             h.grad = w.grad = None
         return run
 
+    group = one_rank_group() if tp1 else None
+
     def loss(*args):
-        return cg.grpo_loss(*args, cu_seqlens=x.cu_seqlens, config=cfg).loss
+        return cg.grpo_loss(*args, cu_seqlens=x.cu_seqlens, config=cfg, tp_group=group).loss
     return loss, step
 
 
@@ -112,11 +125,12 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pairs", type=int, default=0)
     p.add_argument("--clocks", action="store_true")
+    p.add_argument("--tp1", action="store_true", help="grpo_loss with a tp_group of one rank (bench.tp's tp=1 rows)")
     p.add_argument("--kernels", action="store_true")
     p.add_argument("--compile-mode", default=None, help="torch.compile's mode (e.g. reduce-overhead)")
     a = p.parse_args(argv)
     for name, mode in [(n, m) for n in a.shapes for m in a.modes]:
-        loss, step = bench_step(name, mode)
+        loss, step = bench_step(name, mode, a.tp1)
         torch._dynamo.reset()
         counters.clear()
         comp = torch.compile(loss, fullgraph=True, dynamic=False, mode=a.compile_mode)

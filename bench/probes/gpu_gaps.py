@@ -4,7 +4,7 @@ interval longer than --min-us between the end of one piece of work and the start
 with what the host was doing while the next launch waited, and the CUDA runtime calls that took
 longer than --min-us (synchronizations, cudaMalloc / cudaFree).
 
-    python -m bench.probes.gpu_gaps [--shapes long] [--modes auto] [--min-us 50] [--top 12]
+    python -m bench.probes.gpu_gaps [--shapes long] [--modes auto] [--min-us 50] [--top 12] [--tp1]
 
 A step timed by CUDA events (bench.probes.compile_gap) is device busy time plus these gaps.
 """
@@ -95,10 +95,11 @@ def main(argv=None):
     p.add_argument("--modes", nargs="+", default=["auto"])
     p.add_argument("--min-us", type=float, default=50.0)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--tp1", action="store_true", help="grpo_loss with a tp_group of one rank")
     a = p.parse_args(argv)
     for name in a.shapes:
         for mode in a.modes:
-            loss, step = bench_step(name, mode)
+            loss, step = bench_step(name, mode, a.tp1)
             torch._dynamo.reset()
             comp = torch.compile(loss, fullgraph=True, dynamic=False)
             for side, f in (("eager", loss), ("compiled", comp)):
