@@ -17,7 +17,9 @@ shard W[r V/R : (r + 1) V/R]. Rows printed by rank 0, in one run:
                           named); tp=1 recompute eager, run on every rank, is the reference
 
 with the median fwd+bwd time (bench.measure.time_step on persistent leaves: CUDA events, 10
-steps queued back to back after 20 untimed ones, the same counts on every rank), the peak memory
+steps queued back to back after 6 untimed ones, the same counts on every rank; the best of 4
+rounds in which the rows of a group, the TP rows and the tp=1 rows, take turns in ABBA order,
+so eager and compiled rows see the same process state and clock: TIMING says why), the peak memory
 beyond inputs and grads on rank 0, the bytes one rank sends through the collectives a step, and
 the results against tp=1 recompute eager: loss (abs), dX (full, rel) and the dW (and d_bias) rows
 of each rank's shard (rel; the TP rows give the worst rank and list every rank's), then the
@@ -42,7 +44,15 @@ from bench.measure import Timing, sync, time_step
 from bench.shapes import SHAPES, TARGETS, make_inputs
 
 
-TIMING = Timing(warmup=20, reps=10)   # fixed counts: every rank must issue the same collectives
+# fixed counts: every rank must issue the same collectives. Each row is timed in ROUNDS rounds,
+# the rows of a group (the TP rows on every rank; the tp=1 rows on rank 0) in alternating order,
+# each row's best round reported. At a host-bound shape (qwen2.5-0.5b on an H200) a round's
+# median is bimodal, ~19-20 ms or ~27-35 ms for the same step, eager or compiled alike
+# (bench.probes.tp1_variants, bench/results/tp1_rounds_h200.txt): the host, not the step, sets
+# which; rows timed once, one after the other, compared that, not eager and compiled. What the
+# host adds only ever adds, so the best round is the step's own time.
+TIMING = Timing(warmup=6, reps=10)
+ROUNDS = 4
 
 
 def _kwargs(x, cfg) -> dict:
@@ -73,10 +83,16 @@ def _step(fn, hidden, weight, bias, x, cfg):
     return step, SimpleNamespace(hidden=h, weight=w)
 
 
-def _bench(fn, hidden, weight, bias, x, cfg) -> float:
-    """Median ms of a step (bench.measure.time_step: CUDA events, device time)."""
-    step, leaves = _step(fn, hidden, weight, bias, x, cfg)
-    return time_step(step, leaves, hidden.device, TIMING)["ms"]
+def _bench_rows(rows: list, device) -> list:
+    """[(step, leaves)] -> each row's best ms over ROUNDS rounds (of each round's median step:
+    bench.measure.time_step, CUDA events, device time), the rows in order in even rounds and
+    reversed in odd ones (ABBA)."""
+    times = [[] for _ in rows]
+    for r in range(ROUNDS if device.type == "cuda" else 1):   # CPU (the gloo smoke test): once
+        order = range(len(rows)) if r % 2 == 0 else reversed(range(len(rows)))
+        for k in order:
+            times[k].append(time_step(*rows[k], device, TIMING)["ms"])
+    return [min(t) for t in times]
 
 
 class _Collectives(TorchDispatchMode):
@@ -170,6 +186,7 @@ def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed:
     tp = lambda *a, **k: cg.grpo_loss(*a, tp_group=group, **k)  # noqa: E731
     rows = []
     compiled_tp = torch.compile(tp, fullgraph=True)
+    steps = []
     for name, fn, c in ((f"tp={world} eager", tp, cfg), (f"tp={world} compiled", compiled_tp, cfg),
                         (f"tp={world} fused eager", tp, fused),
                         (f"tp={world} fused compiled", compiled_tp, fused)):
@@ -179,11 +196,14 @@ def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed:
                 loss, dx, dw, db, peak = _run(fn, x.hidden, w_shard, b_shard, x, c)
         else:
             loss, dx, dw, db, peak = _run(fn, x.hidden, w_shard, b_shard, x, c)
-        ms = _bench(fn, x.hidden, w_shard, b_shard, x, c) if timed else float("nan")
-        rows.append((name, ms, peak, loss, dx, dw, db, counter.sent if fn is tp else None))
+        rows.append([name, float("nan"), peak, loss, dx, dw, db, counter.sent if fn is tp else None])
+        steps.append(_step(fn, x.hidden, w_shard, b_shard, x, c))
         if profile_dir and name.endswith("fused compiled"):
-            _profile(_step(fn, x.hidden, w_shard, b_shard, x, c)[0], rank, profile_dir,
-                     f"{shape.name} {variant} {name}")
+            _profile(steps[-1][0], rank, profile_dir, f"{shape.name} {variant} {name}")
+    if timed:
+        for row, ms in zip(rows, _bench_rows(steps, dev)):
+            row[1] = ms
+    del steps
     # The reference, on every rank: tp=1 recompute eager with the full W; each rank checks its own
     # dW (and d_bias) shard against its rows.
     loss, dx, dw, db, peak = _run(cg.grpo_loss, x.hidden, w_full, b_full, x, cfg)
@@ -192,6 +212,7 @@ def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed:
     dist.barrier()
     if rank == 0:
         compiled_1 = torch.compile(cg.grpo_loss, fullgraph=True)
+        steps = []
         for label, fn, mode in (("tp=1 recompute", cg.grpo_loss, "recompute"),
                                 ("tp=1 recompute compiled", compiled_1, "recompute"),
                                 ("tp=1 fused", cg.grpo_loss, "fused"),
@@ -200,11 +221,14 @@ def run_case(shape, variant: str, rank: int, world: int, dev, cuda: bool, timed:
                 continue   # --no-time on GPUs: the TP rows' checks only (each compile ~30 s)
             c1 = _config(variant, mode)
             loss, dx, dw, db, peak = _run(fn, x.hidden, w_full, b_full, x, c1)
-            ms = _bench(fn, x.hidden, w_full, b_full, x, c1) if timed else float("nan")
+            steps.append(_step(fn, x.hidden, w_full, b_full, x, c1))
             if profile_dir and label == "tp=1 fused compiled":
-                _profile(_step(fn, x.hidden, w_full, b_full, x, c1)[0], 0, profile_dir,
-                         f"{shape.name} {variant} {label}")
-            rows.append((label, ms, peak, loss, dx, dw[lo:hi], None if db is None else db[lo:hi], None))
+                _profile(steps[-1][0], 0, profile_dir, f"{shape.name} {variant} {label}")
+            rows.append([label, float("nan"), peak, loss, dx, dw[lo:hi], None if db is None else db[lo:hi], None])
+        if timed:
+            for row, ms in zip(rows[-len(steps):], _bench_rows(steps, dev)):
+                row[1] = ms
+        del steps
     dist.barrier()
     rel = lambda a, b: 0.0 if a is None else ((a - b).norm() / b.norm()).item()  # noqa: E731
     # [runs, 4] errors of this rank (loss abs, dX rel, own dW shard rel, own d_bias shard rel),
