@@ -25,8 +25,10 @@ def log_softmax_returned(h, w, b, ids):
     return logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1), logp_all
 
 
-def weighted_cross_entropy(h, w, b, ids):   # class weights: not the op's loss
-    return (F.cross_entropy((h @ w.T).view(-1, V), ids.view(-1), weight=torch.ones(V)).reshape(1),)
+def two_ignore_indices(h, w, b, ids):   # one op call has one set of kept targets
+    z = (h @ w.T).view(-1, V)
+    return (F.cross_entropy(z, ids.view(-1), reduction="none", ignore_index=3),
+            F.cross_entropy(z, ids.view(-1), reduction="none", ignore_index=5))
 
 
 def label_smoothing(h, w, b, ids):
@@ -83,7 +85,7 @@ def inplace_on_a_shared_view(h, w, b, ids):
     return logp_of(logits, ids), last.sum(-1)
 
 
-@pytest.mark.parametrize("fn", [logits_returned, log_softmax_returned, weighted_cross_entropy,
+@pytest.mark.parametrize("fn", [logits_returned, log_softmax_returned, two_ignore_indices,
                                 label_smoothing, float64_code, two_targets, grad_switch_between,
                                 broadcast_bias, bias_after_tanh, view_before_inplace,
                                 read_before_inplace, inplace_on_a_shared_view])
@@ -147,11 +149,10 @@ def sliced_log_softmax_returned(h, w, b, ids):
     return (F.log_softmax(h @ w.T, dim=-1)[:, :-1],)
 
 
-def weighted_nll_of_sliced_log_softmax(h, w, b, ids):
+def legacy_nll_of_sliced_log_softmax(h, w, b, ids):
     """Two respellings (the view taken of the logits, then nll_loss(log_softmax) as
-    cross_entropy) that no rewrite uses (class weights): both put back."""
-    return (F.nll_loss(F.log_softmax(h @ w.T, dim=-1).view(-1, V), ids.view(-1), weight=torch.ones(V),
-                       reduction="none"),)
+    cross_entropy) that no rewrite uses (the legacy reduce= argument): both put back."""
+    return (F.nll_loss(F.log_softmax(h @ w.T, dim=-1).view(-1, V), ids.view(-1), reduce=False),)
 
 
 def arange_indexed_beside_the_log_probs(h, w, b, ids):
@@ -167,12 +168,12 @@ def categorical_probs_returned(h, w, b, ids):
 
 
 @pytest.mark.parametrize("fn", [inplace_scale_and_logits_returned, sliced_log_softmax_returned,
-                                weighted_nll_of_sliced_log_softmax, arange_indexed_beside_the_log_probs,
+                                legacy_nll_of_sliced_log_softmax, arange_indexed_beside_the_log_probs,
                                 categorical_probs_returned])
 def test_unused_respellings_are_undone(fn):
     """An in-place scale made out of place, a view taken of the logits, nll_loss read as
     cross_entropy, arange indexing read as a gather, Categorical's gather through
-    broadcast_tensors (normalize.py), none of them then used by a rewrite (the logits or all log-probs returned, class weights): put back as the user wrote
+    broadcast_tensors (normalize.py), none of them then used by a rewrite (the logits or all log-probs returned, a legacy reduce=): put back as the user wrote
     them, the same ops in the same order; results equal, nothing counted."""
     check(fn, (0, 0))
     assert not counters["compiled_grpo"]["naive_respelled"] and not counters["compiled_grpo"]["naive_inplace_scale"]

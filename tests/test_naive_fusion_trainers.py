@@ -255,6 +255,26 @@ def arange_indexed_flat_logprobs(h, w, b, ids):
 MORE += [(nll_of_log_softmax, (1, 0)), (arange_indexed_logprobs, (1, 0)), (arange_indexed_flat_logprobs, (1, 0))]
 
 
+CLASS_WEIGHTS = torch.rand(V, generator=torch.Generator().manual_seed(5)) + 0.5   # [V], in 0.5 .. 1.5
+
+
+def weighted_cross_entropy(h, w, b, ids):
+    """cross_entropy with class weights: per token (ignore_index too) and the weighted mean
+    (torch's: the sum of weight[t] * nll over kept targets / the sum of their weights)."""
+    z, cw = (h @ w.T).view(-1, V), CLASS_WEIGHTS.to(h.device)
+    return (F.cross_entropy(z, ids.view(-1), weight=cw, reduction="none", ignore_index=7).view(B, T),
+            F.cross_entropy(z, ids.view(-1), weight=cw, ignore_index=7).reshape(1))
+
+
+def weighted_summed_nll(h, w, b, ids):
+    """nll_loss of the flattened log_softmax with class weights, summed (read as cross_entropy)."""
+    logp = F.log_softmax(F.linear(h, w, b), dim=-1).view(-1, V)
+    return (F.nll_loss(logp, ids.view(-1), weight=CLASS_WEIGHTS.to(h.device), reduction="sum").reshape(1),)
+
+
+MORE += [(weighted_cross_entropy, (1, 0)), (weighted_summed_nll, (1, 0))]
+
+
 def categorical(h, w, b, ids):
     """torch.distributions.Categorical(logits=...).log_prob and .entropy (a keepdim logsumexp,
     a gather through broadcast_tensors, a clamped p * log p; Dynamo records no validation)."""
@@ -276,13 +296,14 @@ def test_more_trainer_spellings_fused(fn, expect):
     in-place temperatures, tensor temperatures multiplied or per sequence, log_softmax by
     logsumexp, ROLL's labels masked in place, mean / sum / class-dim-second cross_entropy,
     verl's chunked entropy written into a buffer, nll_loss of log_softmax, arange indexing,
-    torch.distributions.Categorical)."""
+    cross_entropy with class weights, torch.distributions.Categorical)."""
     tol = 1e-4 if expect[1] else 1e-5
     assert not nv_buffers(check(fn, expect, rtol=tol, atol=tol))
     assert counters["compiled_grpo"]["naive_inplace_scale"] == (
         fn.__name__.count("inplace") + (fn is inplace_true_divide))
     respelled = {nemo_rl_logprobs: 1, nll_of_log_softmax: 2, arange_indexed_logprobs: 1,   # edits kept
-                 arange_indexed_flat_logprobs: 2, categorical: 2, categorical_tempered_log_prob: 1}
+                 arange_indexed_flat_logprobs: 2, categorical: 2, categorical_tempered_log_prob: 1,
+                 weighted_summed_nll: 2}
     assert counters["compiled_grpo"]["naive_respelled"] == respelled.get(fn, 0), dict(counters["compiled_grpo"])
 
 
@@ -477,7 +498,7 @@ CUDA_CASES = [(einsum_head, (1, 0)), (take_along_dim, (1, 0)), (verl_remove_padd
               (tensor_temperature, (1, 0)), (autocast_head, (1, 0)), (verl_inplace_temperature, (1, 0)),
               (nemo_rl_logprobs, (1, 0)), (hf_causal_lm_loss, (1, 0)), (chunked_entropy_written, (1, 1)),
               (nll_of_log_softmax, (1, 0)), (class_dim_second_cross_entropy, (1, 0)),
-              (categorical, (1, 1))]
+              (categorical, (1, 1)), (weighted_cross_entropy, (1, 0))]
 
 
 @pytest.mark.gpu

@@ -23,7 +23,8 @@ autograd and training, inference, frozen and trainable W are all one rewrite):
       log_softmax(z, -1).gather(-1, ids.unsqueeze(-1) | ids[..., None])     -> logprobs
       z.gather(-1, idx) - z.logsumexp(-1, keepdim=True), logsumexp(z, -1)  -> logprobs + lse, lse
       -F.cross_entropy(z.view(-1, V), ids.view(-1), reduction="none")       -> where(ign, 0, -lp)
-        (or of z.transpose(1, 2), [B, V, T]; "sum" / "mean": summed / over the kept targets)
+        (or of z.transpose(1, 2), [B, V, T]; "sum" / "mean": summed / over the kept targets;
+         weight=w: each term w[t] * nll, the mean over the kept targets' weights)
       -(softmax(z, -1) * log_softmax(z, -1)).sum(-1), -(logp.exp() * logp).sum(-1),
       lse - (softmax(z, -1) * z).sum(-1)                                    -> entropy
     (F.* / torch.* / Tensor-method spellings, dim=-1 or the last dim's index, keepdim either way)
@@ -127,8 +128,8 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> Node:
         elif c["ce"]:
             _, _, tg, ignore_index, *_ = c["ce"][0]
             ignored = graph.call_function(operator.eq, (tg, ignore_index))          # [N]
-            ids = graph.call_method("masked_fill", (tg, ignored, 0))
-            ids = graph.call_method("view_as", (ids, lead_ref))                     # [...]
+            kept_tg = graph.call_method("masked_fill", (tg, ignored, 0))             # [N]
+            ids = graph.call_method("view_as", (kept_tg, lead_ref))                 # [...]
         elif trl_lp:                                # TRL's kernel: (logits / T)[ids]
             ids = next(k["ids"] for k in c["trl"] if any(i == 0 for _, i in k["outs"]))
             if _val(ids).dtype != torch.int64:
@@ -174,13 +175,17 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> Node:
             nll = graph.call_function(operator.neg, (lp,))                              # [...]
             nll = graph.call_method("masked_fill", (graph.call_method("view_as", (nll, ignored)),
                                                     ignored, 0.0))                   # [N] | [...]
-            for x, _, _, _, reduction, _ in c["ce"]:
-                r = nll     # "none": [N] (flat) or [B, T] (class dim second), as the targets
-                if reduction != "none":   # torch's: the sum over kept targets (/ their count)
-                    r = graph.call_method("sum", (nll,))
+            for x, _, _, _, reduction, _, weight in c["ce"]:
+                r, kept = nll, None   # "none": [N] (flat) or [B, T] (class dim second), as the targets
+                if weight is not None:   # weight[t] * nll; weight has no gradient (as in torch's)
+                    wsel = graph.call_function(operator.getitem, (graph.call_method("detach", (weight,)), kept_tg))
+                    kept = graph.call_method("masked_fill", (wsel, ignored, 0.0))          # [N] | [...]
+                    r = graph.call_function(operator.mul, (nll, kept))
+                if reduction != "none":   # torch's: the sum over kept targets (/ their count or weight)
+                    r = graph.call_method("sum", (r,))
                     if reduction == "mean":
-                        kept = graph.call_method("sum", (graph.call_function(operator.invert, (ignored,)),))
-                        r = graph.call_function(operator.truediv, (r, kept))
+                        kept = graph.call_function(operator.invert, (ignored,)) if kept is None else kept
+                        r = graph.call_function(operator.truediv, (r, graph.call_method("sum", (kept,))))
                 x.replace_all_uses_with(cast(r, x))
     _erase_dead(graph, [lead_ref, lp, ent, lse, *replaced, *c["sizes"]])    # cascades up the naive chain
     for b in bodies:            # TRL's autograd.Function bodies (get_attr), once their call is gone
@@ -274,7 +279,8 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
         first_use = min(_replaced(c), key=order.__getitem__)
-        reads = (m["h"], m["w"], wk["bias"], *(t for t, _ in wk["tensor_temps"]), *wk["chain"])
+        reads = (m["h"], m["w"], wk["bias"], *(t for t, _ in wk["tensor_temps"]), *wk["chain"],
+                 *(x[-1] for x in c["ce"] if x[-1] is not None))     # cross_entropy's class weights
         if not _region_is_clean(graph, node, max(_replaced(c), key=order.__getitem__), first_use, reads):
             tried[node] = "region"
             continue

@@ -249,7 +249,11 @@ def _match_consumers(L: Node) -> Optional[dict]:
         kw = {k: _arg(x, i, k, d) for i, k, d in ((2, "weight", None), (3, "size_average", None),
               (4, "ignore_index", -100), (5, "reduce", None), (6, "reduction", "mean"),
               (7, "label_smoothing", 0.0))}
-        vt = _val(tg)
+        vt, wt = _val(tg), kw["weight"]
+        vw = _val(wt) if isinstance(wt, Node) else None
+        if wt is not None and (vw is None or vw.dim() != 1 or not vw.is_floating_point()
+                               or not _same_size(vw.shape[0], vL.shape[-1])):
+            return None     # class weights: a [V] float tensor (weight[target] scales each term)
         # [N, V] logits and [N] targets, or [B, V, T] (the class dim second) and [B, T]
         moved = x is not u and _is(u, _CLASS_DIM_1, ("transpose", "permute"))   # dims reordered
         flat = vx is not None and vx.dim() == 2 and not moved    # (a [V, V] transpose is no [N, V])
@@ -257,11 +261,11 @@ def _match_consumers(L: Node) -> Optional[dict]:
             and vt is not None and tuple(vt.shape) == tuple(vL.shape[:-1])
         if vx is None or vt is None or not (flat or shaped) or vx.shape[1] != vL.shape[-1] \
                 or (flat and vt.shape != vx.shape[:1]) or vt.dtype != torch.int64 \
-                or kw["weight"] is not None or kw["size_average"] is not None \
+                or kw["size_average"] is not None \
                 or kw["reduce"] is not None or kw["reduction"] not in ("none", "mean", "sum") \
                 or kw["label_smoothing"] != 0.0 or not isinstance(kw["ignore_index"], int):
             return None
-        ce.append((x, u if x is not u else None, tg, kw["ignore_index"], kw["reduction"], flat))
+        ce.append((x, u if x is not u else None, tg, kw["ignore_index"], kw["reduction"], flat, wt))
     gathers, exps = [], []
     for ls in lsm:
         for u in ls.users:
