@@ -255,6 +255,36 @@ def arange_indexed_flat_logprobs(h, w, b, ids):
 MORE += [(nll_of_log_softmax, (1, 0)), (arange_indexed_logprobs, (1, 0)), (arange_indexed_flat_logprobs, (1, 0))]
 
 
+def ppo_entropy_axis_kwarg(h, w, b, ids):
+    """TRL's PPO-era entropy_from_logits: numpy's axis= keyword on logsumexp and sum."""
+    logits = h @ w.T
+    pd = torch.nn.functional.softmax(logits, dim=-1)
+    return (torch.logsumexp(logits, axis=-1) - torch.sum(pd * logits, axis=-1),)
+
+
+def gather_keywords(h, w, b, ids):
+    """DeepSpeed-Chat's gather_log_probs / trlx's logprobs_of_labels: gather(dim=, index=)."""
+    log_probs = F.log_softmax(F.linear(h, w, b), dim=-1)
+    return (torch.gather(log_probs, dim=-1, index=ids.unsqueeze(-1)).squeeze(-1),)
+
+
+_CE = torch.nn.CrossEntropyLoss(reduction="none")
+_LOG_SOFTMAX_MODULE = torch.nn.LogSoftmax(dim=-1)
+
+
+def cross_entropy_module(h, w, b, ids):
+    """nn.CrossEntropyLoss(reduction="none"), a module instead of the function."""
+    return (-_CE((h @ w.T).view(-1, V), ids.view(-1)).view(B, T),)
+
+
+def log_softmax_module(h, w, b, ids):
+    return (_LOG_SOFTMAX_MODULE(F.linear(h, w, b)).gather(-1, ids[..., None])[..., 0],)
+
+
+MORE += [(ppo_entropy_axis_kwarg, (1, 1)), (gather_keywords, (1, 0)), (cross_entropy_module, (1, 0)),
+         (log_softmax_module, (1, 0))]
+
+
 CLASS_WEIGHTS = torch.rand(V, generator=torch.Generator().manual_seed(5)) + 0.5   # [V], in 0.5 .. 1.5
 
 
@@ -296,7 +326,8 @@ def test_more_trainer_spellings_fused(fn, expect):
     in-place temperatures, tensor temperatures multiplied or per sequence, log_softmax by
     logsumexp, ROLL's labels masked in place, mean / sum / class-dim-second cross_entropy,
     verl's chunked entropy written into a buffer, nll_loss of log_softmax, arange indexing,
-    cross_entropy with class weights, torch.distributions.Categorical)."""
+    cross_entropy with class weights, torch.distributions.Categorical, numpy's axis=, gather's
+    keywords, nn.CrossEntropyLoss / nn.LogSoftmax modules)."""
     tol = 1e-4 if expect[1] else 1e-5
     assert not nv_buffers(check(fn, expect, rtol=tol, atol=tol))
     assert counters["compiled_grpo"]["naive_inplace_scale"] == (
