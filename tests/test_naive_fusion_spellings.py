@@ -231,6 +231,23 @@ def weighted_summed_nll(h, w, b, ids):
 MORE += [(weighted_cross_entropy, (1, 0)), (weighted_summed_nll, (1, 0))]
 
 
+def label_smoothed_cross_entropy(h, w, b, ids):
+    """cross_entropy with label_smoothing, a bias and ignore_index: per token and the mean."""
+    z = F.linear(h, w, b).view(-1, V)
+    return (F.cross_entropy(z, ids.view(-1), reduction="none", ignore_index=7, label_smoothing=0.1).view(B, T),
+            F.cross_entropy(z, ids.view(-1), ignore_index=7, label_smoothing=0.1).reshape(1))
+
+
+def label_smoothed_weighted_tempered(h, w, b, ids):
+    """label_smoothing with class weights and a temperature, summed over [B, V, T]."""
+    z = (h @ w.T) / 0.7
+    return (F.cross_entropy(z.transpose(1, 2), ids, weight=CLASS_WEIGHTS.to(h.device), label_smoothing=0.2,
+                            reduction="sum").reshape(1),)
+
+
+MORE += [(label_smoothed_cross_entropy, (1, 0)), (label_smoothed_weighted_tempered, (1, 0))]
+
+
 def categorical(h, w, b, ids):
     """torch.distributions.Categorical(logits=...).log_prob and .entropy (a keepdim logsumexp,
     a gather through broadcast_tensors, a clamped p * log p; Dynamo records no validation)."""
@@ -252,8 +269,8 @@ def test_more_trainer_spellings_fused(fn, expect):
     in-place temperatures, tensor temperatures multiplied or per sequence, log_softmax by
     logsumexp, ROLL's labels masked in place, mean / sum / class-dim-second cross_entropy,
     verl's chunked entropy written into a buffer, nll_loss of log_softmax, arange indexing,
-    cross_entropy with class weights, torch.distributions.Categorical, numpy's axis=, gather's
-    keywords, nn.CrossEntropyLoss / nn.LogSoftmax modules)."""
+    cross_entropy with class weights or label smoothing, torch.distributions.Categorical,
+    numpy's axis=, gather's keywords, nn.CrossEntropyLoss / nn.LogSoftmax modules)."""
     tol = 1e-4 if expect[1] else 1e-5
     assert not nv_buffers(check(fn, expect, rtol=tol, atol=tol))
     assert counters["compiled_grpo"]["naive_inplace_scale"] == (

@@ -24,7 +24,8 @@ autograd and training, inference, frozen and trainable W are all one rewrite):
       z.gather(-1, idx) - z.logsumexp(-1, keepdim=True), logsumexp(z, -1)  -> logprobs + lse, lse
       -F.cross_entropy(z.view(-1, V), ids.view(-1), reduction="none")       -> where(ign, 0, -lp)
         (or of z.transpose(1, 2), [B, V, T]; "sum" / "mean": summed / over the kept targets;
-         weight=w: each term w[t] * nll, the mean over the kept targets' weights)
+         weight=w: each term w[t] * nll, the mean over the kept targets' weights; label_smoothing
+         without a softcap: the mean logit is linear in the head, cross_entropy.py)
       -(softmax(z, -1) * log_softmax(z, -1)).sum(-1), -(logp.exp() * logp).sum(-1),
       lse - (softmax(z, -1) * z).sum(-1)                                    -> entropy
     (F.* / torch.* / Tensor-method spellings, dim=-1 or the last dim's index, keepdim either way)
@@ -65,6 +66,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
+from lowerings.naive_fusion.cross_entropy import cross_entropy_results
 from lowerings.naive_fusion.gemm import _match_gemm, autocast_dtypes
 from lowerings.naive_fusion.match import _ids_source, _match_consumers, _replaced, _walk_logits, trl_kernel_call
 from lowerings.naive_fusion.region import _region_is_clean
@@ -171,21 +173,9 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> Node:
                 r = graph.call_function(operator.add, (graph.call_method("size", (lead_ref,)),
                                                        (graph.call_method("size", (w, 0)),)))
             sz.replace_all_uses_with(r)
-        if c["ce"]:
-            nll = graph.call_function(operator.neg, (lp,))                              # [...]
-            nll = graph.call_method("masked_fill", (graph.call_method("view_as", (nll, ignored)),
-                                                    ignored, 0.0))                   # [N] | [...]
-            for x, _, _, _, reduction, _, weight in c["ce"]:
-                r, kept = nll, None   # "none": [N] (flat) or [B, T] (class dim second), as the targets
-                if weight is not None:   # weight[t] * nll; weight has no gradient (as in torch's)
-                    wsel = graph.call_function(operator.getitem, (graph.call_method("detach", (weight,)), kept_tg))
-                    kept = graph.call_method("masked_fill", (wsel, ignored, 0.0))          # [N] | [...]
-                    r = graph.call_function(operator.mul, (nll, kept))
-                if reduction != "none":   # torch's: the sum over kept targets (/ their count or weight)
-                    r = graph.call_method("sum", (r,))
-                    if reduction == "mean":
-                        kept = graph.call_function(operator.invert, (ignored,)) if kept is None else kept
-                        r = graph.call_function(operator.truediv, (r, graph.call_method("sum", (kept,))))
+        if c["ce"]:     # torch's cross_entropy from lp and lse: cross_entropy.py
+            results = cross_entropy_results(graph, c["ce"], lp, lse, ignored, kept_tg, (h, w, bias, temperature))
+            for (x, *_), r in zip(c["ce"], results):
                 x.replace_all_uses_with(cast(r, x))
     _erase_dead(graph, [lead_ref, lp, ent, lse, *replaced, *c["sizes"]])    # cascades up the naive chain
     for b in bodies:            # TRL's autograd.Function bodies (get_attr), once their call is gone
@@ -273,14 +263,15 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
         if m is None:
             tried[node] = "gemm_unmatched"
             continue
-        if c is None or wk["scaling"] is None:
+        if c is None or wk["scaling"] is None or (wk["scaling"][2] is not None and any(x[7] for x in c["ce"])):
+            # (label smoothing reads every logit through their sum: linear only without a softcap)
             log.debug("naive_logprob_fusion: %s has unmatched users; left alone", wk["L"])
             tried[node] = "logits_users"
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
         first_use = min(_replaced(c), key=order.__getitem__)
         reads = (m["h"], m["w"], wk["bias"], *(t for t, _ in wk["tensor_temps"]), *wk["chain"],
-                 *(x[-1] for x in c["ce"] if x[-1] is not None))     # cross_entropy's class weights
+                 *(x[6] for x in c["ce"] if x[6] is not None))     # cross_entropy's class weights
         if not _region_is_clean(graph, node, max(_replaced(c), key=order.__getitem__), first_use, reads):
             tried[node] = "region"
             continue

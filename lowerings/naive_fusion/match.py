@@ -263,9 +263,11 @@ def _match_consumers(L: Node) -> Optional[dict]:
                 or (flat and vt.shape != vx.shape[:1]) or vt.dtype != torch.int64 \
                 or kw["size_average"] is not None \
                 or kw["reduce"] is not None or kw["reduction"] not in ("none", "mean", "sum") \
-                or kw["label_smoothing"] != 0.0 or not isinstance(kw["ignore_index"], int):
+                or _number(kw["label_smoothing"]) is None or not 0.0 <= kw["label_smoothing"] <= 1.0 \
+                or not isinstance(kw["ignore_index"], int):
             return None
-        ce.append((x, u if x is not u else None, tg, kw["ignore_index"], kw["reduction"], flat, wt))
+        ce.append((x, u if x is not u else None, tg, kw["ignore_index"], kw["reduction"], flat, wt,
+                   float(kw["label_smoothing"])))
     gathers, exps = [], []
     for ls in lsm:
         for u in ls.users:

@@ -1,0 +1,69 @@
+"""F.cross_entropy's result from the fused op's per-token values, as torch defines it.
+
+The op gives lp[i] = log p(t_i) and lse[i] at the kept targets (ignored ones see target 0 and are
+masked here). With class weights w (none: w = 1), ignore_index and label smoothing eps over V
+classes, torch's cross_entropy is, per token and 0 where t_i is ignored,
+
+    nll[i]    = -w[t_i] lp[i]
+    smooth[i] = -sum_v w_v log p_v(i) = (sum_v w_v) lse[i] - sum_v w_v z_iv
+    loss[i]   = (1 - eps) nll[i] + eps / V smooth[i]
+
+reduced by "sum", or by "mean": both sums over the kept tokens divided by the sum of w[t_i] there
+(their count without weights; nan when none is kept, as torch's). The smoothing term needs every
+logit only through sum_v w_v z_iv, which is linear in the head when no softcap follows the GEMM:
+with z = (h W^T + b) / T it is (h . (w W) + w . b) / T, one [H] vector and a GEMV, never the
+[N, V] logits. A softcap makes z non-linear: the matcher leaves label smoothing under one alone.
+The weights get no gradient (torch's cross_entropy gives them none).
+"""
+import operator
+
+from torch.fx import Graph, Node
+
+
+def cross_entropy_results(graph: Graph, ce: list, lp: Node, lse: Node, ignored: Node, kept_tg: Node,
+                          head: tuple) -> list:
+    """For each matched cross_entropy (x, ..., reduction, flat, weight, eps) the node of its value
+    (fp32: the caller casts); `head` = (h, w, bias, temperature) as the op was called."""
+    h, w, bias, temperature = head
+
+    def masked(t: Node) -> Node:      # [...] -> the targets' shape ([N] | [B, T]), 0 where ignored
+        return graph.call_method("masked_fill", (graph.call_method("view_as", (t, ignored)), ignored, 0.0))
+
+    nll = masked(graph.call_function(operator.neg, (lp,)))
+    n_classes = graph.call_method("size", (w, 0))
+    out = []
+    for x, _, _, _, reduction, _, weight, eps in ce:
+        wd = None if weight is None else graph.call_method("float", (graph.call_method("detach", (weight,)),))
+        wsel = None if wd is None else masked(graph.call_function(operator.getitem, (wd, kept_tg)))
+        terms = [nll if wsel is None else graph.call_function(operator.mul, (nll, wsel))]
+        if eps:
+            terms.append(masked(_smoothing(graph, h, w, bias, temperature, wd, lse, n_classes)))
+        if reduction != "none":
+            count = graph.call_function(operator.invert, (ignored,)) if wsel is None else wsel
+            denom = graph.call_method("sum", (count,)) if reduction == "mean" else None
+            terms = [graph.call_method("sum", (t,)) for t in terms]
+            if denom is not None:
+                terms = [graph.call_function(operator.truediv, (t, denom)) for t in terms]
+        r = terms[0]
+        if eps:
+            r = graph.call_function(operator.add, (
+                graph.call_function(operator.mul, (r, 1.0 - eps)),
+                graph.call_function(operator.mul, (terms[1], graph.call_function(operator.truediv, (eps, n_classes))))))
+        out.append(r)
+    return out
+
+
+def _smoothing(graph: Graph, h: Node, w: Node, bias, temperature: float, wd, lse: Node, n_classes: Node) -> Node:
+    """-sum_v w_v log p_v [...] = (sum_v w_v) lse - (h . (w W) + w . b) / T, in fp32."""
+    wf = graph.call_method("float", (w,))                                            # [V, H]
+    if wd is None:
+        wv, total = graph.call_method("sum", (wf, 0)), n_classes                     # [H], V
+    else:
+        wv, total = graph.call_function(operator.matmul, (wd, wf)), graph.call_method("sum", (wd,))
+    zsum = graph.call_function(operator.matmul, (graph.call_method("float", (h,)), wv))   # [...]
+    if bias is not None:
+        bf = graph.call_method("float", (bias,))
+        bsum = graph.call_method("sum", (bf if wd is None else graph.call_function(operator.mul, (bf, wd)),))
+        zsum = graph.call_function(operator.add, (zsum, bsum))
+    zsum = graph.call_function(operator.truediv, (zsum, float(temperature)))
+    return graph.call_function(operator.sub, (graph.call_function(operator.mul, (lse, total)), zsum))
