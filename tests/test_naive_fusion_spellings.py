@@ -314,3 +314,19 @@ def test_categorical_with_a_masked_vocab_entry():
     for r, o in zip([*out, *grads], got):
         assert torch.isfinite(o).all() and torch.isfinite(r).all()
         torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
+
+
+def test_label_smoothed_loss_compiled_whole():
+    """An SFT-style scalar loss, cross_entropy with label smoothing and ignore_index, computed
+    inside the compiled function (the pass sees the loss; the smoothing term reads lse, so the
+    op's recompute backward serves it): loss and gradients of h, W and b equal eager's."""
+    def sft(h, w, b, ids):
+        return F.cross_entropy(F.linear(h, w, b).view(-1, V), ids.view(-1), label_smoothing=0.1, ignore_index=3)
+    h, w, b, ids = make()
+    got = torch.compile(sft, fullgraph=True)(h, w, b, ids)
+    got_grads = torch.autograd.grad(got, (h, w, b))
+    want = sft(h, w, b, ids)
+    want_grads = torch.autograd.grad(want, (h, w, b))
+    assert fired() == (1, 0)
+    for o, r in zip((got, *got_grads), (want, *want_grads)):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-6)
