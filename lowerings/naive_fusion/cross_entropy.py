@@ -30,7 +30,7 @@ def cross_entropy_results(graph: Graph, ce: list, lp: Node, lse: Node, ignored: 
         return graph.call_method("masked_fill", (graph.call_method("view_as", (t, ignored)), ignored, 0.0))
 
     nll = masked(graph.call_function(operator.neg, (lp,)))
-    n_classes = graph.call_method("size", (w, 0))
+    n_classes = graph.call_method("size", (w, 0)) if any(x[7] for x in ce) else None   # V
     out = []
     for x, _, _, _, reduction, _, weight, eps in ce:
         wd = None if weight is None else graph.call_method("float", (graph.call_method("detach", (weight,)),))
