@@ -11,12 +11,14 @@ classes, torch's cross_entropy is, per token and 0 where t_i is ignored,
 reduced by "sum", or by "mean": both sums over the kept tokens divided by the sum of w[t_i] there
 (their count without weights; nan when none is kept, as torch's). The smoothing term needs every
 logit only through sum_v w_v z_iv, which is linear in the head when no softcap follows the GEMM:
-with z = (h W^T + b) / T it is (h . (w W) + w . b) / T, one [H] vector and a GEMV, never the
-[N, V] logits. A softcap makes z non-linear: the matcher leaves label smoothing under one alone.
-The weights get no gradient (torch's cross_entropy gives them none).
+with z = (h W^T + b) / T it is (h . (w W) + w . b) / T: one [H] vector (a reduction of W over
+the vocabulary) and a dot product a token, never the [N, V] logits. A softcap makes z
+non-linear: the matcher leaves label smoothing under one alone. The weights get no gradient
+(torch's cross_entropy gives them none).
 """
 import operator
 
+import torch
 from torch.fx import Graph, Node
 
 
@@ -45,25 +47,29 @@ def cross_entropy_results(graph: Graph, ce: list, lp: Node, lse: Node, ignored: 
             if denom is not None:
                 terms = [graph.call_function(operator.truediv, (t, denom)) for t in terms]
         r = terms[0]
-        if eps:
-            r = graph.call_function(operator.add, (
-                graph.call_function(operator.mul, (r, 1.0 - eps)),
-                graph.call_function(operator.mul, (terms[1], graph.call_function(operator.truediv, (eps, n_classes))))))
+        if eps:     # (1 - eps) nll + eps / V smooth
+            share = graph.call_function(operator.truediv, (eps, n_classes))
+            r = graph.call_function(operator.add, (graph.call_function(operator.mul, (r, 1.0 - eps)),
+                                                   graph.call_function(operator.mul, (terms[1], share))))
         out.append(r)
     return out
 
 
-def _smoothing(graph: Graph, h: Node, w: Node, bias, temperature: float, wd, lse: Node, n_classes: Node) -> Node:
-    """-sum_v w_v log p_v [...] = (sum_v w_v) lse - (h . (w W) + w . b) / T, in fp32."""
-    wf = graph.call_method("float", (w,))                                            # [V, H]
+def _smoothing(graph: Graph, h: Node, w: Node, bias, temperature: float, wd, lse: Node,
+               n_classes: Node) -> Node:
+    """-sum_v w_v log p_v [...] = (sum_v w_v) lse - (h . (w W) + w . b) / T, in fp32. Written as
+    reductions of products (w * wd[:, None]).sum(0), (h * wv).sum(-1): Inductor fuses each into one
+    kernel, where w.float() @ ... would first copy W (and h) to fp32."""
+    f32 = {"dtype": torch.float32}
     if wd is None:
-        wv, total = graph.call_method("sum", (wf, 0)), n_classes                     # [H], V
+        wv, total = graph.call_method("sum", (w, 0), f32), n_classes                      # [H], V
     else:
-        wv, total = graph.call_function(operator.matmul, (wd, wf)), graph.call_method("sum", (wd,))
-    zsum = graph.call_function(operator.matmul, (graph.call_method("float", (h,)), wv))   # [...]
+        wcol = graph.call_method("unsqueeze", (wd, -1))                                     # [V, 1]
+        wv = graph.call_method("sum", (graph.call_function(operator.mul, (w, wcol)), 0), f32)
+        total = graph.call_method("sum", (wd,))
+    zsum = graph.call_method("sum", (graph.call_function(operator.mul, (h, wv)), -1), f32)   # [...]
     if bias is not None:
-        bf = graph.call_method("float", (bias,))
-        bsum = graph.call_method("sum", (bf if wd is None else graph.call_function(operator.mul, (bf, wd)),))
-        zsum = graph.call_function(operator.add, (zsum, bsum))
+        bw = bias if wd is None else graph.call_function(operator.mul, (bias, wd))
+        zsum = graph.call_function(operator.add, (zsum, graph.call_method("sum", (bw,), f32)))
     zsum = graph.call_function(operator.truediv, (zsum, float(temperature)))
     return graph.call_function(operator.sub, (graph.call_function(operator.mul, (lse, total)), zsum))
