@@ -73,7 +73,7 @@ from lowerings.naive_fusion.region import _region_is_clean
 from lowerings.naive_fusion.nodes import _erase_dead, _is, _is_gemm, _val
 from lowerings.linear_logprobs.op import linear_logprobs
 from lowerings.naive_fusion.loops import fold_row_loops, settle_folds
-from lowerings.naive_fusion import normalize, separable
+from lowerings.naive_fusion import categorical, normalize, separable
 
 # The fused-gradient rewrite (separable.py) after the log-prob rewrite; False: the recompute op
 # always (the op's own backward: one more head GEMM, no [N, V] logits either).
@@ -128,8 +128,8 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> Node:
             ids = _ids_source(idx)
             ids = graph.call_method("squeeze", (idx, -1)) if ids is None else ids
         elif c["ce"]:
-            _, _, tg, ignore_index, *_ = c["ce"][0]
-            ignored = graph.call_function(operator.eq, (tg, ignore_index))          # [N]
+            tg = c["ce"][0].target
+            ignored = graph.call_function(operator.eq, (tg, c["ce"][0].ignore_index))  # [N]
             kept_tg = graph.call_method("masked_fill", (tg, ignored, 0))             # [N]
             ids = graph.call_method("view_as", (kept_tg, lead_ref))                 # [...]
         elif trl_lp:                                # TRL's kernel: (logits / T)[ids]
@@ -174,9 +174,10 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> Node:
                                                        (graph.call_method("size", (w, 0)),)))
             sz.replace_all_uses_with(r)
         if c["ce"]:     # torch's cross_entropy from lp and lse: cross_entropy.py
-            results = cross_entropy_results(graph, c["ce"], lp, lse, ignored, kept_tg, (h, w, bias, temperature))
-            for (x, *_), r in zip(c["ce"], results):
-                x.replace_all_uses_with(cast(r, x))
+            results = cross_entropy_results(graph, c["ce"], lp, lse, ignored, kept_tg,
+                                            (h, w, bias, temperature))
+            for x, r in zip(c["ce"], results):
+                x.node.replace_all_uses_with(cast(r, x.node))
     _erase_dead(graph, [lead_ref, lp, ent, lse, *replaced, *c["sizes"]])    # cascades up the naive chain
     for b in bodies:            # TRL's autograd.Function bodies (get_attr), once their call is gone
         if not b.users and not getattr(b, "_erased", False):
@@ -246,7 +247,7 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     views = normalize.views_before_log_softmax(graph)  # NeMo-RL's log_softmax(z)[:, :-1]
     views += normalize.nll_of_log_softmax(graph)       # F.nll_loss(log_softmax(z), t): CE
     views += normalize.fancy_index_as_gather(graph)    # logp[arange(N), ids]: a gather
-    views += normalize.categorical_spelling(graph)     # torch.distributions.Categorical
+    views += categorical.categorical_spelling(graph)   # torch.distributions.Categorical
     folds = fold_row_loops(graph)   # TRL / verl's per-row and per-chunk loops, as one computation
     for node in [n for n in graph.nodes if _is_gemm(n)]:
         if getattr(node, "_erased", False):
@@ -263,7 +264,8 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
         if m is None:
             tried[node] = "gemm_unmatched"
             continue
-        if c is None or wk["scaling"] is None or (wk["scaling"][2] is not None and any(x[7] for x in c["ce"])):
+        if c is None or wk["scaling"] is None or (wk["scaling"][2] is not None
+                                                  and any(x.label_smoothing for x in c["ce"])):
             # (label smoothing reads every logit through their sum: linear only without a softcap)
             log.debug("naive_logprob_fusion: %s has unmatched users; left alone", wk["L"])
             tried[node] = "logits_users"
@@ -271,7 +273,7 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
         order = {n: i for i, n in enumerate(graph.nodes)}
         first_use = min(_replaced(c), key=order.__getitem__)
         reads = (m["h"], m["w"], wk["bias"], *(t for t, _ in wk["tensor_temps"]), *wk["chain"],
-                 *(x[6] for x in c["ce"] if x[6] is not None))     # cross_entropy's class weights
+                 *(x.weight for x in c["ce"] if x.weight is not None))     # cross_entropy's class weights
         if not _region_is_clean(graph, node, max(_replaced(c), key=order.__getitem__), first_use, reads):
             tried[node] = "region"
             continue

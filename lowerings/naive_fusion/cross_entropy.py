@@ -24,17 +24,18 @@ from torch.fx import Graph, Node
 
 def cross_entropy_results(graph: Graph, ce: list, lp: Node, lse: Node, ignored: Node, kept_tg: Node,
                           head: tuple) -> list:
-    """For each matched cross_entropy (x, ..., reduction, flat, weight, eps) the node of its value
-    (fp32: the caller casts); `head` = (h, w, bias, temperature) as the op was called."""
+    """For each matched cross_entropy (match.CrossEntropy) the node of its value (fp32: the caller
+    casts); `head` = (h, w, bias, temperature) as the op was called."""
     h, w, bias, temperature = head
 
     def masked(t: Node) -> Node:      # [...] -> the targets' shape ([N] | [B, T]), 0 where ignored
         return graph.call_method("masked_fill", (graph.call_method("view_as", (t, ignored)), ignored, 0.0))
 
     nll = masked(graph.call_function(operator.neg, (lp,)))
-    n_classes = graph.call_method("size", (w, 0)) if any(x[7] for x in ce) else None   # V
+    n_classes = graph.call_method("size", (w, 0)) if any(x.label_smoothing for x in ce) else None   # V
     out = []
-    for x, _, _, _, reduction, _, weight, eps in ce:
+    for x in ce:
+        reduction, weight, eps = x.reduction, x.weight, x.label_smoothing
         wd = None if weight is None else graph.call_method("float", (graph.call_method("detach", (weight,)),))
         wsel = None if wd is None else masked(graph.call_function(operator.getitem, (wd, kept_tg)))
         terms = [nll if wsel is None else graph.call_function(operator.mul, (nll, wsel))]

@@ -8,7 +8,7 @@ in-place ops and switches a rewrite may move across). They read the graph only;
 `naive_fusion._rewrite` edits it.
 """
 import operator
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -203,6 +203,17 @@ def _class_dim_1(u: Node) -> bool:
     return False
 
 
+class CrossEntropy(NamedTuple):
+    """A matched F.cross_entropy call: its node, its targets and the arguments the result needs
+    (cross_entropy.py builds it; weight a [V] node or None)."""
+    node: Node
+    target: Node
+    ignore_index: int
+    reduction: str
+    weight: Optional[Node]
+    label_smoothing: float
+
+
 def _match_consumers(L: Node) -> Optional[dict]:
     """Classify every user of the logits; None unless all of them are matched consumers. A
     float cast of the logits that some consumers read (verl's chunked entropy reads
@@ -266,8 +277,7 @@ def _match_consumers(L: Node) -> Optional[dict]:
                 or _number(kw["label_smoothing"]) is None or not 0.0 <= kw["label_smoothing"] <= 1.0 \
                 or not isinstance(kw["ignore_index"], int):
             return None
-        ce.append((x, u if x is not u else None, tg, kw["ignore_index"], kw["reduction"], flat, wt,
-                   float(kw["label_smoothing"])))
+        ce.append(CrossEntropy(x, tg, kw["ignore_index"], kw["reduction"], wt, float(kw["label_smoothing"])))
     gathers, exps = [], []
     for ls in lsm:
         for u in ls.users:
@@ -321,7 +331,7 @@ def _match_consumers(L: Node) -> Optional[dict]:
     if kernels and (targets or ce or sums or lses
                     or len({k["temperature"] for k in kernels}) > 1):
         return None
-    ids = {_ids_source(i) or i for _, i, _ in targets} | {(_spelled(t), ii) for _, _, t, ii, *_ in ce} \
+    ids = {_ids_source(i) or i for _, i, _ in targets} | {(_spelled(x.target), x.ignore_index) for x in ce} \
         | {_spelled(k["ids"]) for k in kernels if any(i == 0 for _, i in k["outs"])}
     if len(ids) > 1 or not (targets or ce or sums or lses or kernels):
         return None

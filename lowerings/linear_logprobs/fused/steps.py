@@ -85,17 +85,17 @@ def _(tensors, g):
 
 @torch.library.custom_op("compiled_grpo::scale_saved_grads", mutates_args=())
 def scale_saved_grads(dx: Tensor, saved: list[Tensor], g: Tensor) -> Tensor:
-    """-> g * dx (a new tensor, fp32 math; under Inductor dx itself, scaled in place), and each
-    of ``saved`` scaled by g in place (scale_: no pass when g == 1): AttachGrads' backward inside
-    a compiled graph, where the saved d_hidden / d_weight / d_bias are the backward graph's inputs. Declared functional on purpose: as a declared
-    mutation AOTAutograd would functionalize it, and Inductor clone the saved gradients first (a
-    graph input nothing copies back to is not reinplaced: fx_passes/reinplace.py), a pass over dW
-    (~0.4 ms at qwen3-4b, H200) that eager does not make. Inductor lowers it to scale_grads_, a
-    declared write in its own IR, so its scheduler orders every other reader of the saved
-    gradients after it (lower_scale_saved_grads); a backend that runs the traced graph as it is
-    (aot_eager) meets those readers after the op anyway, since they read AttachGrads' outputs. A
-    second backward through the same graph fails autograd's saved-tensor version check, as in
-    eager (the bump below, and scale_grads_'s own under Inductor)."""
+    """-> g * dx (a new tensor, fp32 math; under Inductor dx itself, scaled in place), and each of
+    ``saved`` scaled by g in place (scale_: no pass when g == 1): AttachGrads' backward inside a
+    compiled graph, where the saved d_hidden / d_weight / d_bias are the backward graph's inputs.
+    Declared functional on purpose: as a declared mutation AOTAutograd would functionalize it, and
+    Inductor clone the saved gradients first (a graph input nothing copies back to is not
+    reinplaced: fx_passes/reinplace.py), a pass over dW (~0.4 ms at qwen3-4b, H200) that eager does
+    not make. Inductor lowers it to scale_grads_, a declared write in its own IR, so its scheduler
+    orders every other reader of the saved gradients after it (lower_scale_saved_grads); a backend
+    that runs the traced graph as it is (aot_eager) meets those readers after the op anyway, since
+    they read AttachGrads' outputs. A second backward through the same graph fails autograd's
+    saved-tensor version check, as in eager (the bump below, and scale_grads_'s own under Inductor)."""
     out = dx.clone()   # one pass over dX ([N, H]); scale_ skips it too when g == 1 (a bf16
     # dx * fp32 g in PyTorch takes TensorIterator's mixed-dtype path: 0.17 ms at qwen3-4b, H200)
     scale_([out, *saved], g)
