@@ -32,7 +32,6 @@ of the chunks) is what f on the whole tensor gives row by row. A fold is tentati
 erased nodes are recorded (``Fold``), and ``settle_folds`` puts back every loop whose fold no
 rewrite used, so the pass changes nothing where it does not fuse.
 """
-import contextlib
 import dataclasses
 import operator
 from typing import Optional
@@ -41,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
 
-from lowerings.naive_fusion.nodes import _erase_dead, _recreate, _record, _same_size, _val
+from lowerings.naive_fusion.nodes import _erase_dead, _recreate, _record, _refresh, _same_size, _val
 
 # f's ops: elementwise (any tensor arguments must be row values) ...
 _ELEMENTWISE_FNS = (torch.exp, torch.log, torch.neg, torch.tanh, operator.neg, operator.add, operator.sub,
@@ -383,27 +382,6 @@ def _unflatten(x: Node) -> Optional[Node]:
         end = x.args[2] if len(x.args) > 2 else x.kwargs.get("end_dim", -1)
         return u if start == 0 and end in (-2, vu.dim() - 2) else None
     return None
-
-
-def _refresh(graph: Graph, nodes: list) -> None:
-    """example_value of the new nodes, computed from their inputs' (fake) values."""
-    for n in nodes:
-        def val(a):
-            if isinstance(a, Node):
-                return a.meta.get("example_value")
-            if isinstance(a, (list, tuple)):
-                return type(a)(val(x) for x in a)
-            return a
-        args, kwargs = val(n.args), {k: val(v) for k, v in n.kwargs.items()}
-        tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-        # the mode the values were made in (the tracing context may hold another one)
-        fake = next((t.fake_mode for t in tensors if hasattr(t, "fake_mode")), None)
-        with fake if fake is not None else contextlib.nullcontext():
-            if n.op == "call_method":
-                v = getattr(args[0], n.target)(*args[1:], **kwargs)
-            else:
-                v = n.target(*args, **kwargs)
-        n.meta["example_value"] = v
 
 
 def fold_row_loops(graph: Graph) -> list:

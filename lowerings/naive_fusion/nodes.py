@@ -2,6 +2,7 @@
 match.py, loops.py) on Dynamo torch-IR graphs: which op a node is, its arguments by position or
 name, its example value, the dtype of a cast, whether a size is provably another, in-place ops,
 and dead-code removal up a rewritten chain."""
+import contextlib
 import operator
 from typing import Any, Optional
 
@@ -136,3 +137,24 @@ def _recreate(graph: Graph, records: list, before: Node) -> dict:
             b.meta = meta
             back[n] = b
     return back
+
+
+def _refresh(graph: Graph, nodes: list) -> None:
+    """example_value of the new nodes, computed from their inputs' (fake) values."""
+    for n in nodes:
+        def val(a):
+            if isinstance(a, Node):
+                return a.meta.get("example_value")
+            if isinstance(a, (list, tuple)):
+                return type(a)(val(x) for x in a)
+            return a
+        args, kwargs = val(n.args), {k: val(v) for k, v in n.kwargs.items()}
+        tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        # the mode the values were made in (the tracing context may hold another one)
+        fake = next((t.fake_mode for t in tensors if hasattr(t, "fake_mode")), None)
+        with fake if fake is not None else contextlib.nullcontext():
+            if n.op == "call_method":
+                v = getattr(args[0], n.target)(*args[1:], **kwargs)
+            else:
+                v = n.target(*args, **kwargs)
+        n.meta["example_value"] = v

@@ -45,9 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
 
-from lowerings.naive_fusion.loops import _refresh
 from lowerings.naive_fusion.match import _lead_op
-from lowerings.naive_fusion.nodes import (_LOG_SOFTMAX, _arg, _is, _is_gemm, _last_dim, _recreate, _record,
+from lowerings.naive_fusion.nodes import (_LOG_SOFTMAX, _arg, _is, _is_gemm, _last_dim, _recreate, _record, _refresh,
                                           _same_size, _val)
 
 # in-place op (method name or function) -> its out-of-place function
