@@ -42,22 +42,27 @@ _VL_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qw
 _log = logging.getLogger(__name__)
 
 
+def in_head_call(lm_head: torch.nn.Module, fn, hidden: torch.Tensor):
+    """``fn(hidden)`` run as ``lm_head``'s own call (its forward swapped for the call's duration),
+    so that module hooks, FSDP2's unshard and post-backward among them, see a forward of the
+    head while ``fn`` reads ``lm_head.weight``."""
+    lm_head.forward = fn
+    try:
+        return lm_head(hidden)
+    finally:
+        del lm_head.forward
+
+
 def head_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(log_probs, entropy) of ``labels`` [...] under ``lm_head(hidden)`` [..., V] / temperature,
-    each [...] fp32, computed by cg.token_logprobs inside ``lm_head``'s own call (its forward
-    swapped for the call's duration) so that module hooks, FSDP2's unshard and post-backward
-    among them, see a forward of the head."""
+    each [...] fp32, computed by cg.token_logprobs inside ``lm_head``'s own call."""
     def forward(h):
         out = cg.token_logprobs(h, lm_head.weight, labels, getattr(lm_head, "bias", None),
                                 temperature=float(temperature), with_entropy=True)
         return out.logprobs, out.entropy
 
-    lm_head.forward = forward
-    try:
-        return lm_head(hidden)
-    finally:
-        del lm_head.forward
+    return in_head_call(lm_head, forward, hidden)
 
 
 def forward_with_compiled_grpo_backend(self, input_ids=None, attention_mask=None, position_ids=None,
@@ -87,8 +92,13 @@ def forward_with_compiled_grpo_backend(self, input_ids=None, attention_mask=None
         rolled = torch.roll(input_ids, shifts=-1, dims=-1)
     else:
         raise RuntimeError("forward_with_compiled_grpo_backend needs labels, shift_labels or input_ids")
-    log_probs, entropy = head_logprobs(self.lm_head, outputs[0], rolled.to(torch.int64), temperature)
-    return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy,
+    # compiled_grpo's verl engine (verl_engine.py) sets a head of its own per micro-batch: the loss
+    # in the fused-gradient mode; otherwise the log-probs and entropy
+    head = getattr(self, "compiled_grpo_head", None) or head_logprobs
+    log_probs, entropy = head(self.lm_head, outputs[0], rolled.to(torch.int64), temperature)
+    # the fused loss leaves through the model's output: FSDP2 hooks the root module's outputs to
+    # unshard the root's own parameters (the final norm's) for the backward, which starts there
+    return CausalLMOutputForPPO(loss=getattr(head, "loss", None), log_probs=log_probs, entropy=entropy,
                                 past_key_values=outputs.past_key_values,
                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
@@ -127,3 +137,9 @@ try:   # imported as verl's plugin (or external_lib): register the backend now
 except ImportError as e:   # verl (or what its monkey_patch imports) absent: say so, loudly
     _log.warning("compiled_grpo.integrations.verl: verl's monkey_patch did not import (%s); the "
                  "'compiled_grpo' fused-kernel backend is not registered", e)
+
+try:   # verl's engine registry: strategy=compiled_grpo (verl_engine.py)
+    from compiled_grpo.integrations import verl_engine  # noqa: F401,E402
+except ImportError as e:
+    _log.warning("compiled_grpo.integrations.verl: verl's FSDP engine did not import (%s); the "
+                 "'compiled_grpo' engine strategy is not registered", e)
