@@ -110,14 +110,22 @@ class _FusedHead:
     call (FSDP2's hooks unshard the weight and reduce-scatter its gradient); ``loss`` is kept for
     the engine's loss function."""
 
-    def __init__(self, actor, micro_batch, dp_size: int):
-        self.actor, self.micro_batch, self.dp_size = actor, micro_batch, dp_size
+    def __init__(self, actor, micro_batch, dp_size: int, tokens: int):
+        self.actor, self.micro_batch, self.dp_size, self.tokens = actor, micro_batch, dp_size, tokens
         self.loss: Optional[torch.Tensor] = None
 
     def config(self, temperature: float, response_length: int) -> cg.GRPOConfig:
         entropy = tu.get_non_tensor_data(self.micro_batch, "calculate_entropy", False)
         cfg = grpo_config(self.actor, response_length=response_length, temperature=float(temperature),
                           metrics="with_entropy" if entropy else "none")
+        if cfg.entropy_coef:
+            # grpo_loss's bonus is the micro-batch's token mean (TRL's); verl's divides the sum by
+            # the global batch_num_tokens / dp_size, as its policy term: the coefficient carries
+            # the ratio of the two divisors
+            items = tu.get_non_tensor_data(self.micro_batch, "batch_num_tokens", None)
+            if items is not None:
+                cfg = dataclasses.replace(cfg, entropy_coef=cfg.entropy_coef * max(self.tokens, 1)
+                                          * self.dp_size / items)
         # sequence-coupled losses (GSPO) fuse only where a whole sequence fits a row block: "auto"
         # recomputes otherwise
         return dataclasses.replace(cfg, gradient_mode="auto" if _fused.sequence_coupled(cfg) else "fused")
@@ -197,17 +205,25 @@ class CompiledGRPOEngine(FSDPEngineWithLMHead):
         if not tu.get_non_tensor_data(micro_batch, "use_remove_padding", True):
             return _fall_back("use_remove_padding=False (the fused loss takes verl's packed layout)")
         try:
-            grpo_config(actor, response_length=1)
+            cfg = grpo_config(actor, response_length=1)
         except ValueError as e:
             return _fall_back(str(e))
-        return _FusedHead(actor, micro_batch, self.get_data_parallel_size())
+        if cfg.importance_sampling_level == "sequence" and "rollout_is_weights" in micro_batch.keys():
+            # verl's GSPO-token multiplies each token's term, gradient included, by its weight;
+            # grpo_loss's sequence ratio has one gradient per sequence (equal without the weights)
+            return _fall_back("loss_mode='gspo' with rollout_is_weights (verl weights each token's "
+                              "gradient; compiled_grpo's sequence ratio does not)")
+        # the micro-batch's response tokens: a host count, before the tensors move to the device
+        tokens = int(micro_batch["response_mask"].sum())
+        return _FusedHead(actor, micro_batch, self.get_data_parallel_size(), tokens)
 
     def forward_step(self, micro_batch, loss_function, forward_only):
         # the model's output is always (log_probs, entropy) from the head: verl's fused-kernel
         # branch of prepare_model_inputs / prepare_model_outputs
-        micro_batch = micro_batch.to(get_device_id())   # what verl's forward_step does first
         tu.assign_non_tensor(micro_batch, use_fused_kernels=True)
         head = None if forward_only or loss_function is None else self._fused_head(micro_batch, loss_function)
+        if head is not None:   # what verl's forward_step does first; the head reads the same tensors
+            micro_batch = head.micro_batch = micro_batch.to(get_device_id())
         if head is None:
             return super().forward_step(micro_batch, loss_function, forward_only)
 
