@@ -40,7 +40,7 @@ def _spawn(tmp_path, world, runs):
     import torch.multiprocessing as mp
     model = tmp_path / "model"
     if not model.exists():
-        harness.save_model(str(model))
+        harness.save_model(str(model), "cpu-tiny", harness.V)
     init = tmp_path / f"pg-{world}-{len(list(tmp_path.iterdir()))}"
     mp.spawn(harness.worker, args=(world, str(init), str(model), str(tmp_path), runs), nprocs=world, join=True)
     return {name: torch.load(tmp_path / f"{name}.pt") for name, *_ in runs}

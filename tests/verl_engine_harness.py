@@ -3,61 +3,24 @@ Qwen3 saved to disk, verl's configs, ``engine.initialize()`` and ``engine.train_
 ``infer_batch`` on rollout-shaped batches (left-padded prompts, right-padded responses, through
 verl's ``left_right_2_no_padding`` as its trainer does), three actor updates.
 
-verl registers platforms for nvidia, huawei and amd only and falls back to CUDA on a CPU machine;
-``PlatformCPU`` is verl's platform interface (verl/plugin/platform) for a CPU process, set in
-each worker before an engine is built.
+Each worker sets bench/verl_cpu.py's PlatformCPU (verl's platform interface for a CPU process)
+before an engine is built.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from verl.plugin.platform.platform_base import PlatformBase
+
+from bench.verl_cpu import PlatformCPU
+from bench.verl_engine import build, save_model, with_keys
 
 V, B, P, R = 512, 4, 6, 8       # vocab, sequences in the global batch, prompt and response widths
 STEPS = 3
-ENGINES = ("torch", "backend", "compiled_grpo")   # verl's engine: logits; + our log-prob backend; ours
-
-
-class PlatformCPU(PlatformBase):
-    @property
-    def device_name(self): return "cpu"
-    @property
-    def vendor_name(self): return "cpu"
-    @property
-    def device_module(self): return torch.cpu
-    def is_available(self): return True
-    def current_device(self): return "cpu"
-    def device_count(self): return 1
-    def set_device(self, device_index): pass
-    def synchronize(self, device_index=None): pass
-    def manual_seed(self, seed): torch.manual_seed(seed)
-    def manual_seed_all(self, seed): torch.manual_seed(seed)
-    def set_allocator_settings(self, settings): pass
-    def empty_cache(self): pass
-    def get_device_capability(self, device_index=0): return (None, None)
-    def communication_backend_name(self): return "gloo"
-    def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
-    def nvtx_range(self, msg): return nullcontext()
-    def profiler_start(self): pass
-    def profiler_stop(self): pass
-    def ray_resource_name(self): return "CPU"
-    def ray_noset_envvars(self): return []
-    def is_ipc_supported(self): return False
-    def cudart(self): return None
-
-
-def save_model(path: str) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    cfg = Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
+ENGINES = ("torch", "backend", "compiled_grpo")   # bench.verl_engine's: verl's logits, our backend, ours
 
 
 def rollout(step: int, old_log_probs=None, rows=slice(None), is_weights: bool = True):
@@ -87,41 +50,6 @@ def rollout(step: int, old_log_probs=None, rows=slice(None), is_weights: bool = 
     return left_right_2_no_padding(DataProto.from_single_dict(fields).to_tensordict())
 
 
-def keys(td, micro: int, temperature: float, fused: bool):
-    """The keys verl's trainer and training worker set on the batch."""
-    from verl.utils import tensordict_utils as tu
-    tu.assign_non_tensor(td, calculate_entropy=True, global_batch_size=B, use_remove_padding=True,
-                         use_dynamic_bsz=False, micro_batch_size_per_gpu=micro, use_fused_kernels=fused,
-                         temperature=temperature)
-    return td
-
-
-def engine(kind: str, model_path: str, lr: float):
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine.base import EngineRegistry
-    backends = {"backend": "compiled_grpo", "verl_fused_torch": "torch"}   # verl's fused-kernel switch
-    fused = (dict(use_fused_kernels=True, fused_kernel_options={"impl_backend": backends[kind]})
-             if kind in backends else {})
-    model = HFModelConfig(path=model_path, load_tokenizer=False, use_remove_padding=True,
-                          enable_gradient_checkpointing=False, override_config={"attn_implementation": "sdpa"},
-                          **fused)
-    fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-    cfg = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_dynamic_bsz=False,
-                           use_torch_compile=False, mixed_precision=fp32)
-    # what ActorConfig.__post_init__ does with actor.strategy (the engine config's own assert
-    # knows fsdp / fsdp2 / fsdp_turbo only)
-    object.__setattr__(cfg, "strategy", "compiled_grpo" if kind == "compiled_grpo" else "fsdp2")
-    cls = EngineRegistry.get_engine_cls("language_model", cfg.strategy) if kind == "compiled_grpo" else None
-    if cls is None:
-        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead as cls
-    eng = cls(model_config=model, engine_config=cfg,
-              optimizer_config=FSDPOptimizerConfig(lr=lr, clip_grad=1.0, total_training_steps=10),
-              checkpoint_config=CheckpointConfig())
-    eng.initialize()
-    return eng
-
-
 def actor_config(**kw):
     from verl.workers.config import ActorConfig
     base = dict(strategy="fsdp2", ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
@@ -145,20 +73,20 @@ def updates(kind: str, model_path: str, actor_kw: dict, rank: int, world: int, m
 def _updates(kind, model_path, actor_kw, rank, world, micro, temperature, lr, on_policy, is_weights):
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
-    eng = engine(kind, model_path, lr)
+    eng = build(kind, model_path, cpu=True, lr=lr)
     loss_fn = functools.partial(ppo_loss, config=actor_config(**actor_kw))
     fused = kind in ("backend", "verl_fused_torch")
     out = {"grad_norm": [], "metrics": []}
     n = B // world
     rows = slice(rank * n, (rank + 1) * n)
     for step in range(STEPS):
-        td = keys(rollout(step, rows=rows, is_weights=is_weights), micro, temperature, fused)
+        td = with_keys(rollout(step, rows=rows, is_weights=is_weights), micro, fused, temperature, B)
         if on_policy:   # verl's compute_log_prob: the old log-probs from this engine, then the update
             with eng.eval_mode():
                 lp = eng.infer_batch(td)["model_output"]["log_probs"]
             old = torch.zeros(B, R)
             old[rows] = no_padding_2_padding(lp, td)
-            td = keys(rollout(step, old_log_probs=old, rows=rows, is_weights=is_weights), micro, temperature, fused)
+            td = with_keys(rollout(step, old_log_probs=old, rows=rows, is_weights=is_weights), micro, fused, temperature, B)
         with eng.train_mode():
             res = eng.train_batch(td, loss_function=loss_fn)
         m = res["metrics"]
