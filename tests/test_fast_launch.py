@@ -125,3 +125,27 @@ def test_interpreted_kernels_launch_as_they_are():
     def not_jit():
         pass
     assert fl.launcher(not_jit) is not_jit
+
+
+def test_fp_fusion_is_pinned_at_every_launch(launches, monkeypatch):
+    """Triton's fma-contraction default (TRITON_DEFAULT_FP_FUSION; 3.10 flips it) cannot change a
+    result: every launch, Triton's path and the compiled launcher's key alike, says
+    enable_fp_fusion=FP_FUSION, and an explicit value is kept; so does a precompile capture and
+    every sm_90 build of bench/kernels/aot_check.py."""
+    launch, log = launches
+    x = torch.zeros(64)
+    launch[(1,)](x, 7, 0.5, True, A=2)
+    launch[(1,)](x, 7, 0.5, True, A=2, enable_fp_fusion=False)
+    assert [e[3]["enable_fp_fusion"] for e in log] == [fl.FP_FUSION, False]
+    captured = []
+    monkeypatch.setattr(_kernel, "warmup", lambda *a, **kw: captured.append(kw))
+    precompile._capture_launch(_kernel, x, 7, 0.5, True, A=2)
+    assert captured[0]["enable_fp_fusion"] is fl.FP_FUSION
+
+    from bench.kernels import aot_check
+    seen = []
+    monkeypatch.setattr(aot_check.triton, "compile", lambda src, target, options: seen.append(options))
+    for label, fn, consts, warps, stages in list(aot_check.cases())[:3]:
+        # the session's kernels are InterpretedFunctions (conftest): the JITFunction of the source
+        aot_check.build(fn if isinstance(fn, JITFunction) else JITFunction(fn.fn), consts, warps, stages)
+    assert seen and all(o["enable_fp_fusion"] is fl.FP_FUSION for o in seen)

@@ -42,6 +42,7 @@ from lowerings.linear_logprobs.kernels import dw_gluon as kdw_ws
 from lowerings.linear_logprobs.kernels import fused_block as kf
 from lowerings.linear_logprobs.kernels import rows as kr
 from lowerings.linear_logprobs.kernels import splits as ks
+from lowerings.linear_logprobs.launching.fast import FP_FUSION
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448                  # bytes of shared memory a block may opt into on H100 / H200
@@ -248,9 +249,9 @@ def build(fn, consts: dict, num_warps: int, num_stages: int):
     sig, attrs = _signature(fn, consts, consts.pop("_ptrs", None))
     if fn.is_gluon():   # num_stages is the case's maxnreg (cases)
         return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=TARGET,
-                              options=dict(num_warps=num_warps, maxnreg=num_stages))
+                              options=dict(num_warps=num_warps, maxnreg=num_stages, enable_fp_fusion=FP_FUSION))
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=FP_FUSION))
 
 
 def check(label: str, fn, consts: dict, num_warps: int, num_stages: int) -> tuple[int, str]:

@@ -42,6 +42,16 @@ from lowerings.linear_logprobs.launching.triton_compat import INTERNALS_OK
 
 ENABLED = INTERNALS_OK
 _NO_DEFAULT = inspect.Parameter.empty
+# Whether Triton contracts a * b + c into one fma, pinned at every launch (and in
+# bench/kernels/aot_check.py): Triton's default comes from TRITON_DEFAULT_FP_FUSION, which Triton
+# 3.10 is to flip, and the kernels' numbers (the float64-reference tolerances, the bitwise
+# agreement of eager, compiled and precompiled launches) were measured with it on.
+FP_FUSION = True
+
+
+def pinned(kwargs: dict) -> dict:
+    """A launch's keywords with the options this package pins (FP_FUSION) unless given."""
+    return kwargs if "enable_fp_fusion" in kwargs else {**kwargs, "enable_fp_fusion": FP_FUSION}
 
 
 def _tensor_key(a: Tensor):
@@ -90,6 +100,7 @@ class Launcher:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
+        kwargs = pinned(kwargs)
         rt = triton.knobs.runtime
         if not ENABLED or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
             self.kernel[grid](*args, **kwargs)

@@ -115,7 +115,7 @@ def _capture_launch(kernel, *args, **kwargs) -> None:
     # warmup: specialize and look the kernel up, compile on a miss (our hook: record instead),
     # never launch
     kernel.warmup(*map(_stand_in, args), grid=(1,),
-                  **{k: _stand_in(v) for k, v in kwargs.items()})
+                  **{k: _stand_in(v) for k, v in _fast.pinned(kwargs).items()})
 
 
 def _hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled, _prev=None):
