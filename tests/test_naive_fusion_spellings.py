@@ -3,7 +3,8 @@ the trainers' own functions (tests/test_naive_fusion_trainers.py), CPU: OpenRLHF
 logsumexp, NeMo-RL's sliced log-probs, ROLL's in-place masked labels, verl's in-place temperature
 and chunked entropy written into a buffer, HF's causal-LM loss and cross_entropy in its forms
 (mean / sum / [B, V, T] / class weights / nll_loss of log_softmax), arange indexing, numpy's
-axis=, gather's keywords, loss modules, torch.distributions.Categorical (MORE). Each: the pass's
+axis=, gather's keywords, loss modules, torch.distributions.Categorical, `.contiguous()` /
+`.clone()` copies of the logits (MORE). Each: the pass's
 counters, no [N, V] buffer in Inductor's code, outputs and gradients equal to the same code run
 unfused; normalize.py's respellings counted where a rewrite kept them. The harness is
 naive_fusion_harness.py's.
@@ -261,6 +262,17 @@ def categorical_tempered_log_prob(h, w, b, ids):
 
 
 MORE += [(categorical, (1, 1)), (categorical_tempered_log_prob, (1, 0))]
+
+
+def contiguous_shifted_logits(h, w, b, ids):
+    """HF's causal shift: `logits[:, :-1, :].contiguous()` (then a `.clone()`) before the
+    log-softmax and the entropy."""
+    logits = F.linear(h, w, b)[:, :-1, :].contiguous().clone()
+    return (logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1),
+            -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1))
+
+
+MORE += [(contiguous_shifted_logits, (1, 1))]
 
 
 @pytest.mark.parametrize("fn,expect", MORE, ids=[f.__name__ for f, _ in MORE])

@@ -1,8 +1,8 @@
 """Matchers of the naive-fusion pass (`lowerings/naive_fusion/`) on Dynamo torch-IR graphs.
 
 Legend: H hidden size, V vocab size, [...] the leading dims of hidden, N = prod([...]).
-From the GEMM that gemm.py's `_match_gemm` finds, `_walk_logits` walks the casts, bias,
-temperature, softcap and leading-dim views to the logits; `_match_consumers` checks that every
+From the GEMM that gemm.py's `_match_gemm` finds, `_walk_logits` walks the casts, copies
+(`.contiguous()`, `.clone()`), bias, temperature, softcap and leading-dim views to the logits; `_match_consumers` checks that every
 user of the logits is a log-prob, lse, cross-entropy or entropy spelling (region.py: which
 in-place ops and switches a rewrite may move across). They read the graph only;
 `naive_fusion._rewrite` edits it.
@@ -63,6 +63,12 @@ def _lead_op(n: Node, cur: Node) -> Optional[tuple]:
     return None
 
 
+def _value_copy(n: Node) -> bool:
+    """`.contiguous()` / `.clone()` / `torch.clone(x)`, no options: the same values, another
+    layout or buffer (trainers call it before the log-softmax: a layout the fused op ignores)."""
+    return _is(n, (torch.clone,), ("contiguous", "clone")) and len(n.args) == 1 and not n.kwargs
+
+
 def _walk_logits(m: dict) -> dict:
     """Follow single-user casts, `+ b`, `/ c`, `* c`, leading-dim views and at most one tanh
     from the GEMM to the logits node L. Before a tanh, a = lead_ops(GEMM) / temp + bias /
@@ -89,7 +95,7 @@ def _walk_logits(m: dict) -> dict:
             break
         other = [a for a in list(nxt.args) + list(nxt.kwargs.values()) if a is not cur]
         lead = _lead_op(nxt, cur)           # commutes with the casts, the bias and the scales
-        if _cast_dtype(nxt) in _FLOATS:
+        if _cast_dtype(nxt) in _FLOATS or _value_copy(nxt):
             pass
         elif lead is not None:
             lead_ops.append(lead)
