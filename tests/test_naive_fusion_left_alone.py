@@ -122,9 +122,37 @@ def tensordot_head(h, w, b, ids):   # a GEMM spelling the pass does not know (ei
     return (logp_of(torch.tensordot(h, w, dims=([2], [1])), ids),)
 
 
+def hand_written_log_softmax(h, w, b, ids):
+    """max, exp, sum written out: no log_softmax / logsumexp for the pass to see."""
+    z = h @ w.T
+    m = z.amax(-1, keepdim=True)
+    return (z.gather(-1, ids[..., None])[..., 0] - (m.squeeze(-1) + (z - m).exp().sum(-1).log()),)
+
+
+class _HandSoftmax(torch.autograd.Function):
+    """A trainer's own log-softmax with a hand-written backward (Dynamo: a subgraph)."""
+
+    @staticmethod
+    def forward(ctx, z, ids):
+        p = z.softmax(-1)
+        ctx.save_for_backward(p, ids)
+        return p.log().gather(-1, ids[..., None])[..., 0]
+
+    @staticmethod
+    def backward(ctx, g):
+        p, ids = ctx.saved_tensors
+        return (-p * g[..., None]).scatter_add(-1, ids[..., None], g[..., None]), None
+
+
+def autograd_function_head(h, w, b, ids):
+    return (_HandSoftmax.apply(h @ w.T, ids),)
+
+
 @pytest.mark.parametrize("fn,reason", [(logits_returned, "logits_users"),
                                        (float64_code, "gemm_unmatched"),
-                                       (grad_switch_between, "region"), (tensordot_head, "no_gemm")])
+                                       (grad_switch_between, "region"), (tensordot_head, "no_gemm"),
+                                       (hand_written_log_softmax, "unrecognized"),
+                                       (autograd_function_head, "unrecognized")])
 def test_unfused_reason_counted_and_logged_once(fn, reason, caplog, monkeypatch):
     """A log-prob graph the pass leaves unfused is counted by why and logged, once a reason a
     process: a torch upgrade that changes how Dynamo records a spelling shows up, never a silent

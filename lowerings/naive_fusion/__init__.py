@@ -73,7 +73,7 @@ from lowerings.naive_fusion.region import _region_is_clean
 from lowerings.naive_fusion.nodes import _erase_dead, _is, _is_gemm, _val
 from lowerings.linear_logprobs.op import linear_logprobs
 from lowerings.naive_fusion.loops import fold_row_loops, settle_folds
-from lowerings.naive_fusion import categorical, normalize, separable
+from lowerings.naive_fusion import categorical, normalize, separable, unrecognized
 
 # The fused-gradient rewrite (separable.py) after the log-prob rewrite; False: the recompute op
 # always (the op's own backward: one more head GEMM, no [N, V] logits either).
@@ -195,6 +195,9 @@ UNFUSED_REASONS = {
     "logits_users": "the logits have users other than log-prob / entropy / lse consumers",
     "region": "an in-place op the rewrite cannot move across, or a grad-mode switch, lies between GEMM and consumers",
     "matcher_error": "the matcher raised (a bug: please report it with the graph)",
+    "unrecognized": "the lm_head's logits reach a reduction over the vocabulary the pass does not "
+                    "recognize (a softmax or log-sum-exp written by hand, or one inside a user "
+                    "autograd.Function)",
 }
 _warned: set = set()
 # the ops that mark a log-prob computation (softmax alone is attention's, not counted)
@@ -230,11 +233,16 @@ def _gemm_upstream(node: Node, depth: int = 16) -> list:
 def _report_unfused(graph: Graph, tried: dict) -> None:
     """Count each log-softmax / logsumexp / cross-entropy still in the graph by why (tried: the
     reason each GEMM the pass looked at was left alone)."""
+    reported = set()
     for n in graph.nodes:
         if not (_is(n, _LOGPROB_SINKS, ("log_softmax", "logsumexp")) or trl_kernel_call(n) is not None):
             continue
         gemms = [g for g in _gemm_upstream(n) if g in tried]
+        reported.update(gemms)
         _unfused(tried[gemms[0]] if gemms else "no_gemm", n)
+    for g, reason in tried.items():   # no sink the pass knows: a hand-written one, or none at all
+        if g not in reported and reason == "logits_users" and unrecognized.vocab_reduction(g):
+            _unfused("unrecognized", g)
 
 
 def naive_logprob_fusion_pass(graph: Graph) -> int:
