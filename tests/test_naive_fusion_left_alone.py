@@ -47,10 +47,13 @@ def two_targets(h, w, b, ids):
 
 
 def grad_switch_between(h, w, b, ids):
+    """A scale of the logits under torch.no_grad() (the log-probs after it carry no gradient):
+    the logits' chain crosses a grad-mode switch. (A no-grad region holding consumers only, or
+    nothing of the head's, fuses: tests/test_naive_fusion_spellings.py.)"""
     logits = h @ w.T
     with torch.no_grad():
-        scale = ids.float().mean()
-    return logp_of(logits, ids), scale
+        logits = logits / 0.9
+    return (logp_of(logits, ids) + 0 * h.sum(),)
 
 
 def broadcast_bias(h, w, b, ids):

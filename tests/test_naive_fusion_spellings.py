@@ -272,7 +272,18 @@ def contiguous_shifted_logits(h, w, b, ids):
             -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1))
 
 
-MORE += [(contiguous_shifted_logits, (1, 1))]
+def entropy_under_no_grad(h, w, b, ids):
+    """The log-probs with a gradient, the entropy (a metric) under torch.no_grad() beside them:
+    the fused entropy comes back detached, as the user's was."""
+    logits = h @ w.T
+    lp = logits.log_softmax(-1).gather(-1, ids[..., None])[..., 0]
+    with torch.no_grad():
+        ent = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    assert not ent.requires_grad
+    return lp, ent
+
+
+MORE += [(contiguous_shifted_logits, (1, 1)), (entropy_under_no_grad, (1, 1))]
 
 
 @pytest.mark.parametrize("fn,expect", MORE, ids=[f.__name__ for f, _ in MORE])

@@ -77,7 +77,18 @@ def tensor_temperature(h, w, b, ids):
     return (((h @ w.T) / t).log_softmax(-1).gather(-1, ids[..., None])[..., 0],)
 
 
-FP32 = [(trl_selective, (1, 0)), (trl_selective_temperature, (1, 0)), (trl_entropy_chunked, (0, 1)),
+def trl_log_softmax_and_entropy(h, w, b, ids):
+    """TRL 1.16's selective_log_softmax_and_entropy as its trainers call it (CPU: its loops): the
+    entropy under torch.no_grad (entropy_requires_grad=False), a row mask, the default chunk of
+    128 rows (here one chunk)."""
+    from trl.trainer.utils import selective_log_softmax_and_entropy
+    mask = torch.ones_like(ids[:, 1:])
+    mask[0, -2:] = 0
+    return selective_log_softmax_and_entropy(F.linear(h, w, b)[:, :-1, :], ids[:, 1:],
+                                             entropy_requires_grad=False, row_mask=mask)
+
+
+FP32 = [(trl_log_softmax_and_entropy, (1, 1)), (trl_selective, (1, 0)), (trl_selective_temperature, (1, 0)), (trl_entropy_chunked, (0, 1)),
         (trl_trainer_head, (1, 1)), (einsum_head, (1, 0)), (einsum_ellipsis, (1, 0)),
         (take_along_dim, (1, 0)), (verl_remove_padding, (1, 1)), (tensor_temperature, (1, 0))]
 

@@ -39,8 +39,9 @@ sees `ids.masked_fill(ids == ignore_index, 0)` and the result is
 
 The pass is conservative: it rewrites only when *every* user of the logits is one of the matched
 consumers (otherwise the logits are needed anyway), when no in-place op (but a write, before the
-first consumer, to a tensor the graph made and the fused call does not read) or grad-mode switch
-lies between the GEMM and its consumers (an autocast switch is fine: gemm.autocast_dtypes), and
+first consumer, to a tensor the graph made and the fused call does not read) lies between the
+GEMM and its consumers, nor a grad-mode switch before the first consumer (an autocast switch is
+fine: gemm.autocast_dtypes; a no_grad region of later consumers too: region.no_grad_nodes), and
 when the dtypes are fp32/bf16/fp16 (fp64 code is left alone: the CUDA kernels compute in fp32).
 Each replaced node gets the dtype the naive node had.
 Every rewrite bumps `torch._dynamo.utils.counters["compiled_grpo"]["naive_logprob_fusion"]`
@@ -69,7 +70,7 @@ from torch.fx import Graph, Node
 from lowerings.naive_fusion.cross_entropy import cross_entropy_results
 from lowerings.naive_fusion.gemm import _match_gemm, autocast_dtypes
 from lowerings.naive_fusion.match import _ids_source, _match_consumers, _replaced, _walk_logits, trl_kernel_call
-from lowerings.naive_fusion.region import _region_is_clean
+from lowerings.naive_fusion.region import _region_is_clean, no_grad_nodes
 from lowerings.naive_fusion.nodes import _erase_dead, _is, _is_gemm, _val
 from lowerings.linear_logprobs.op import linear_logprobs
 from lowerings.naive_fusion.loops import fold_row_loops, settle_folds
@@ -91,8 +92,9 @@ def linear_logprobs_call(hidden, weight, ids, bias, temperature, fp32_lm_head, w
     return out.logprobs, out.entropy, out.lse
 
 
-def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> Node:
-    """Replace the matched GEMM and consumers by one linear_logprobs_call; returns that node."""
+def _rewrite(graph: Graph, m: dict, wk: dict, c: dict, frozen: frozenset = frozenset()) -> Node:
+    """Replace the matched GEMM and consumers by one linear_logprobs_call; returns that node.
+    ``frozen``: consumers that ran under no_grad (region.no_grad_nodes): their values detached."""
     vL, temp, bias, bias_temp = _val(wk["L"]), wk["temp"], wk["bias"], wk["bias_temp"]
     replaced = _replaced(c)
     trl_lp, trl_ent = (any(i == j for k in c["trl"] for _, i in k["outs"]) for j in (0, 1))
@@ -102,7 +104,8 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict) -> Node:
 
     def cast(node: Node, like: Node) -> Node:
         dt = _val(like).dtype
-        return node if dt == torch.float32 else graph.call_method("to", (node, dt))
+        node = node if dt == torch.float32 else graph.call_method("to", (node, dt))
+        return graph.call_method("detach", (node,)) if like in frozen else node
 
     with graph.inserting_before(anchor):
         h, w = m["h"], m["w"]
@@ -193,7 +196,8 @@ UNFUSED_REASONS = {
                "or a spelling this torch records differently)",
     "gemm_unmatched": "the GEMM is not logits = h @ W.T of a 2-D W (dtypes, shapes, layout)",
     "logits_users": "the logits have users other than log-prob / entropy / lse consumers",
-    "region": "an in-place op the rewrite cannot move across, or a grad-mode switch, lies between GEMM and consumers",
+    "region": "an in-place op the rewrite cannot move across lies between GEMM and consumers, or a "
+              "grad-mode switch before the first consumer",
     "matcher_error": "the matcher raised (a bug: please report it with the graph)",
     "unrecognized": "the lm_head's logits reach a reduction over the vocabulary the pass does not "
                     "recognize (a softmax or log-sum-exp written by hand, or one inside a user "
@@ -282,10 +286,13 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
         first_use = min(_replaced(c), key=order.__getitem__)
         reads = (m["h"], m["w"], wk["bias"], *(t for t, _ in wk["tensor_temps"]), *wk["chain"],
                  *(x.weight for x in c["ce"] if x.weight is not None))     # cross_entropy's class weights
-        if not _region_is_clean(graph, node, max(_replaced(c), key=order.__getitem__), first_use, reads):
+        last_use = max(_replaced(c), key=order.__getitem__)
+        frozen = no_grad_nodes(graph, node, last_use)   # consumers under torch.no_grad()
+        if frozen is None or first_use in frozen or any(x in frozen for x in wk["chain"]) \
+                or not _region_is_clean(graph, node, last_use, first_use, reads, no_grad_ok=True):
             tried[node] = "region"
             continue
-        rewrites.append(_rewrite(graph, m, wk, c))
+        rewrites.append(_rewrite(graph, m, wk, c, frozenset(frozen)))
         outs = {i for k in c["trl"] for _, i in k["outs"]}     # TRL's kernel: 0 logprobs, 1 entropy
         if c["gathers"] or c["ce"] or c["lses"] or 0 in outs:
             counters["compiled_grpo"]["naive_logprob_fusion"] += 1

@@ -179,7 +179,7 @@ class Fold:
 def _fold(graph: Graph, joint: Node) -> Optional[Fold]:
     items = joint.args[0] if joint.args else None
     dim = joint.args[1] if len(joint.args) > 1 else joint.kwargs.get("dim", 0)
-    if not isinstance(items, (list, tuple)) or len(items) < 2 or dim != 0 \
+    if not isinstance(items, (list, tuple)) or not items or dim != 0 \
             or not all(isinstance(x, Node) for x in items):
         return None
     kind = "row" if joint.target is torch.stack else "chunk"
