@@ -124,10 +124,16 @@ def autocast_trl(h, w, b, ids):
         return selective_log_softmax(logits, ids), entropy_from_logits(logits, chunk_size=7)
 
 
+def trl_selective_one_row(h, w, b, ids):
+    """TRL's bf16 branch over a batch of one: its loop over rows runs once."""
+    return (selective_log_softmax(F.linear(h[:1], w, b), ids[:1]),)
+
+
 @pytest.mark.parametrize("fn,expect,dtype", [(trl_selective_bf16, (1, 0), torch.bfloat16),
+                                             (trl_selective_one_row, (1, 0), torch.bfloat16),
                                              (autocast_head, (1, 0), torch.float32),
                                              (autocast_trl, (1, 1), torch.float32)],
-                         ids=["trl_selective_bf16", "autocast_head", "autocast_trl"])
+                         ids=["trl_selective_bf16", "trl_selective_one_row", "autocast_head", "autocast_trl"])
 def test_bf16_spelling_fused(fn, expect, dtype):
     """Within the logits' bf16 rounding (~0.02 at these logits, |z| ~ 3): the naive code rounds
     the GEMM's output to bf16, the op keeps its fp32 accumulation."""
