@@ -99,16 +99,20 @@ def test_old_log_probs_from_the_engine_give_ratio_one_exactly(one_rank):
 
 def test_two_ranks_untied_lm_head_gradient_accumulation(one_rank, tmp_path):
     """verl#7520's setting: FSDP2 (verl shards the untied lm_head on its own), two ranks, two
-    micro-batches a rank (gradient accumulation with verl's deferred gradient sync): equal to one
-    rank over the same global batch, and to verl's engine with its logits. verl's engine with its
+    micro-batches a rank (gradient accumulation with verl's deferred gradient sync): the engine and
+    verl's engine with compiled_grpo's backend equal to one rank over the same global batch, the
+    engine to verl's engine with its logits too. verl's engine with its
     own fused-kernel torch backend fails there (beside ours, the same run)."""
     runs = [(f"{case}-{kind}-2", kind, CASES[case], 1, {}) for case in ("token-mean", "seq-mean-token-mean")
-            for kind in ("compiled_grpo", "torch")]
+            for kind in ("compiled_grpo", "backend", "torch")]
     runs.append(("verl-fused-torch-2", "verl_fused_torch", CASES["token-mean"], 1, {}))
     two = _spawn(tmp_path, 2, runs)
     for case in ("token-mean", "seq-mean-token-mean"):
         ours, one = two[f"{case}-compiled_grpo-2"], one_rank[f"{case}-compiled_grpo"]
+        backend, backend_one = two[f"{case}-backend-2"], one_rank[f"{case}-backend"]
         assert ours["log"] == []
+        assert all(_rel(a, b) < 2e-6 for a, b in zip(backend["grad_norm"], backend_one["grad_norm"])), case
+        assert _param_gap(backend["params"], backend_one["params"]) < 5e-2
         for step in range(harness.STEPS):
             assert _rel(ours["grad_norm"][step], one["grad_norm"][step]) < 2e-6, (case, step)
             torch_ = two[f"{case}-torch-2"]["grad_norm"][step]
