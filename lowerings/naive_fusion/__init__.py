@@ -148,6 +148,7 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict, frozen: frozenset = froze
         out = graph.call_function(linear_logprobs_call, (
             h, w, ids, bias, float(temperature), bool(m["fp32_lm_head"]), bool(c["sums"] or trl_ent),
             *extra))
+        out.meta["lead"] = tuple(vL.shape[:-1])   # the outputs' [...] (separable's rows plan)
         lp, ent, lse = (graph.call_function(operator.getitem, (out, i)) for i in range(3))
         for k in c["trl"]:                          # TRL's (logprobs, entropy), fp32 as the op's
             for g, i in k["outs"]:

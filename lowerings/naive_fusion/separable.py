@@ -52,6 +52,8 @@ from lowerings.linear_logprobs.fused import plan as _plan
 from lowerings.linear_logprobs.fused import schedule as _op
 from lowerings.linear_logprobs.fused import steps as _steps
 from lowerings.linear_logprobs.op import upcast_lm_head
+from lowerings.naive_fusion import local_grad as _local
+from lowerings.naive_fusion import rows as _rows
 from lowerings.naive_fusion.nodes import _DIV, _MUL, _cast_dtype, _erase_dead, _is, _val
 
 # Where the rewrite applies: CUDA (the Triton blocks) and CPU (the PyTorch body: the CPU tests).
@@ -270,6 +272,26 @@ def _cancel_lse(graph: Graph, lp: Node, lse: Node, ent: Optional[Node]) -> None:
     _erase_dead(graph, dead)   # the (lp + lse), (lse - ent) chains, up to the add / sub
 
 
+def _elementwise(n: Node) -> bool:
+    """n computes each element from the same element of its operands (rows.py's per-token ops)."""
+    if _is(n, _MINMAX_FNS, _MINMAX_METHODS):
+        other = n.args[1] if len(n.args) > 1 else n.kwargs.get("other")
+        return isinstance(other, Node) and _tensor_like(other)
+    return _is(n, _POINTWISE_FNS + _LINEAR_FNS, _POINTWISE_METHODS + _LINEAR_METHODS)
+
+
+def _classes(graph: Graph, out: Node) -> tuple[dict, dict]:
+    """(the op's output getitems by index, the class of every node of D)."""
+    outs = {u.args[1]: u for u in out.users if u.target is operator.getitem}
+    cls = {u: E for u in outs.values()}
+    for n in graph.nodes:   # D, in order: every node downstream of the op's outputs
+        if n in cls or n.op == "output" or not any(a in cls for a in n.all_input_nodes):
+            continue
+        # a size or dtype of a D tensor carries no log-prob value: no class, copied into f
+        cls[n] = _classify(n, cls) if _tensor_like(n) else _SIZE
+    return outs, cls
+
+
 def _try_fuse(graph: Graph, out: Node) -> str:
     h, w, bias = out.args[0], out.args[1], out.args[3]
     vh, vw = _known(h), _known(w)
@@ -277,16 +299,10 @@ def _try_fuse(graph: Graph, out: Node) -> str:
         return "no_grad"
     if vw is not None and vw.device.type not in FUSED_GRADIENT_ON:
         return "device"
-    outs = {u.args[1]: u for u in out.users if u.target is operator.getitem}
+    outs, cls = _classes(graph, out)
     if 2 in outs and (0 in outs or 1 in outs):
         _cancel_lse(graph, outs.get(0), outs[2], outs.get(1))
-        outs = {u.args[1]: u for u in out.users if u.target is operator.getitem}
-    cls = {u: E for u in outs.values()}
-    for n in graph.nodes:   # D, in order: every node downstream of the op's outputs
-        if n in cls or n.op == "output" or not any(a in cls for a in n.all_input_nodes):
-            continue
-        # a size or dtype of a D tensor carries no log-prob value: no class, copied into f
-        cls[n] = _classify(n, cls) if _tensor_like(n) else _SIZE
+        outs, cls = _classes(graph, out)
     dep = set(cls)
     loss = _loss_output(graph, dep)
     if loss is None:
@@ -296,14 +312,34 @@ def _try_fuse(graph: Graph, out: Node) -> str:
         return "not_separable"
     if 2 in outs and outs[2] in body:
         return "lse"
+    lead = out.meta.get("lead")
+    rp = _rows.plan_rows(graph, list(outs.values()), dep, _elementwise, lead) if lead is not None \
+        else _rows.RowPlan("read", {})
+    counters["compiled_grpo_rows"][rp.reason] += 1
+    row_mask = None
+    if rp.reason == "masked":   # the products guarded (rows.py), then D again: they are in it
+        _rows.guard_products(graph, rp)
+        outs, cls = _classes(graph, out)
+        dep = set(cls)
+        body = _ancestry(loss, dep)
+        with graph.inserting_before(out):
+            row_mask = _rows.emit_row_mask(graph, rp, out.args[2])
+        rp.forms.update((n, rp.forms[n.args[1]]) for n in body if n not in rp.forms
+                        and _is(n, (torch.where,), ()) and n.args[1] in rp.forms)
     names = tuple(k for i, k in ((0, "lp"), (1, "ent")) if i in outs and outs[i] in body)
     sources = [outs[("lp", "ent").index(k)] for k in names]
-    f, inputs = _loss_graph(sources, body, dep, loss)
-    key = hashlib.sha1(f.code.encode()).hexdigest()[:16]
+    local = _local.split(body, cls, sources, dep, loss, rp.forms, E, _SIZE)
+    counters["compiled_grpo_rows"]["local" if local is not None else "placed"] += 1
+    if local is not None:
+        f, inputs = local, [*local.e_inputs, *local.a_inputs]
+    else:
+        f, inputs = _loss_graph(sources, body, dep, loss)
+    code = f.f_rows.code + f.f_affine.code if local is not None else f.code
+    key = hashlib.sha1(code.encode()).hexdigest()[:16]
     _LOSSES[key] = f
     args = (*out.args, 1.0, None)[:9] if len(out.args) < 9 else out.args
     with graph.inserting_before(out):
-        fc = graph.call_function(fused_call, (*args, key, names, *inputs))
+        fc = graph.call_function(fused_call, (*args, key, names, row_mask, *inputs))
     out.replace_all_uses_with(fc)
     graph.erase_node(out)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
@@ -315,11 +351,13 @@ def _try_fuse(graph: Graph, out: Node) -> str:
 
 
 def fused_call(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entropy, logit_scale,
-               final_logit_softcapping, key, names, *inputs):
+               final_logit_softcapping, key, names, row_mask, *inputs):
     """What the rewrite inserts: (logprobs, entropy, lse) [...] as linear_logprobs_call returns
     them, detached, and (dX, dW, d_bias) of the loss f = _LOSSES[key] (None where not needed),
     formed block by block by the fused schedule. ``names``: which of lp / ent f's first
-    arguments are; ``inputs``: f's other arguments."""
+    arguments are; ``row_mask`` [N] bool: the rows the graph reads (rows.py; None: all), the
+    others skipped, their outputs 0; ``inputs``: f's other arguments (a local_grad.LocalLoss:
+    its e_inputs, then its a_inputs)."""
     f = _LOSSES[key]
     need = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
     dtypes = [None if t is None else t.dtype for t in (hidden, weight, bias)]
@@ -333,35 +371,76 @@ def fused_call(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entrop
     # a symbolic N (dynamic shapes): static R and G a step of plan.COMPILED_BLOCKS, as
     # grpo_loss's compiled fused mode plans, so that a new N rarely recompiles
     blocks, rows = _plan.token_blocks(h2, weight, budget, n, not is_static(n))
-    total = blocks * rows                                                  # G R >= N
+    if isinstance(f, _local.LocalLoss):
+        grad_fn, on_order = _local_grad_fn(f, names, inputs, lead, h2)
+    else:
+        grad_fn, on_order = _placed_grad_fn(f, names, inputs, lead, n, blocks * rows)
+    res = _op.fused_linear_logprobs(
+        h2, weight, ids.reshape(-1), bias, row_mask, grad_fn, blocks=blocks, block_rows=rows,
+        temperature=float(temperature), with_entropy=bool(with_entropy),
+        logit_scale=float(logit_scale), softcap=final_logit_softcapping, need_x=need[0],
+        need_w=need[1], need_b=need[2], entropy_grad="ent" in names, exact_tf32=exact,
+        on_order=on_order)
+    dx, dw, db = (None if g is None else g.to(dt)
+                  for g, dt in zip((res.d_hidden, res.d_weight, res.d_bias), dtypes))
+    dx = None if dx is None else dx.view(*lead, -1)
+    ent = res.entropy.view(lead) if with_entropy else None
+    return res.logprobs.view(lead), ent, res.lse.view(lead), dx, dw, db
+
+
+def _local_grad_fn(f, names, inputs, lead, h2):
+    """grad_fn and on_order of a LocalLoss (local_grad.py): R work a block."""
+    e_in, a_in = inputs[:len(f.e_inputs)], inputs[len(f.e_inputs):]
+    dt = torch.float64 if h2.dtype == torch.float64 else torch.float32
+    zeros = [h2.new_zeros(lead, dtype=dt) for _ in names]   # the frontier's shapes and dtypes
+    coefs = _local.coefficients(f, zeros, e_in, a_in)                      # [N] each
+    rows_in = [_local.rows_of(t, form, lead) for t, form in zip(e_in, f.e_forms)]
+    ordered = {}
+
+    def on_order(perm):   # perm [G R]: every per-row tensor in the blocks' order, once
+        ordered["in"] = [t.index_select(0, perm) if form is not None else t
+                         for t, form in zip(rows_in, f.e_forms)]
+        ordered["c"] = [c.index_select(0, perm) for c in coefs]
+
+    def grad_fn(r0, idx, lp, ent):
+        r = lp.shape[0]
+        e_rows = [t.narrow(0, r0, r) if form is not None else t
+                  for t, form in zip(ordered["in"], f.e_forms)]
+        c_rows = [c.narrow(0, r0, r) for c in ordered["c"]]
+        vals = {"lp": lp, "ent": ent}
+        gs = dict(zip(names, _local.block_grads(f, [vals[k] for k in names], e_rows, c_rows)))
+        zero = torch.zeros_like(lp)
+        return tuple(gs[k].to(lp.dtype) if k in gs else zero for k in ("lp", "ent"))
+
+    return grad_fn, on_order
+
+
+def _placed_grad_fn(f, names, inputs, lead, n, total):
+    """grad_fn and on_order of a loss f that local_grad cannot cut: the block's values placed
+    in [...], zeros elsewhere, f's gradient over all N tokens (N work a block)."""
     grad = torch.func.grad(lambda *a: f(*a).reshape(()), argnums=tuple(range(len(names))))
+    inv = {}
 
-    def grad_fn(r0, idx, lp, ent):   # idx: rows r0 .. r0 + R of the identity order (all valid)
-        # (torch.cat, not F.pad, in take: with F.pad(g.reshape(-1), (0, total - n)).narrow(0, r0,
-        # rows) there, torch 2.13's Inductor CPU code got a block's gradient wrong, eager right:
-        # test_separable_loss_takes_the_fused_schedule[grpo-seq-mean-entropy] fails with it. Not
-        # reduced below this graph; F.pad in place alone is fine)
-        def place(t):   # the block's values at their places in [...], zeros elsewhere
-            return torch.cat([t.new_zeros(r0), t, t.new_zeros(total - r0 - rows)]).narrow(0, 0, n).view(lead)
+    def on_order(perm):   # perm [G R]: its first N slots are a permutation of the rows
+        inv["slot"] = torch.argsort(perm.narrow(0, 0, n))                   # [N] row -> slot
 
-        def take(g):    # the block's rows of a [...] gradient (zeros past N)
-            return torch.cat([g.reshape(-1), g.new_zeros(total - n)]).narrow(0, r0, rows).to(lp.dtype)
+    def grad_fn(r0, idx, lp, ent):   # idx: the rows of slots r0 .. r0 + R
+        # (torch.cat, not F.pad: with F.pad(g.reshape(-1), (0, total - n)).narrow(0, r0, rows)
+        # in the former take, torch 2.13's Inductor CPU code got a block's gradient wrong, eager
+        # right: test_separable_loss_takes_the_fused_schedule[grpo-seq-mean-entropy])
+        def place(t):   # the block's values at their rows in [...], zeros elsewhere
+            slots = torch.cat([t.new_zeros(r0), t, t.new_zeros(total - r0 - t.shape[0])])
+            return slots.index_select(0, inv["slot"]).view(lead)
+
+        def take(g):    # the block's rows of a [...] gradient
+            return g.reshape(-1).index_select(0, idx).to(lp.dtype)
 
         vals = {"lp": lp, "ent": ent}
         gs = dict(zip(names, grad(*(place(vals[k]) for k in names), *inputs)))
         zero = torch.zeros_like(lp)
         return (take(gs["lp"]) if "lp" in gs else zero), (take(gs["ent"]) if "ent" in gs else zero)
 
-    res = _op.fused_linear_logprobs(
-        h2, weight, ids.reshape(-1), bias, None, grad_fn, blocks=blocks, block_rows=rows,
-        temperature=float(temperature), with_entropy=bool(with_entropy),
-        logit_scale=float(logit_scale), softcap=final_logit_softcapping, need_x=need[0],
-        need_w=need[1], need_b=need[2], entropy_grad="ent" in names, exact_tf32=exact)
-    dx, dw, db = (None if g is None else g.to(dt)
-                  for g, dt in zip((res.d_hidden, res.d_weight, res.d_bias), dtypes))
-    dx = None if dx is None else dx.view(*lead, -1)
-    ent = res.entropy.view(lead) if with_entropy else None
-    return res.logprobs.view(lead), ent, res.lse.view(lead), dx, dw, db
+    return grad_fn, on_order
 
 
 def attach_loss(loss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],

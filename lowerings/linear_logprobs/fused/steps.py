@@ -149,12 +149,14 @@ def _block_forward(hidden: Tensor, weight: Tensor, ids_p: Tensor, bias: Optional
                                     scaled, round_logits, exact_tf32)
     idx = perm.narrow(0, r0, rows)
     x = xg.narrow(0, 0, rows)
-    x.copy_(hidden.index_select(0, idx))                                     # [R', H]
+    valid = torch.arange(rows, device=x.device) < counts[b]                  # [R']
+    # the slots past the block's valid rows read padded rows: zeros, as the Triton body's masked
+    # loads, so that garbage there (a nan hidden state) is not in the backward's 0 * x
+    x.copy_(hidden.index_select(0, idx).masked_fill(~valid[:, None], 0))     # [R', H]
     zt, ent, lse = _cpu._forward_rows(x, weight, ids_p.narrow(0, r0, rows), bias, temperature,
                                       with_entropy, z_out=ws.narrow(0, 0, rows),
                                       logit_scale=logit_scale, softcap=softcap,
                                       rd=_cpu.round_dtype(weight, weight, round_logits))  # [R']
-    valid = torch.arange(rows, device=x.device) < counts[b]                  # [R']
     return tuple(torch.where(valid, t, 0) for t in (zt - lse, ent, lse))
 
 
