@@ -150,7 +150,8 @@ def run_one(name, model, batch, P, p, device, reps):
         with inductor_config.patch(fx_graph_cache=False), \
                 torch._functorch.config.patch(enable_autograd_cache=False), cg.naive_logprob_fusion():
             row = run_one(name[:-len("+pass")], model, batch, P, p, device, reps)
-        row["note"] = " ".join(f"{k}={v}" for c in ("compiled_grpo", "compiled_grpo_unfused", "compiled_grpo_gradient")
+        row["note"] = " ".join(f"{k}={v}" for c in ("compiled_grpo", "compiled_grpo_unfused", "compiled_grpo_gradient",
+                                                   "compiled_grpo_rows", "compiled_grpo_block_gradient")
                                for k, v in sorted(counters[c].items())) or "the pass did not fire"
         return row
     if base_name in ("trl_chunked", "trl_selective"):

@@ -329,7 +329,7 @@ def _try_fuse(graph: Graph, out: Node) -> str:
     names = tuple(k for i, k in ((0, "lp"), (1, "ent")) if i in outs and outs[i] in body)
     sources = [outs[("lp", "ent").index(k)] for k in names]
     local = _local.split(body, cls, sources, dep, loss, rp.forms, E, _SIZE)
-    counters["compiled_grpo_rows"]["local" if local is not None else "placed"] += 1
+    counters["compiled_grpo_block_gradient"]["local" if local is not None else "placed"] += 1
     if local is not None:
         f, inputs = local, [*local.e_inputs, *local.a_inputs]
     else:
