@@ -130,7 +130,8 @@ def _broadcasts(m: Node, form: int, lead: tuple) -> bool:
     return all(_same_size(a, 1) or _same_size(a, b) for a, b in zip(reversed(v.shape), reversed(shape)))
 
 
-def _selection(n: Node):
+def selection(n: Node):
+    """(kind, condition, x, y) of where(c, x, y) / x.where(c, y) / masked_fill(x, c, y), else None."""
     if _is(n, (torch.where,), ()) and len(n.args) == 3:
         return "where", n.args[0], n.args[1], n.args[2]
     if _is(n, (), ("where",)) and len(n.args) == 3:           # x.where(c, y)
@@ -198,7 +199,7 @@ def _row_keep(n: Node, ins: list, keep: dict, forms: dict, lead: tuple, elementw
     if not elementwise(n) or any(forms[a] != f for a in ins):
         return None
     forms[n] = f
-    sel = _selection(n)
+    sel = selection(n)
     if sel is not None:
         kind, cond, x, y = sel
         if cond in dep:                                 # a condition of the log-probs

@@ -22,10 +22,13 @@ of a sum) or a normalizer computed from the log-probs: those keep the recompute 
 
 So the loss subgraph f(lp, ent, inputs) -> L (the nodes of D that L depends on, the tensors
 outside D as inputs) is cut out, and the op is replaced by the fused schedule
-(lowerings/linear_logprobs/fused) whose per-block gradient is autograd's gradient of f
-(``torch.func.grad``) evaluated with the block's log-probs in their places and zeros elsewhere:
-the other tokens' values do not enter a token's gradient (A's coefficients are constants, and
-an elementwise backward moves nothing across tokens). The schedule returns dX, dW and d_bias;
+(lowerings/linear_logprobs/fused) whose per-block gradient is autograd's: a vector-Jacobian
+product of f's per-token part at the block's own rows, with the affine part's coefficients
+(local_grad.py), or, where the per-token part is not per-token in [...], the gradient of f
+(``torch.func.grad``) with the block's log-probs in their places and zeros elsewhere: the other
+tokens' values do not enter a token's gradient (A's coefficients are constants, and an
+elementwise backward moves nothing across tokens). The rows no mask selects are not computed at
+all (rows.py). The schedule returns dX, dW and d_bias;
 the loss output is replaced by ``attach(L, ...)``, whose backward hands them to hidden, weight
 and bias times the incoming gradient and passes that gradient on to L's own graph, computed from
 the detached log-probs (so a gradient of L through anything besides the log-probs, an auxiliary
@@ -117,17 +120,6 @@ def _requires_grad(n: Node) -> bool:
     return True if v is None else isinstance(v, Tensor) and v.requires_grad
 
 
-def _selection(n: Node) -> Optional[tuple]:
-    """(condition, values) of a where / masked_fill node, else None."""
-    if _is(n, (torch.where,), ()) and len(n.args) == 3:
-        return n.args[0], n.args[1:]
-    if _is(n, (), ("where",)) and len(n.args) == 3:            # x.where(condition, y)
-        return n.args[1], (n.args[0], n.args[2])
-    if _is(n, (torch.masked_fill,), ("masked_fill",)) and len(n.args) == 3:
-        return n.args[1], (n.args[0], n.args[2])
-    return None
-
-
 def _classify(n: Node, cls: dict) -> Optional[str]:
     """n's class (E or A) given its D operands' classes in ``cls``; None: not separable."""
     if any(a in cls and cls[a] is None for a in n.all_input_nodes):
@@ -149,9 +141,9 @@ def _classify(n: Node, cls: dict) -> Optional[str]:
         return worst                                   # a constant (outside D) times E or A
     if _is(n, _DIV, ("div",)) and len(ins) == 1 and n.args[0] in cls:
         return worst                                   # E or A over a constant
-    sel = _selection(n)
+    sel = _rows.selection(n)
     if sel is not None:   # where(c, x, y) / masked_fill(x, m, v), c / m outside D: each element
-        cond, values = sel   # one of x's or y's, so affine where they are
+        cond = sel[1]        # one of x's or y's, so affine where they are
         if cond in ins:
             return E if kinds == {E} else None
         return worst
