@@ -283,7 +283,17 @@ def entropy_under_no_grad(h, w, b, ids):
     return lp, ent
 
 
-MORE += [(contiguous_shifted_logits, (1, 1)), (entropy_under_no_grad, (1, 1))]
+def fixed_row_slices(h, w, b, ids):
+    """A loop over fixed-size row slices of the flat logits, `logits[i:i + k]` (the last one
+    clamped), cat'ed and viewed back: folded (loops._slices_cover) into one computation."""
+    z = F.linear(h, w, b).reshape(-1, w.shape[0])
+    idx = ids.reshape(-1)
+    parts = [z[i:i + 8].log_softmax(-1).gather(-1, idx[i:i + 8].unsqueeze(-1)).squeeze(-1)
+             for i in range(0, z.shape[0], 8)]
+    return (torch.cat(parts).view(ids.shape),)
+
+
+MORE += [(contiguous_shifted_logits, (1, 1)), (entropy_under_no_grad, (1, 1)), (fixed_row_slices, (1, 0))]
 
 
 @pytest.mark.parametrize("fn,expect", MORE, ids=[f.__name__ for f, _ in MORE])

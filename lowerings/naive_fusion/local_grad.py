@@ -118,7 +118,7 @@ def rows_of(t, form: Optional[int], lead: torch.Size):
     """An input of f_E as one value a row ([N]), or as it is (a scalar, a 0-dim tensor)."""
     if form is None:
         return t
-    shape = (*lead, 1) if form else tuple(lead)
+    shape = tuple(lead) if form == 0 else (*lead, 1) if form == 1 else form
     return torch.broadcast_to(t, shape).reshape(-1)
 
 

@@ -184,11 +184,17 @@ def _fold(graph: Graph, joint: Node) -> Optional[Fold]:
         return None
     kind = "row" if joint.target is torch.stack else "chunk"
     subs = [_subgraph(x, i) for i, x in enumerate(items)]
+    if kind == "chunk" and any(s is None for s in subs):   # cat of f(X[a:b]) over fixed slices
+        bounds = [_item_slice(x) for x in items]
+        if all(b is not None for b in bounds):
+            kind, subs = "slice", [_subgraph(x, b) for x, b in zip(items, bounds)]
     f_nodes = _one_f(graph, subs, kind)
     if f_nodes is None:
         return None
+    if kind == "slice" and not _slices_cover(bounds, {src for _, _, srcs in subs for src, _ in srcs}):
+        return None
     # the items cover the source: rows 0..B-1 of X, or every chunk of the split(s)
-    sources = {src for _, _, srcs in subs for src, _ in srcs}
+    sources = {src for _, _, srcs in subs for src, _ in srcs} if kind != "slice" else set()
     for src in sources:
         if kind == "row":
             v = _val(src)
@@ -219,6 +225,36 @@ def _fold(graph: Graph, joint: Node) -> Optional[Fold]:
     erased: list = []
     _erase_dead(graph, [joint], record=erased)
     return Fold(joint, env[items[0]], created, erased)
+
+
+def _item_slice(item: Node) -> Optional[tuple]:
+    """The one (a, b) of every X[a:b] row input the item reads (the first one found up its
+    inputs decides; _subgraph then checks the others), else None."""
+    stack, seen = [item], set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, Node) or n in seen:
+            continue
+        seen.add(n)
+        ri = _row_input(n)
+        if ri is not None:
+            return ri[1] if ri[2] == "slice" else None
+        stack.extend(n.all_input_nodes)
+    return None
+
+
+def _slices_cover(bounds: list, sources: set) -> bool:
+    """Slices [a_i:b_i] in order from 0, each starting where the one before stopped, the last
+    one reaching the end of every source (Python clamps its stop), none empty: cat of f over
+    them is f over the whole of each source."""
+    lengths = [_val(src).shape[0] for src in sources]
+    if not sources or not all(isinstance(n, int) for n in lengths) or len(set(lengths)) != 1:
+        return False
+    n = lengths[0]
+    starts = [a for a, _ in bounds]
+    stops = [min(b, n) for _, b in bounds]
+    return (starts[0] == 0 and all(a == b for a, b in zip(starts[1:], stops[:-1]))
+            and stops[-1] == n and all(a < b for a, b in zip(starts, stops)))
 
 
 def _one_f(graph: Graph, subs: list, kind: str) -> Optional[list]:

@@ -27,6 +27,7 @@ Which of these holds is counted in ``counters["compiled_grpo_rows"]`` (ROW_REASO
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -70,8 +71,10 @@ def _or(a, b):
     return ("or", a, b)
 
 
-def _form_of(shape, lead: tuple) -> Optional[int]:
-    """0: shape is [...]; 1: [..., 1] (a gather's unsqueezed index, before its squeeze); None."""
+def _form_of(shape, lead: tuple):
+    """0: shape is [...]; 1: [..., 1] (a gather's unsqueezed index, before its squeeze); a
+    static shape of N elements (a view of the rows in their order: [B, T] of a flat [N]) when
+    [...] is static too: that shape; None."""
     if shape is None:
         return None
     shape = tuple(shape)
@@ -79,7 +82,13 @@ def _form_of(shape, lead: tuple) -> Optional[int]:
         return 0
     if len(shape) == len(lead) + 1 and _same_size(shape[-1], 1) and _form_of(shape[:-1], lead) == 0:
         return 1
+    if all(type(d) is int for d in shape + tuple(lead)) and math.prod(shape) == math.prod(lead):
+        return shape
     return None
+
+
+def _form_shape(form, lead: tuple) -> tuple:
+    return tuple(lead) if form == 0 else (*lead, 1) if form == 1 else form
 
 
 def _dim_arg(n: Node):
@@ -124,7 +133,7 @@ def _value(m: Node, depth: int = 8):
 def _broadcasts(m: Node, form: int, lead: tuple) -> bool:
     """m is a tensor node that broadcasts to a node of this form, one value a row."""
     v = _value(m)
-    shape = tuple(lead) + ((1,) if form else ())
+    shape = _form_shape(form, lead)
     if v is None or v.dim() > len(shape):
         return False
     return all(_same_size(a, 1) or _same_size(a, b) for a, b in zip(reversed(v.shape), reversed(shape)))
@@ -238,17 +247,20 @@ def _leaves(k) -> list:
     return [m for part in k[1:] for m in _leaves(part)]
 
 
-def emit_row_mask(graph: Graph, plan: RowPlan, lead_like: Node) -> Node:
+def emit_row_mask(graph: Graph, plan: RowPlan, lead_like: Node, lead_shape: tuple) -> Node:
     """Nodes computing the plan's rows as [N] bool (inserted at the graph's current point);
-    ``lead_like``: a node of [...] (the ids) to broadcast to."""
+    ``lead_like``: a node of [...] (the ids) to broadcast to, ``lead_shape`` [...]."""
     def build(k):
         if k is NONE:
             return graph.call_function(torch.zeros_like, (lead_like,), {"dtype": torch.bool})
         op = k[0]
         if op in ("ne0", "cond"):   # a mask of a [..., 1] node: its last dim is 1 (or absent)
-            m = k[1]
-            if k[2] and _value(m).dim() > 0:
+            m, form = k[1], k[2]
+            if form == 1 and _value(m).dim() > 0:
                 m = graph.call_method("squeeze", (m, -1))
+            elif form not in (0, 1):   # of a static view of the rows: broadcast there, then [...]
+                m = graph.call_method("reshape", (graph.call_function(torch.broadcast_to, (m, form)),
+                                                  tuple(lead_shape)))
             return graph.call_function(torch.ne, (m, 0)) if op == "ne0" else m
         if op == "not":
             return graph.call_function(torch.logical_not, (build(k[1]),))

@@ -315,7 +315,7 @@ def _try_fuse(graph: Graph, out: Node) -> str:
         dep = set(cls)
         body = _ancestry(loss, dep)
         with graph.inserting_before(out):
-            row_mask = _rows.emit_row_mask(graph, rp, out.args[2])
+            row_mask = _rows.emit_row_mask(graph, rp, out.args[2], lead)
         rp.forms.update((n, rp.forms[n.args[1]]) for n in body if n not in rp.forms
                         and _is(n, (torch.where,), ()) and n.args[1] in rp.forms)
     names = tuple(k for i, k in ((0, "lp"), (1, "ent")) if i in outs and outs[i] in body)
