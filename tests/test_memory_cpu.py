@@ -19,7 +19,9 @@ _run = functools.lru_cache(maxsize=None)(lambda case, budget: memory.run(case, "
 pytestmark = pytest.mark.skipif(sys.platform != "linux",
                                 reason="/proc/self/status and clear_refs are Linux only")
 
-CASES = [(c, 640.0) for c in memory.CASES if c != "naive"] + [("fused", 32.0), ("tp_fused", 128.0)]
+# "auto" is "recompute" on CPU (docs/gradient-modes.md; the choice is test_fused_modes'): its
+# process would measure the recompute case again (17 s of CI)
+CASES = [(c, 640.0) for c in memory.CASES if c not in ("naive", "auto")] + [("fused", 32.0), ("tp_fused", 128.0)]
 
 
 @pytest.mark.parametrize("case,budget", CASES, ids=[f"{c}-{b:.0f}" for c, b in CASES])
