@@ -87,7 +87,8 @@ def _form_of(shape, lead: tuple):
     return None
 
 
-def _form_shape(form, lead: tuple) -> tuple:
+def form_shape(form, lead: tuple) -> tuple:
+    """The shape of a node of this form (_form_of)."""
     return tuple(lead) if form == 0 else (*lead, 1) if form == 1 else form
 
 
@@ -95,7 +96,7 @@ def _dim_arg(n: Node):
     return n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
 
 
-def _form(n: Node, ins: list, forms: dict, lead: tuple) -> Optional[int]:
+def _form(n: Node, ins: list, forms: dict, lead: tuple):
     """n's form (_form_of) from its example value or, for a node the pass inserted (no example
     value), from its D operands': an unsqueeze / squeeze of the last dim moves between 0 and 1,
     a reshape to a given shape takes that shape's, anything else its operands' common form."""
@@ -133,7 +134,7 @@ def _value(m: Node, depth: int = 8):
 def _broadcasts(m: Node, form: int, lead: tuple) -> bool:
     """m is a tensor node that broadcasts to a node of this form, one value a row."""
     v = _value(m)
-    shape = _form_shape(form, lead)
+    shape = form_shape(form, lead)
     if v is None or v.dim() > len(shape):
         return False
     return all(_same_size(a, 1) or _same_size(a, b) for a, b in zip(reversed(v.shape), reversed(shape)))
@@ -281,4 +282,5 @@ def guard_products(graph: Graph, plan: RowPlan) -> None:
             nz = graph.call_function(torch.ne, (other, 0))
             g = graph.call_function(torch.where, (nz, x, 0))
         _value(nz)
+        plan.forms[g] = plan.forms[x]   # per-token as x (local_grad.split reads the forms)
         n.replace_input_with(x, g)

@@ -193,13 +193,8 @@ def _loss_graph(sources: list, body: list, dep: set, loss: Node) -> tuple[GraphM
                 env[a] = g.placeholder(f"in{len(inputs)}")
                 inputs.append(a)
     for n in body:
-        if n in env:
-            continue
-        c = g.node_copy(n, lambda a: env[a])
-        v = _val(n)
-        if v is not None and v.is_floating_point() and not v.requires_grad:
-            c = g.call_method("detach", (c,))
-        env[n] = c
+        if n not in env:
+            env[n] = _local.copy_node(g, n, env)
     g.output(env[loss])
     return GraphModule(torch.nn.Module(), g), inputs
 
@@ -316,11 +311,9 @@ def _try_fuse(graph: Graph, out: Node) -> str:
         body = _ancestry(loss, dep)
         with graph.inserting_before(out):
             row_mask = _rows.emit_row_mask(graph, rp, out.args[2], lead)
-        rp.forms.update((n, rp.forms[n.args[1]]) for n in body if n not in rp.forms
-                        and _is(n, (torch.where,), ()) and n.args[1] in rp.forms)
     names = tuple(k for i, k in ((0, "lp"), (1, "ent")) if i in outs and outs[i] in body)
     sources = [outs[("lp", "ent").index(k)] for k in names]
-    local = _local.split(body, cls, sources, dep, loss, rp.forms, E, _SIZE)
+    local = _local.split(body, cls, sources, dep, loss, rp.forms, E)
     counters["compiled_grpo_block_gradient"]["local" if local is not None else "placed"] += 1
     if local is not None:
         f, inputs = local, [*local.e_inputs, *local.a_inputs]
@@ -364,9 +357,9 @@ def fused_call(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entrop
     # grpo_loss's compiled fused mode plans, so that a new N rarely recompiles
     blocks, rows = _plan.token_blocks(h2, weight, budget, n, not is_static(n))
     if isinstance(f, _local.LocalLoss):
-        grad_fn, on_order = _local_grad_fn(f, names, inputs, lead, h2)
+        grad_fn, on_order = _local.local_grad_fn(f, names, inputs, lead, h2)
     else:
-        grad_fn, on_order = _placed_grad_fn(f, names, inputs, lead, n, blocks * rows)
+        grad_fn, on_order = _local.placed_grad_fn(f, names, inputs, lead, n, blocks * rows)
     res = _op.fused_linear_logprobs(
         h2, weight, ids.reshape(-1), bias, row_mask, grad_fn, blocks=blocks, block_rows=rows,
         temperature=float(temperature), with_entropy=bool(with_entropy),
@@ -378,61 +371,6 @@ def fused_call(hidden, weight, ids, bias, temperature, fp32_lm_head, with_entrop
     dx = None if dx is None else dx.view(*lead, -1)
     ent = res.entropy.view(lead) if with_entropy else None
     return res.logprobs.view(lead), ent, res.lse.view(lead), dx, dw, db
-
-
-def _local_grad_fn(f, names, inputs, lead, h2):
-    """grad_fn and on_order of a LocalLoss (local_grad.py): R work a block."""
-    e_in, a_in = inputs[:len(f.e_inputs)], inputs[len(f.e_inputs):]
-    dt = torch.float64 if h2.dtype == torch.float64 else torch.float32
-    zeros = [h2.new_zeros(lead, dtype=dt) for _ in names]   # the frontier's shapes and dtypes
-    coefs = _local.coefficients(f, zeros, e_in, a_in)                      # [N] each
-    rows_in = [_local.rows_of(t, form, lead) for t, form in zip(e_in, f.e_forms)]
-    ordered = {}
-
-    def on_order(perm):   # perm [G R]: every per-row tensor in the blocks' order, once
-        ordered["in"] = [t.index_select(0, perm) if form is not None else t
-                         for t, form in zip(rows_in, f.e_forms)]
-        ordered["c"] = [c.index_select(0, perm) for c in coefs]
-
-    def grad_fn(r0, idx, lp, ent):
-        r = lp.shape[0]
-        e_rows = [t.narrow(0, r0, r) if form is not None else t
-                  for t, form in zip(ordered["in"], f.e_forms)]
-        c_rows = [c.narrow(0, r0, r) for c in ordered["c"]]
-        vals = {"lp": lp, "ent": ent}
-        gs = dict(zip(names, _local.block_grads(f, [vals[k] for k in names], e_rows, c_rows)))
-        zero = torch.zeros_like(lp)
-        return tuple(gs[k].to(lp.dtype) if k in gs else zero for k in ("lp", "ent"))
-
-    return grad_fn, on_order
-
-
-def _placed_grad_fn(f, names, inputs, lead, n, total):
-    """grad_fn and on_order of a loss f that local_grad cannot cut: the block's values placed
-    in [...], zeros elsewhere, f's gradient over all N tokens (N work a block)."""
-    grad = torch.func.grad(lambda *a: f(*a).reshape(()), argnums=tuple(range(len(names))))
-    inv = {}
-
-    def on_order(perm):   # perm [G R]: its first N slots are a permutation of the rows
-        inv["slot"] = torch.argsort(perm.narrow(0, 0, n))                   # [N] row -> slot
-
-    def grad_fn(r0, idx, lp, ent):   # idx: the rows of slots r0 .. r0 + R
-        # (torch.cat, not F.pad: with F.pad(g.reshape(-1), (0, total - n)).narrow(0, r0, rows)
-        # in the former take, torch 2.13's Inductor CPU code got a block's gradient wrong, eager
-        # right: test_separable_loss_takes_the_fused_schedule[grpo-seq-mean-entropy])
-        def place(t):   # the block's values at their rows in [...], zeros elsewhere
-            slots = torch.cat([t.new_zeros(r0), t, t.new_zeros(total - r0 - t.shape[0])])
-            return slots.index_select(0, inv["slot"]).view(lead)
-
-        def take(g):    # the block's rows of a [...] gradient
-            return g.reshape(-1).index_select(0, idx).to(lp.dtype)
-
-        vals = {"lp": lp, "ent": ent}
-        gs = dict(zip(names, grad(*(place(vals[k]) for k in names), *inputs)))
-        zero = torch.zeros_like(lp)
-        return (take(gs["lp"]) if "lp" in gs else zero), (take(gs["ent"]) if "ent" in gs else zero)
-
-    return grad_fn, on_order
 
 
 def attach_loss(loss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
