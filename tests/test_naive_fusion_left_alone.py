@@ -151,7 +151,15 @@ def autograd_function_head(h, w, b, ids):
     return (_HandSoftmax.apply(h @ w.T, ids),)
 
 
+def logits_min_max_metrics(h, w, b, ids):
+    """Log-probs beside `logits.detach().min(-1)` / `.max(-1)` metrics: the fused op has no
+    row min / max, so the logits stay (counted; docs/inductor-pass.md)."""
+    z = h @ w.T
+    return logp_of(z, ids), z.detach().min(-1).values, z.detach().max(-1).values
+
+
 @pytest.mark.parametrize("fn,reason", [(logits_returned, "logits_users"),
+                                       (logits_min_max_metrics, "logits_users"),
                                        (float64_code, "gemm_unmatched"),
                                        (grad_switch_between, "region"), (tensordot_head, "no_gemm"),
                                        (hand_written_log_softmax, "unrecognized"),
@@ -198,9 +206,19 @@ def categorical_probs_returned(h, w, b, ids):
     return d.log_prob(ids), d.entropy(), d.logits
 
 
+def complement_of(fill, stop=V, logits_returned=False):
+    """-softplus(logsumexp(where(arange(stop) == ids, fill, z[..., :stop])) - z_t)."""
+    def f(h, w, b, ids):
+        z = F.linear(h, w, b).float()
+        zt = z.gather(-1, ids[..., None]).squeeze(-1)
+        others = torch.logsumexp(torch.where(torch.arange(stop) == ids[..., None], fill, z[..., :stop]), -1)
+        return (-F.softplus(others - zt),) + ((z,) if logits_returned else ())
+    return f
+
+
 @pytest.mark.parametrize("fn", [inplace_scale_and_logits_returned, sliced_log_softmax_returned,
                                 legacy_nll_of_sliced_log_softmax, arange_indexed_beside_the_log_probs,
-                                categorical_probs_returned])
+                                categorical_probs_returned, complement_of(float("-inf"), logits_returned=True)])
 def test_unused_respellings_are_undone(fn):
     """An in-place scale made out of place, a view taken of the logits, nll_loss read as
     cross_entropy, arange indexing read as a gather, Categorical's gather through
@@ -238,6 +256,15 @@ def test_categorical_respelling_only_where_it_is_the_same(fn, expect):
     log-probs' leading shape (a [1, T, 1] index is broadcast over the batch: a gather of other
     rows' targets). Results equal the unfused graph's either way."""
     check(fn, expect, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fn", [complement_of(-30.0), complement_of(float("-inf"), stop=V - 5)])
+def test_complement_respelling_only_where_it_is_the_same(fn):
+    """The complement's log-sum-exp is the other logits' only when its fill vanishes under exp
+    (-inf or finfo.min: -30 does not) and its vocab is all of V: left alone otherwise, results
+    equal the unfused graph's."""
+    check(fn, (0, 0), rtol=1e-4, atol=1e-4)
+    assert not counters["compiled_grpo"]["naive_respelled"]
 
 
 def test_cross_entropy_of_transposed_square_logits_is_left_alone():

@@ -4,7 +4,8 @@ logsumexp, NeMo-RL's sliced log-probs, ROLL's in-place masked labels, verl's in-
 and chunked entropy written into a buffer, HF's causal-LM loss and cross_entropy in its forms
 (mean / sum / [B, V, T] / class weights / nll_loss of log_softmax), arange indexing, numpy's
 axis=, gather's keywords, loss modules, torch.distributions.Categorical, `.contiguous()` /
-`.clone()` copies of the logits (MORE). Each: the pass's
+`.clone()` copies of the logits, sequence slices written into a buffer, log-probs through the
+complement's softplus (MORE). Each: the pass's
 counters, no [N, V] buffer in Inductor's code, outputs and gradients equal to the same code run
 unfused; normalize.py's respellings counted where a rewrite kept them. The harness is
 naive_fusion_harness.py's.
@@ -293,7 +294,39 @@ def fixed_row_slices(h, w, b, ids):
     return (torch.cat(parts).view(ids.shape),)
 
 
-MORE += [(contiguous_shifted_logits, (1, 1)), (entropy_under_no_grad, (1, 1)), (fixed_row_slices, (1, 0))]
+def sequence_slices_beside_entropy(h, w, b, ids):
+    """Log-probs of slices along the sequence dim `logits[:, j:j + k]` written into a zeros
+    buffer, beside the entropy of the whole logits: the writes fold (loops._slice_key: one
+    sliced dim, the ids' `[:, j:j + k, None]` too), then both are one op."""
+    logits = F.linear(h, w, b)
+    lp = torch.zeros(B, T, device=h.device)
+    for j in range(0, T, 3):
+        lp[:, j:j + 3] = logits[:, j:j + 3].log_softmax(-1).gather(-1, ids[:, j:j + 3, None]).squeeze(-1)
+    return lp, -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+
+
+def complement_softplus(h, w, b, ids):
+    """The log-prob through the complement: -softplus(logsumexp of every other logit - the
+    target's), the target masked by an arange comparison (complement.py)."""
+    z = F.linear(h, w, b).float()
+    zt = z.gather(-1, ids[..., None]).squeeze(-1)
+    is_target = torch.arange(V, device=z.device) == ids[..., None]
+    others = torch.logsumexp(torch.where(is_target, torch.finfo(z.dtype).min, z), -1)
+    return (-F.softplus(others - zt),)
+
+
+def complement_softplus_vocab_chunks(h, w, b, ids):
+    """The same over vocab chunks z[..., c:c + k] (the last clamped), their log-sum-exps stacked."""
+    z = F.linear(h, w, b).float()
+    zt = z.gather(-1, ids[..., None]).squeeze(-1)
+    parts = [torch.logsumexp(torch.where(ids[..., None] == torch.arange(c, min(c + 16, V), device=z.device),
+                                         float("-inf"), z[..., c:c + 16]), -1) for c in range(0, V, 16)]
+    return (-F.softplus(torch.logsumexp(torch.stack(parts, -1), -1) - zt),)
+
+
+MORE += [(contiguous_shifted_logits, (1, 1)), (entropy_under_no_grad, (1, 1)), (fixed_row_slices, (1, 0)),
+         (sequence_slices_beside_entropy, (1, 1)), (complement_softplus, (1, 0)),
+         (complement_softplus_vocab_chunks, (1, 0))]
 
 
 @pytest.mark.parametrize("fn,expect", MORE, ids=[f.__name__ for f, _ in MORE])
@@ -310,7 +343,7 @@ def test_more_trainer_spellings_fused(fn, expect):
         fn.__name__.count("inplace") + (fn is inplace_true_divide))
     respelled = {nemo_rl_logprobs: 1, nll_of_log_softmax: 2, arange_indexed_logprobs: 1,   # edits kept
                  arange_indexed_flat_logprobs: 2, categorical: 2, categorical_tempered_log_prob: 1,
-                 weighted_summed_nll: 2}
+                 weighted_summed_nll: 2, complement_softplus: 1, complement_softplus_vocab_chunks: 1}
     assert counters["compiled_grpo"]["naive_respelled"] == respelled.get(fn, 0), dict(counters["compiled_grpo"])
 
 

@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 
 from naive_fusion_harness import B, H, T, V, check, fired, fusion_on, make, nv_buffers, pass_on_graph  # noqa: F401
 from test_naive_fusion_spellings import (categorical, chunked_entropy_written, class_dim_second_cross_entropy,
+                                         complement_softplus_vocab_chunks, sequence_slices_beside_entropy,
                                          hf_causal_lm_loss, nemo_rl_logprobs, nll_of_log_softmax,
                                          verl_inplace_temperature, weighted_cross_entropy)
 
@@ -264,7 +265,8 @@ CUDA_CASES = [(einsum_head, (1, 0)), (take_along_dim, (1, 0)), (verl_remove_padd
               (tensor_temperature, (1, 0)), (autocast_head, (1, 0)), (verl_inplace_temperature, (1, 0)),
               (nemo_rl_logprobs, (1, 0)), (hf_causal_lm_loss, (1, 0)), (chunked_entropy_written, (1, 1)),
               (nll_of_log_softmax, (1, 0)), (class_dim_second_cross_entropy, (1, 0)),
-              (categorical, (1, 1)), (weighted_cross_entropy, (1, 0))]
+              (categorical, (1, 1)), (weighted_cross_entropy, (1, 0)),
+              (complement_softplus_vocab_chunks, (1, 0)), (sequence_slices_beside_entropy, (1, 1))]
 
 
 @pytest.mark.gpu

@@ -18,7 +18,8 @@ autograd and training, inference, frozen and trainable W are all one rewrite):
       .squeeze(0), / t, * t (0-dim / per-row t) -> h.squeeze(0), h / t (verl's remove-padding path)
       (first, normalize.py: logits.div_(t), logits /= t as z / t; log_softmax(z)[:, :-1] as
        log_softmax(z[:, :-1]); nll_loss(log_softmax(z), t) as cross_entropy(z, t);
-       logp[arange(N), ids] as a gather; Categorical's log_prob / entropy spellings)
+       logp[arange(N), ids] as a gather; Categorical's log_prob / entropy spellings;
+       complement.py: -softplus(logsumexp(where(is_target, min, z)) - z_t) as the log-prob)
     consumers of the logits z (all of them must be one of these):
       log_softmax(z, -1).gather(-1, ids.unsqueeze(-1) | ids[..., None])     -> logprobs
       z.gather(-1, idx) - z.logsumexp(-1, keepdim=True), logsumexp(z, -1)  -> logprobs + lse, lse
@@ -74,7 +75,7 @@ from lowerings.naive_fusion.region import _region_is_clean, no_grad_nodes
 from lowerings.naive_fusion.nodes import _erase_dead, _is, _is_gemm, _val
 from lowerings.linear_logprobs.op import linear_logprobs
 from lowerings.naive_fusion.loops import fold_row_loops, settle_folds
-from lowerings.naive_fusion import categorical, normalize, separable, unrecognized
+from lowerings.naive_fusion import categorical, complement, normalize, separable, unrecognized
 
 # The fused-gradient rewrite (separable.py) after the log-prob rewrite; False: the recompute op
 # always (the op's own backward: one more head GEMM, no [N, V] logits either).
@@ -261,6 +262,7 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
     views += normalize.nll_of_log_softmax(graph)       # F.nll_loss(log_softmax(z), t): CE
     views += normalize.fancy_index_as_gather(graph)    # logp[arange(N), ids]: a gather
     views += categorical.categorical_spelling(graph)   # torch.distributions.Categorical
+    views += complement.complement_as_log_softmax(graph)   # -softplus(lse(others) - z_t)
     folds = fold_row_loops(graph)   # TRL / verl's per-row and per-chunk loops, as one computation
     for node in [n for n in graph.nodes if _is_gemm(n)]:
         if getattr(node, "_erased", False):

@@ -55,26 +55,42 @@ _DIM_METHODS = {"log_softmax": (1, "dim"), "softmax": (1, "dim"), "logsumexp": (
                 "sum": (1, "dim"), "unsqueeze": (1, "dim"), "squeeze": (1, "dim")}
 
 
-def _slice_bounds(key) -> Optional[tuple]:
-    """(start, stop) of a slice of dim 0 with int bounds and no step (X[a:b]); None otherwise."""
-    if not isinstance(key, slice) or key.step is not None:
+def _slice_key(key) -> Optional[tuple]:
+    """(d, start, stop) of a slice of one dim d with int bounds and no step, every dim before
+    it whole and only new axes after it: X[a:b], X[:, a:b], ids[:, a:b, None]; None otherwise."""
+    parts = key if isinstance(key, tuple) else (key,)
+    at = [i for i, k in enumerate(parts) if isinstance(k, slice) and k != slice(None)]
+    if len(at) != 1 or any(k != slice(None) for k in parts[:at[0]]) \
+            or any(k is not None for k in parts[at[0] + 1:]):
         return None
-    start = 0 if key.start is None else key.start
-    if not isinstance(start, int) or not isinstance(key.stop, int) or isinstance(start, bool):
+    d, k = at[0], parts[at[0]]
+    start = 0 if k.start is None else k.start
+    if k.step is not None or not isinstance(start, int) or not isinstance(k.stop, int) \
+            or isinstance(start, bool):
         return None
-    return start, key.stop
+    return d, start, k.stop
+
+
+def _whole(graph: Graph, r: Node) -> Node:
+    """What the slice row input r = X[key] reads of all of X: X, or X with key's new axes."""
+    src, key = r.args
+    if not isinstance(key, tuple) or all(k is not None for k in key):
+        return src
+    d = _slice_key(key)[0]
+    return graph.call_function(operator.getitem, (src, key[:d] + (slice(None),) + key[d + 1:]))
 
 
 def _row_input(n: Node) -> Optional[tuple]:
     """(source, i, kind) for a row input: X[i] (kind 'row'), getitem(X.split(k, 0), i) (kind
-    'chunk', source the split node) or X[a:b] (kind 'slice', i = (a, b))."""
+    'chunk', source the split node) or a slice of one dim d, X[a:b] or X[:, a:b] (kind 'slice',
+    i = (d, a, b): _slice_key)."""
     if n.op != "call_function" or n.target is not operator.getitem:
         return None
     src, i = n.args
     if not isinstance(src, Node):
         return None
-    if _slice_bounds(i) is not None and _val(src) is not None and _val(src).dim() >= 1:
-        return src, _slice_bounds(i), "slice"
+    if _slice_key(i) is not None and _val(src) is not None and _val(src).dim() > _slice_key(i)[0]:
+        return src, _slice_key(i), "slice"
     if not isinstance(i, int):
         return None
     if _val(src) is not None:
@@ -179,15 +195,17 @@ class Fold:
 def _fold(graph: Graph, joint: Node) -> Optional[Fold]:
     items = joint.args[0] if joint.args else None
     dim = joint.args[1] if len(joint.args) > 1 else joint.kwargs.get("dim", 0)
-    if not isinstance(items, (list, tuple)) or not items or dim != 0 \
-            or not all(isinstance(x, Node) for x in items):
+    if not isinstance(items, (list, tuple)) or not items or not isinstance(dim, int) \
+            or not all(isinstance(x, Node) and _val(x) is not None for x in items):
         return None
     kind = "row" if joint.target is torch.stack else "chunk"
-    subs = [_subgraph(x, i) for i, x in enumerate(items)]
+    subs = [_subgraph(x, i) for i, x in enumerate(items)] if dim == 0 else [None]
     if kind == "chunk" and any(s is None for s in subs):   # cat of f(X[a:b]) over fixed slices
         bounds = [_item_slice(x) for x in items]
-        if all(b is not None for b in bounds):
+        if all(b is not None and b[0] == dim % _val(x).dim() for b, x in zip(bounds, items)):
             kind, subs = "slice", [_subgraph(x, b) for x, b in zip(items, bounds)]
+    elif dim != 0:
+        return None
     f_nodes = _one_f(graph, subs, kind)
     if f_nodes is None:
         return None
@@ -228,7 +246,7 @@ def _fold(graph: Graph, joint: Node) -> Optional[Fold]:
 
 
 def _item_slice(item: Node) -> Optional[tuple]:
-    """The one (a, b) of every X[a:b] row input the item reads (the first one found up its
+    """The one (d, a, b) of every slice row input the item reads (the first one found up its
     inputs decides; _subgraph then checks the others), else None."""
     stack, seen = [item], set()
     while stack:
@@ -244,15 +262,19 @@ def _item_slice(item: Node) -> Optional[tuple]:
 
 
 def _slices_cover(bounds: list, sources: set) -> bool:
-    """Slices [a_i:b_i] in order from 0, each starting where the one before stopped, the last
-    one reaching the end of every source (Python clamps its stop), none empty: cat of f over
-    them is f over the whole of each source."""
-    lengths = [_val(src).shape[0] for src in sources]
+    """Slices [a_i:b_i] of one dim d, in order from 0, each starting where the one before stopped,
+    the last one reaching the end of every source (Python clamps its stop), none empty: cat of f
+    over them is f over the whole of each source."""
+    dims = {d for d, _, _ in bounds}
+    if len(dims) != 1:
+        return False
+    d = dims.pop()
+    lengths = [_val(src).shape[d] for src in sources]
     if not sources or not all(isinstance(n, int) for n in lengths) or len(set(lengths)) != 1:
         return False
     n = lengths[0]
-    starts = [a for a, _ in bounds]
-    stops = [min(b, n) for _, b in bounds]
+    starts = [a for _, a, _ in bounds]
+    stops = [min(b, n) for _, _, b in bounds]
     return (starts[0] == 0 and all(a == b for a, b in zip(starts[1:], stops[:-1]))
             and stops[-1] == n and all(a < b for a, b in zip(starts, stops)))
 
@@ -298,12 +320,12 @@ def _fold_writes(graph: Graph, buf: Node) -> Optional[Fold]:
     if len(writes) < 2 or vb is None or vb.dim() < 1 \
             or any(order[u] < order[writes[-1]] for u in users if u not in writes):
         return None
-    bounds = [_slice_bounds(w.args[1]) for w in writes]
-    if any(b is None for b in bounds) or bounds[0][0] != 0 \
-            or any(b[0] != a[1] for a, b in zip(bounds, bounds[1:])) \
-            or not all(isinstance(d, int) for d in vb.shape[:1]) \
-            or not (bounds[-1][0] < vb.shape[0] <= bounds[-1][1]):
+    bounds = [_slice_key(w.args[1]) for w in writes]
+    if any(b is None or b[0] >= vb.dim() for b in bounds) \
+            or not all(isinstance(n, int) for n in vb.shape) \
+            or not _slices_cover(bounds, {buf}):
         return None
+    d = bounds[0][0]
     items = [w.args[2] for w in writes]
     subs = [_subgraph(x, b) for x, b in zip(items, bounds)]
     f_nodes = _one_f(graph, subs, "slice")
@@ -311,8 +333,9 @@ def _fold_writes(graph: Graph, buf: Node) -> Optional[Fold]:
         return None
     sources = {src for _, _, srcs in subs for src, _ in srcs}
     vi = _val(items[0])
-    if vi is None or any(_val(src) is None or not _same_size(_val(src).shape[0], vb.shape[0]) for src in sources) \
-            or tuple(vi.shape[1:]) != tuple(vb.shape[1:]):
+    if vi is None or vi.dim() != vb.dim() \
+            or any(_val(src) is None or not _same_size(_val(src).shape[d], vb.shape[d]) for src in sources) \
+            or any(a != b for i, (a, b) in enumerate(zip(vi.shape, vb.shape)) if i != d):
         return None
     env, created = {}, []
     try:
@@ -358,7 +381,12 @@ def _build(graph: Graph, joint: Node, kind: str, f_nodes: list, row_inputs0: dic
     with graph.inserting_before(joint):
         for r, _k in row_inputs0.items():
             src = r.args[0]
-            env[r] = src if kind in ("row", "slice") else unflat.get(src.args[0], src.args[0])
+            if kind == "slice":
+                env[r] = _whole(graph, r)
+                if env[r] is not src:
+                    created.append(env[r])
+            else:
+                env[r] = src if kind == "row" else unflat.get(src.args[0], src.args[0])
         for n in f_nodes:
             nd = _row_ndim(n.args[0]) if n.args and isinstance(n.args[0], Node) else None
 
@@ -379,6 +407,8 @@ def _build(graph: Graph, joint: Node, kind: str, f_nodes: list, row_inputs0: dic
                 # (unsqueeze counts in its output: one more dim)
                 rank = nd + 1 if n.target in (torch.unsqueeze, "unsqueeze") else nd
                 d = d - rank if d >= 0 else d
+                if kind == "slice" and d != -1:
+                    return False    # a slice keeps its dims: only the last one is row-wise
                 if pos < len(args):
                     args[pos] = d
                 else:
