@@ -57,11 +57,16 @@ def _is_target(n: Any, ids: Node, a: int, b: int) -> bool:
     return any(_arange(p) == (a, b) and _ids_of(q) is ids for p, q in ((x, y), (y, x)))
 
 
+def _last_dim_lse(o: Node, nd: int) -> bool:
+    """o = logsumexp(x, -1) without keepdim."""
+    return _is(o, _LSE, ("logsumexp",)) and _last_dim(_arg(o, 1, "dim"), nd) \
+        and not _arg(o, 2, "keepdim", False) and len(o.args) + len(o.kwargs) <= 3
+
+
 def _masked_lse(o: Node, z: Node, ids: Node, nd: int) -> Optional[tuple]:
     """(a, b) when o = logsumexp(where(arange(a, b) == ids[..., None], fill, z[..., a:b]), -1)
     (z itself for (0, V)) with a fill that vanishes under exp; None otherwise."""
-    if not (_is(o, _LSE, ("logsumexp",)) and _last_dim(_arg(o, 1, "dim"), nd)
-            and not _arg(o, 2, "keepdim", False) and len(o.args) + len(o.kwargs) <= 3):
+    if not _last_dim_lse(o, nd):
         return None
     w = o.args[0]
     if not (isinstance(w, Node) and _is(w, (torch.where,)) and len(w.args) == 3 and not w.kwargs):
@@ -92,8 +97,7 @@ def _others_lse(o: Node, z: Node, ids: Node) -> bool:
     nd, V = _val(z).dim(), _val(z).shape[-1]
     if _masked_lse(o, z, ids, nd) == (0, V):
         return True
-    if not (_is(o, _LSE, ("logsumexp",)) and _last_dim(_arg(o, 1, "dim"), nd)
-            and not _arg(o, 2, "keepdim", False) and len(o.args) + len(o.kwargs) <= 3):
+    if not _last_dim_lse(o, nd):
         return False
     st = o.args[0]
     if not (isinstance(st, Node) and _is(st, (torch.stack,)) and len(st.users) == 1

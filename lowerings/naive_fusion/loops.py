@@ -89,8 +89,9 @@ def _row_input(n: Node) -> Optional[tuple]:
     src, i = n.args
     if not isinstance(src, Node):
         return None
-    if _slice_key(i) is not None and _val(src) is not None and _val(src).dim() > _slice_key(i)[0]:
-        return src, _slice_key(i), "slice"
+    key = _slice_key(i)
+    if key is not None and _val(src) is not None and _val(src).dim() > key[0]:
+        return src, key, "slice"
     if not isinstance(i, int):
         return None
     if _val(src) is not None:
