@@ -106,12 +106,15 @@ def check(fn, expect, make_kw=(), grads=True, rtol=1e-5, atol=1e-5):
     return sources
 
 
-def pass_on_graph(fn):
+def pass_on_graph(fn, edit=None):
     """(the (op, target) list of fn's Dynamo graph before naive_logprob_fusion_pass, the graph
-    module after it), the pass's graph run on make()'s inputs and checked equal to fn's."""
+    module after it), the pass's graph run on make()'s inputs and checked equal to fn's.
+    edit(graph), if given, changes Dynamo's graph first (another torch release's spelling)."""
     graphs = []
 
     def backend(gm, example):
+        if edit is not None:
+            edit(gm.graph)
         before = [(n.op, n.target) for n in gm.graph.nodes]
         nf.naive_logprob_fusion_pass(gm.graph)
         gm.recompile()

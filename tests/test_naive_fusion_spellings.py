@@ -10,12 +10,14 @@ counters, no [N, V] buffer in Inductor's code, outputs and gradients equal to th
 unfused; normalize.py's respellings counted where a rewrite kept them. The harness is
 naive_fusion_harness.py's.
 """
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from naive_fusion_harness import B, H, T, V, check, fired, fusion_on, make, nv_buffers  # noqa: F401
+from naive_fusion_harness import B, H, T, V, check, fired, fusion_on, make, nv_buffers, pass_on_graph  # noqa: F401
 
 
 def openrlhf_log_probs(h, w, b, ids):
@@ -322,6 +324,20 @@ def complement_softplus_vocab_chunks(h, w, b, ids):
     parts = [torch.logsumexp(torch.where(ids[..., None] == torch.arange(c, min(c + 16, V), device=z.device),
                                          float("-inf"), z[..., c:c + 16]), -1) for c in range(0, V, 16)]
     return (-F.softplus(torch.logsumexp(torch.stack(parts, -1), -1) - zt),)
+
+
+def test_complement_eq_as_method():
+    """torch 2.11's Dynamo records `torch.arange(V) == ids[..., None]` as call_method __eq__
+    (2.13 and later: operator.eq): the complement is read the same (its first GPU run, on 2.11,
+    left it unfused)."""
+    def as_method(graph):
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target is operator.eq:
+                n.op, n.target = "call_method", "__eq__"
+
+    before, _ = pass_on_graph(complement_softplus, edit=as_method)
+    assert ("call_method", "__eq__") in before
+    assert fired() == (1, 0)
 
 
 MORE += [(contiguous_shifted_logits, (1, 1)), (entropy_under_no_grad, (1, 1)), (fixed_row_slices, (1, 0)),

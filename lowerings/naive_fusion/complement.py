@@ -29,10 +29,8 @@ from lowerings.naive_fusion.nodes import _GATHER, _NEG, _arg, _erase_dead, _is, 
 from lowerings.naive_fusion.normalize import Edit, _found, _from_gemm, _made
 
 _EQ = (operator.eq, torch.eq)
-# Devices the respelling is proven on. CUDA: its one GPU test (tests/test_naive_fusion_trainers.py,
-# complement_softplus_vocab_chunks on an H100, 2026-12-07) failed with its message not captured;
-# until that is diagnosed CUDA code keeps the user's spelling (counted logits_users).
-DEVICES = ("cpu",)
+# torch 2.11's Dynamo records `torch.arange(V) == ids[..., None]` as call_method __eq__ (2.13: operator.eq)
+_EQ_METHODS = ("eq", "__eq__")
 _LSE = (torch.logsumexp,)
 
 
@@ -51,7 +49,7 @@ def _arange(n: Any) -> Optional[tuple]:
 
 def _is_target(n: Any, ids: Node, a: int, b: int) -> bool:
     """n = (torch.arange(a, b) == ids[..., None]), either order."""
-    if not (isinstance(n, Node) and _is(n, _EQ, ("eq",)) and len(n.args) == 2 and not n.kwargs):
+    if not (isinstance(n, Node) and _is(n, _EQ, _EQ_METHODS) and len(n.args) == 2 and not n.kwargs):
         return False
     x, y = n.args
     return any(_arange(p) == (a, b) and _ids_of(q) is ids for p, q in ((x, y), (y, x)))
@@ -131,8 +129,7 @@ def _complement(r: Node) -> Optional[tuple]:
     z, idx = g.args[0], _arg(g, 2, "index")
     vz, vi = _val(z), _val(idx)
     if vz is None or vi is None or vi.dtype != torch.int64 or not vz.is_floating_point() \
-            or tuple(vi.shape) != tuple(vz.shape[:-1]) + (1,) or vz.device.type not in DEVICES \
-            or not _from_gemm(z):
+            or tuple(vi.shape) != tuple(vz.shape[:-1]) + (1,) or not _from_gemm(z):
         return None
     ids = _ids_of(idx)
     return (z, idx) if isinstance(o, Node) and _others_lse(o, z, ids) else None

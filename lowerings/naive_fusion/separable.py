@@ -103,7 +103,9 @@ _POINTWISE_METHODS = ("exp", "log", "log1p", "expm1", "exp2", "sigmoid", "tanh",
                       "rsqrt", "clamp", "clip", "clamp_min", "clamp_max", "minimum", "maximum",
                       "pow", "square", "sign", "relu", "nan_to_num", "masked_fill", "where", "lt",
                       "gt", "le", "ge", "eq", "ne", "logical_and", "logical_or", "logical_not",
-                      "isfinite", "isnan", "reciprocal", "mul", "div", "rsub", "__rsub__")
+                      "isfinite", "isnan", "reciprocal", "mul", "div", "rsub", "__rsub__",
+                      # torch 2.11's Dynamo records some `a == b` of tensors as call_method __eq__
+                      "__eq__", "__ne__", "__lt__", "__gt__", "__le__", "__ge__")
 # torch.min / max: elementwise with a second tensor, a reduction (nonlinear) with a dim or alone
 _MINMAX_FNS = (torch.min, torch.max)
 _MINMAX_METHODS = ("min", "max")
