@@ -87,6 +87,36 @@ def _liger_cute(x, p):
     yield step
 
 
+def _quack_check(device):
+    if device.type != "cuda":
+        return "QuACK's kernels are CuTe-DSL: CUDA only"
+    return _import("quack.linear_cross_entropy")[1]
+
+
+@contextlib.contextmanager
+def _quack(x, p):
+    """QuACK's `chunked_linear_cross_entropy` (quack-kernels 0.6.5: CuTe-DSL GEMMs whose epilogue
+    forms the logits' gradient in the forward; its scaled-exp pipeline where it says it is
+    eligible) on the valid tokens, reduction "sum". A speed anchor only: it takes no per-token
+    weights (reduction "none" materializes the logits), so the loss is the summed cross-entropy,
+    not the bench's DAPO loss, and its error columns do not apply. Temperature 1: it has no
+    temperature option (logits / T would be a scaled weight, an extra [V, H] copy)."""
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+    v = compact(x)
+    n = v.token_ids.shape[0]
+    pad = -n % 8   # its GEMMs take N % 8 == 0: ignored rows (target -100) pad the valid ones
+    ids = torch.cat([v.token_ids, v.token_ids.new_full((pad,), -100)])
+
+    def step():
+        h = v.hidden(x)
+        h = torch.cat([h, h.new_zeros(pad, h.shape[1])]) if pad else h
+        loss = chunked_linear_cross_entropy(h, x.weight, ids, chunk_size=4096, reduction="sum")
+        loss.backward()
+        return loss.detach()
+    step.note = "CE sum (not the DAPO loss): speed anchor, errors n/a"
+    yield step
+
+
 @contextlib.contextmanager
 def _liger(x, p):
     """Liger-Kernel 0.8.5 chunked_loss GRPO: sequence chunks x 4096-wide vocab tiles, the whole
