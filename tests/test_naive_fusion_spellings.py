@@ -298,7 +298,7 @@ def fixed_row_slices(h, w, b, ids):
 
 def sequence_slices_beside_entropy(h, w, b, ids):
     """Log-probs of slices along the sequence dim `logits[:, j:j + k]` written into a zeros
-    buffer, beside the entropy of the whole logits: the writes fold (loops._slice_key: one
+    buffer, beside the entropy of the whole logits: the writes fold (loop_items._slice_key: one
     sliced dim, the ids' `[:, j:j + k, None]` too), then both are one op."""
     logits = F.linear(h, w, b)
     lp = torch.zeros(B, T, device=h.device)
