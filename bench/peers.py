@@ -87,12 +87,6 @@ def _liger_cute(x, p):
     yield step
 
 
-def _quack_check(device):
-    if device.type != "cuda":
-        return "QuACK's kernels are CuTe-DSL: CUDA only"
-    return _import("quack.linear_cross_entropy")[1]
-
-
 @contextlib.contextmanager
 def _quack(x, p):
     """QuACK's `chunked_linear_cross_entropy` (quack-kernels 0.6.5: CuTe-DSL GEMMs whose epilogue
@@ -104,12 +98,16 @@ def _quack(x, p):
     from quack.linear_cross_entropy import chunked_linear_cross_entropy
     v = compact(x)
     n = v.token_ids.shape[0]
-    pad = -n % 8   # its GEMMs take N % 8 == 0: ignored rows (target -100) pad the valid ones
+    # its GEMMs take N % 8 == 0: ignored rows (target -100, a copy of row 0 whose gradient is 0)
+    # pad the valid ones, gathered in the same one copy as the other valid-token peers' rows
+    pad = -n % 8
     ids = torch.cat([v.token_ids, v.token_ids.new_full((pad,), -100)])
+    rows = v.rows if v.rows is not None else torch.arange(n, device=ids.device)
+    rows = torch.cat([rows, rows[:1].expand(pad)])
 
     def step():
-        h = v.hidden(x)
-        h = torch.cat([h, h.new_zeros(pad, h.shape[1])]) if pad else h
+        h = x.hidden.view(-1, x.hidden.shape[-1])
+        h = h.index_select(0, rows) if pad or v.rows is not None else h
         loss = chunked_linear_cross_entropy(h, x.weight, ids, chunk_size=4096, reduction="sum")
         loss.backward()
         return loss.detach()

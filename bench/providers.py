@@ -21,8 +21,8 @@ from typing import Callable, ContextManager, Iterator, Optional
 import torch
 
 from bench.dapo import Params, _args, _import, _resetting, compact, naive_loss
-from bench.peers import (_cce, _liger, _liger_cute, _liger_cute_check, _quack, _quack_check, _trl_chunked,
-                         _trl_chunked_fp32, _verl_torch, _verl_triton)
+from bench.peers import (_cce, _liger, _liger_cute, _liger_cute_check, _quack, _trl_chunked, _trl_chunked_fp32,
+                         _verl_torch, _verl_triton)
 from bench.shapes import StepInputs
 
 
@@ -254,7 +254,7 @@ PROVIDERS: dict[str, Provider] = {
                  sequence_level=_any_inputs),
         Provider("liger_cute", _liger_cute_check, _liger_cute, accepts=_no_softcap,
                  sequence_level=_any_inputs),
-        Provider("quack", _quack_check, _quack, accepts=_no_softcap),
+        Provider("quack", _need("quack.linear_cross_entropy", cuda_only=True), _quack, accepts=_no_softcap),
         # verl 0.9.1's two fused-kernel backends (`import verl` needs its own environment: ray,
         # tensordict, omegaconf, ...; bench/README.md); no softcap option in either
         Provider("verl_torch", _need("verl.utils.experimental.torch_functional"), _verl_torch,
