@@ -131,10 +131,18 @@ def _chunk_logits(x: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1
         z = z + (b.to(rd) if rd is not None else b).to(x.dtype)
         if rd is not None:
             z = z.to(rd).to(x.dtype)
+    return scale_logits(z, temperature, logit_scale, softcap)
+
+
+def scale_logits(a: Tensor, temperature: float, logit_scale: float = 1.0,
+                 softcap: Optional[float] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """(z, y) of GEMM outputs a (plus bias): a * logit_scale, y = tanh(that / softcap) and
+    z = softcap * y / T (HF's order), or y = None and z = a * logit_scale / T. The one
+    definition of the scale, cap and temperature on this path (the extrema op's too)."""
     if logit_scale != 1.0:
-        z = z * logit_scale
-    y = None if softcap is None else torch.tanh(z / softcap)
-    return (z if y is None else softcap * y) / temperature, y
+        a = a * logit_scale
+    y = None if softcap is None else torch.tanh(a / softcap)
+    return (a if y is None else softcap * y) / temperature, y
 
 
 def _forward_rows(x: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor],

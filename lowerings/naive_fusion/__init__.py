@@ -29,6 +29,8 @@ autograd and training, inference, frozen and trainable W are all one rewrite):
          without a softcap: the mean logit is linear in the head, cross_entropy.py)
       -(softmax(z, -1) * log_softmax(z, -1)).sum(-1), -(logp.exp() * logp).sum(-1),
       lse - (softmax(z, -1) * z).sum(-1)                                    -> entropy
+      z.detach().min(-1).values, .amax(-1), z.max() under no_grad (metrics) -> linear_logits_extrema
+        (of z or of a node of its chain: extrema.py; one forward GEMM more, no [N, V] logits)
     (F.* / torch.* / Tensor-method spellings, dim=-1 or the last dim's index, keepdim either way)
 
 into one `linear_logprobs(h, W, ids, b, temperature=, fp32_lm_head=, with_entropy=)` call per
@@ -70,12 +72,13 @@ from torch.fx import Graph, Node
 
 from lowerings.naive_fusion.cross_entropy import cross_entropy_results
 from lowerings.naive_fusion.gemm import _match_gemm, autocast_dtypes
-from lowerings.naive_fusion.match import _ids_source, _match_consumers, _replaced, _walk_logits, trl_kernel_call
+from lowerings.naive_fusion.match import _ids_source, _match_consumers, _replaced, _walk_logits
 from lowerings.naive_fusion.region import _region_is_clean, no_grad_nodes
-from lowerings.naive_fusion.nodes import _erase_dead, _is, _is_gemm, _val
+from lowerings.naive_fusion.nodes import _erase_dead, _is_gemm, _val
 from lowerings.linear_logprobs.op import linear_logprobs
 from lowerings.naive_fusion.loops import fold_row_loops, settle_folds
-from lowerings.naive_fusion import categorical, complement, normalize, separable, unrecognized
+from lowerings.naive_fusion import categorical, complement, extrema, normalize, separable
+from lowerings.naive_fusion.unfused import UNFUSED_REASONS, _report_unfused
 
 # The fused-gradient rewrite (separable.py) after the log-prob rewrite; False: the recompute op
 # always (the op's own backward: one more head GEMM, no [N, V] logits either).
@@ -117,10 +120,17 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict, frozen: frozenset = froze
         if m["mixed"]:          # e.g. bf16 h, fp32 W, both cast by the user: keep fp32 inputs
             h, w = (x if _val(x).dtype == torch.float32 else graph.call_method("float", (x,))
                     for x in (h, w))
-        for method, args in wk["lead_ops"]:      # the logits' leading-dim views, applied to h
+        dead = []           # min / max metrics of chain nodes before the logits, at their views
+
+        def metrics(k: int, h: Node) -> None:
+            dead.extend(n for s in wk["sides"] if s["lead"] == k
+                        for n in extrema.replace_side(graph, s, h, w, bias, m["fp32_lm_head"]))
+        metrics(0, h)
+        for i, (method, args) in enumerate(wk["lead_ops"]):   # the logits' leading-dim views, on h
             if method == "reshape":
                 args = (*args, graph.call_method("size", (h, -1)))
             h = graph.call_method(method, (h, *args))
+            metrics(i + 1, h)
         for t, op in wk["tensor_temps"]:         # z / t = (h / t) @ W.T, z * t likewise
             h = graph.call_function(op, (h, t))
         if bias is not None and bias_temp != temp:   # b added before a scale: fold the ratio in
@@ -143,6 +153,9 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict, frozen: frozenset = froze
         else:
             ids = graph.call_function(torch.zeros_like, (lead_ref,), {"dtype": torch.int64})
         temperature, scale, cap = wk["scaling"]
+        if c["extrema"]:        # the logits' min / max metrics
+            dead += extrema.replace_extrema(graph, c["extrema"], h, w, bias, wk["scaling"],
+                                            m["fp32_lm_head"])
         if c["trl"]:                                # the kernel's TEMPERATURE on top of the chain's
             temperature = temperature * c["trl"][0]["temperature"]
         extra = () if cap is None else (float(scale), float(cap))      # a softcap in the chain
@@ -183,72 +196,11 @@ def _rewrite(graph: Graph, m: dict, wk: dict, c: dict, frozen: frozenset = froze
                                             (h, w, bias, temperature))
             for x, r in zip(c["ce"], results):
                 x.node.replace_all_uses_with(cast(r, x.node))
-    _erase_dead(graph, [lead_ref, lp, ent, lse, *replaced, *c["sizes"]])    # cascades up the naive chain
+    _erase_dead(graph, [lead_ref, lp, ent, lse, *replaced, *c["sizes"], *dead])  # cascades up the naive chain
     for b in bodies:            # TRL's autograd.Function bodies (get_attr), once their call is gone
         if not b.users and not getattr(b, "_erased", False):
             graph.erase_node(b)
     return out
-
-
-# Why a log-prob graph was left unfused: counters["compiled_grpo_unfused"][reason], and a
-# warning the first time a process meets each reason (a torch upgrade that changes how Dynamo
-# records the user's code must not turn the pass off in silence).
-UNFUSED_REASONS = {
-    "no_gemm": "no matmul / linear / einsum the pass knows feeds the log-softmax (tensordot, "
-               "or a spelling this torch records differently)",
-    "gemm_unmatched": "the GEMM is not logits = h @ W.T of a 2-D W (dtypes, shapes, layout)",
-    "logits_users": "the logits have users other than log-prob / entropy / lse consumers",
-    "region": "an in-place op the rewrite cannot move across lies between GEMM and consumers, or a "
-              "grad-mode switch before the first consumer",
-    "matcher_error": "the matcher raised (a bug: please report it with the graph)",
-    "unrecognized": "the lm_head's logits reach a reduction over the vocabulary the pass does not "
-                    "recognize (a softmax or log-sum-exp written by hand, or one inside a user "
-                    "autograd.Function)",
-}
-_warned: set = set()
-# the ops that mark a log-prob computation (softmax alone is attention's, not counted)
-_LOGPROB_SINKS = (torch.log_softmax, torch.nn.functional.log_softmax, torch.special.log_softmax,
-                  torch.logsumexp, torch.nn.functional.cross_entropy)
-
-
-def _unfused(reason: str, node: Node) -> None:
-    counters["compiled_grpo_unfused"][reason] += 1
-    if reason not in _warned:
-        _warned.add(reason)
-        log.warning("naive_logprob_fusion: a log-prob computation (%s) left unfused: %s; the "
-                    "[N, V] logits stay. Counted in torch._dynamo.utils.counters"
-                    "['compiled_grpo_unfused'][%r]; logged once.", node, UNFUSED_REASONS[reason],
-                    reason)
-
-
-def _gemm_upstream(node: Node, depth: int = 16) -> list:
-    """The matmul / linear nodes that feed `node` through at most `depth` ops."""
-    seen, frontier, found = set(), [node], []
-    for _ in range(depth):
-        nxt = []
-        for n in frontier:
-            for a in n.all_input_nodes:
-                if a in seen:
-                    continue
-                seen.add(a)
-                (found if _is_gemm(a) else nxt).append(a)
-        frontier = nxt
-    return found
-
-
-def _report_unfused(graph: Graph, tried: dict) -> None:
-    """Count each log-softmax / logsumexp / cross-entropy still in the graph by why (tried: the
-    reason each GEMM the pass looked at was left alone)."""
-    reported = set()
-    for n in graph.nodes:
-        if not (_is(n, _LOGPROB_SINKS, ("log_softmax", "logsumexp")) or trl_kernel_call(n) is not None):
-            continue
-        gemms = [g for g in _gemm_upstream(n) if g in tried]
-        reported.update(gemms)
-        _unfused(tried[gemms[0]] if gemms else "no_gemm", n)
-    for g, reason in tried.items():   # no sink the pass knows: a hand-written one, or none at all
-        if g not in reported and reason == "logits_users" and unrecognized.vocab_reduction(g):
-            _unfused("unrecognized", g)
 
 
 def naive_logprob_fusion_pass(graph: Graph) -> int:
@@ -289,11 +241,15 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
         first_use = min(_replaced(c), key=order.__getitem__)
         reads = (m["h"], m["w"], wk["bias"], *(t for t, _ in wk["tensor_temps"]), *wk["chain"],
                  *(x.weight for x in c["ce"] if x.weight is not None))     # cross_entropy's class weights
-        last_use = max(_replaced(c), key=order.__getitem__)
+        metrics = extrema.all_extrema(c, wk)
+        last_use = max(_replaced(c) + [e.node for e in metrics], key=order.__getitem__)
         frozen = no_grad_nodes(graph, node, last_use)   # consumers under torch.no_grad()
         if frozen is None or first_use in frozen or any(x in frozen for x in wk["chain"]) \
                 or not _region_is_clean(graph, node, last_use, first_use, reads, no_grad_ok=True):
             tried[node] = "region"
+            continue
+        if not extrema.grad_free(metrics, frozen, wk["L"]):   # a max with a gradient
+            tried[node] = "logits_users"
             continue
         rewrites.append(_rewrite(graph, m, wk, c, frozenset(frozen)))
         outs = {i for k in c["trl"] for _, i in k["outs"]}     # TRL's kernel: 0 logprobs, 1 entropy
@@ -301,6 +257,8 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
             counters["compiled_grpo"]["naive_logprob_fusion"] += 1
         if c["sums"] or 1 in outs:
             counters["compiled_grpo"]["naive_entropy_fusion"] += 1
+        if metrics:
+            counters["compiled_grpo"]["naive_extrema_fusion"] += 1
     kept = settle_folds(graph, folds)   # a fold no rewrite used: the user's loop back
     if kept:
         counters["compiled_grpo"]["naive_row_loop_fold"] += kept
@@ -325,8 +283,9 @@ def naive_logprob_fusion_pass(graph: Graph) -> int:
 
 def _source_files() -> tuple:
     here = os.path.dirname(os.path.abspath(__file__))
-    op_file = os.path.abspath(sys.modules[linear_logprobs.__module__].__file__)
-    files = set(glob.glob(os.path.join(here, "**", "*.py"), recursive=True)) | {op_file}
+    op_files = {os.path.abspath(sys.modules[f.__module__].__file__)
+                for f in (linear_logprobs, extrema.linear_logits_extrema)}
+    files = set(glob.glob(os.path.join(here, "**", "*.py"), recursive=True)) | op_files
     return tuple(sorted(files))
 
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
+from lowerings.naive_fusion.extrema import extrema_consumer
+from lowerings.naive_fusion.trl_kernel import trl_kernel_call
 from lowerings.naive_fusion.nodes import (_ADD, _DIV, _FLOATS, _GATHER, _LOG_SOFTMAX, _MUL, _NEG,
                                           _SOFTMAX, _TANH, _VIEW, _arg, _cast_dtype, _is, _last_dim, _mutating,
                                           _number, _same_size, _val)
@@ -81,6 +83,10 @@ def _walk_logits(m: dict) -> dict:
     h by it: z / t = (h / t) @ W.T; not with a bias, and a per-row t only after the last
     leading-dim view (it is shaped like the logits' rows there).
 
+    "sides": min / max metrics of a chain node before L (`logits.detach().max(-1)` beside
+    `log_softmax(logits / T)`), each with the chain's state there (the leading-dim views applied
+    so far, the scaling, the bias); not past a tensor temperature.
+
     "scaling" is the op's (temperature, logit_scale, final_logit_softcapping) for L in terms of
     (GEMM + bias * temp / bias_temp): (temp, 1.0, None) without a tanh; with one, the cap c is
     the first factor multiplied after the tanh (the `c *` of `c * tanh(z / c)`; temp when there
@@ -89,8 +95,18 @@ def _walk_logits(m: dict) -> dict:
     cur, chain, temp, bias, bias_temp, lead_ops = m["gemm"], [m["gemm"]], 1.0, m["bias"], 1.0, []
     post, cap = None, None          # after a tanh: its divisor, and the first factor multiplied
     tensor_temps = []               # (t, len(lead_ops) then): z / t by a 0-dim or per-row tensor
-    while len(cur.users) == 1:
-        nxt = next(iter(cur.users))
+    sides = []                      # min / max metrics of a chain node before L (extrema.py)
+    while True:
+        users, side = list(cur.users), []
+        if len(users) > 1 and not tensor_temps and _val(cur) is not None:
+            side = [extrema_consumer(u, {cur}, _val(cur).dim()) for u in users]
+            users = [u for u, x in zip(users, side) if x is None]
+            side = [e for x in side if x is not None for e in x]
+        if len(users) != 1:
+            break
+        nxt = users[0]
+        state = dict(lead=len(lead_ops), scaling=_scaling(temp, post, cap), bias=bias,
+                     bias_temp=bias_temp, temp=temp, extrema=side)
         if nxt.op == "call_method" and nxt.args and nxt.args[0] is not cur:
             break
         other = [a for a in list(nxt.args) + list(nxt.kwargs.values()) if a is not cur]
@@ -130,17 +146,25 @@ def _walk_logits(m: dict) -> dict:
         else:
             break
         chain.append(nxt)
+        if side:
+            sides.append(state)
         cur = nxt
-    if post is None:
-        scaling = (temp, 1.0, None) if temp > 0 else None
-    else:
-        cap = float(temp if cap is None else cap)
-        scaling = (cap * post, cap / temp, cap) if min(temp, post, cap) > 0 else None
+    scaling = _scaling(temp, post, cap)
+    if sides and (scaling is None or any(x["scaling"] is None for x in sides)):
+        scaling = None
     if tensor_temps and (bias is not None or any(
             _val(t) is not None and _val(t).dim() and k < len(lead_ops) for t, k, _ in tensor_temps)):
         scaling = None   # a bias (scaled or not), or a per-row t read through a later view
     return dict(L=cur, chain=chain, temp=temp, bias=bias, bias_temp=bias_temp, lead_ops=lead_ops,
-                scaling=scaling, tensor_temps=[(t, op) for t, _, op in tensor_temps])
+                scaling=scaling, tensor_temps=[(t, op) for t, _, op in tensor_temps], sides=sides)
+
+
+def _scaling(temp: float, post: Optional[float], cap: Optional[float]) -> Optional[tuple]:
+    """The op's (temperature, logit_scale, final_logit_softcapping) of _walk_logits' state."""
+    if post is None:
+        return (temp, 1.0, None) if temp > 0 else None
+    cap = float(temp if cap is None else cap)
+    return (cap * post, cap / temp, cap) if min(temp, post, cap) > 0 else None
 
 
 def _sym_float(t: Any) -> bool:
@@ -230,7 +254,7 @@ def _match_consumers(L: Node) -> Optional[dict]:
         return None
     nd = vL.dim()
     Ls = {L} | {c for c in L.users if _cast_dtype(c) in _FLOATS and c.args[0] is L and c.users}
-    lsm, sm, ce, others, zgathers, lses, muls, sizes, trl = [], [], [], [], [], [], {}, [], []
+    lsm, sm, ce, others, zgathers, lses, muls, sizes, trl, ext = [], [], [], [], [], [], {}, [], [], []
     for u in [u for x in Ls for u in x.users if u not in Ls]:
         if u.op == "call_method" and u.target == "size" and u.args[0] is L and not u.kwargs \
                 and (len(u.args) == 1 or (len(u.args) == 2 and isinstance(u.args[1], int))):
@@ -252,6 +276,8 @@ def _match_consumers(L: Node) -> Optional[dict]:
             muls[u] = None
         elif (k := trl_kernel_call(u)) is not None:
             trl.append((u, k))
+        elif (x := extrema_consumer(u, Ls, nd)) is not None:   # min / max metrics
+            ext += x
         else:
             others.append(u)
     for u in others:    # cross_entropy(logits.view(-1, V) | logits.transpose(1, 2), target)
@@ -341,7 +367,7 @@ def _match_consumers(L: Node) -> Optional[dict]:
         | {_spelled(k["ids"]) for k in kernels if any(i == 0 for _, i in k["outs"])}
     if len(ids) > 1 or not (targets or ce or sums or lses or kernels):
         return None
-    return dict(gathers=targets, ce=ce, sums=sums, lses=lses, sizes=sizes, trl=kernels)
+    return dict(gathers=targets, ce=ce, sums=sums, lses=lses, sizes=sizes, trl=kernels, extrema=ext)
 
 
 def _spelled(n: Node, depth: int = 4) -> Any:
@@ -355,45 +381,6 @@ def _spelled(n: Node, depth: int = 4) -> Any:
     if any(isinstance(p, Node) and p.op not in ("placeholder", "get_attr") for p in parts):
         return n
     return f"{n.op}:{n.target}({', '.join(p if isinstance(p, str) else p.name for p in parts)})"
-
-
-# TRL >= 1.16 on CUDA: selective_log_softmax / entropy_from_logits / selective_log_softmax_and_entropy
-# run trl.kernels.logprob_entropy's autograd.Function, which Dynamo records as one
-# autograd_function_apply whose forward body launches its Triton _forward_kernel: (logprobs,
-# entropy) [...] fp32 of logits / TEMPERATURE, the same quantities as the op's.
-_TRL_KERNEL = ("trl.kernels.logprob_entropy", "_forward_kernel")
-
-
-def trl_kernel_call(u: Node) -> Optional[dict]:
-    """{logits, ids, temperature} of TRL's logprob / entropy kernel call `u` (an
-    autograd_function_apply node), or None: another function, a row mask, or a layout the
-    rewrite does not know."""
-    if not (u.op == "call_function" and u.target is torch.ops.higher_order.autograd_function_apply):
-        return None
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-    body = u.args[0]
-    gm = getattr(body.graph.owning_module, body.target, None) if body.op == "get_attr" else None
-    if gm is None:
-        return None
-    launches = [n for n in gm.graph.nodes
-                if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation]
-    if len(launches) != 1:
-        return None
-    kernel = kernel_side_table.get_kernel(launches[0].kwargs["kernel_idx"])
-    fn = getattr(kernel, "fn", None)
-    if (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) != _TRL_KERNEL:
-        return None
-    const = kernel_side_table.get_constant_args(launches[0].kwargs["constant_args_idx"])
-    temperature = const.get("TEMPERATURE")
-    if const.get("HAS_MASK", True) or not _number(temperature) or not temperature > 0:
-        return None
-    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    operands = dict(zip(places, u.args[2:]))      # the body's inputs: the apply's operands
-    kw = launches[0].kwargs["kwargs"]
-    logits, ids = operands.get(kw.get("logits_ptr")), operands.get(kw.get("index_ptr"))
-    if logits is None or ids is None:
-        return None
-    return dict(logits=logits, ids=ids, temperature=float(temperature))
 
 
 def _replaced(c: dict) -> list:

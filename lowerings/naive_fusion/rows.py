@@ -28,7 +28,6 @@ Which of these holds is counted in ``counters["compiled_grpo_rows"]`` (ROW_REASO
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch.fx import Graph, Node
