@@ -33,7 +33,10 @@ def naive_logprobs(hidden, weight, token_ids, temperature: float, softcap: Optio
     Holds [B, T, V] bf16 logits, their fp32 copy and the fp32 log_softmax (and as many again in
     backward): 10 bytes per logit forward, the memory the fused providers avoid.
     """
-    logits = hidden @ weight.T  # [B, T, V] bf16
+    return _naive_logprobs_of(hidden @ weight.T, token_ids, temperature, softcap)  # [B, T, V] bf16 logits
+
+
+def _naive_logprobs_of(logits, token_ids, temperature: float, softcap: Optional[float]):
     logits = cap_logits(logits.float(), softcap) / temperature  # [B, T, V] fp32 (HF: cap, then T)
     return torch.log_softmax(logits, dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, T]
 
@@ -79,6 +82,19 @@ def naive_loss(hidden, weight, token_ids, advantages, mask, old_logp, ref_logp, 
                softcap: Optional[float] = None):
     logp = naive_logprobs(hidden, weight, token_ids, p.temperature, softcap)  # [B, T] fp32
     return dapo_loss(logp, old_logp, ref_logp, advantages, mask, p)
+
+
+def naive_loss_with_logit_metrics(hidden, weight, token_ids, advantages, mask, old_logp, ref_logp,
+                                  p: Params, softcap: Optional[float] = None):
+    """naive_loss, and the masked means of each token's least and greatest raw logit, as
+    trainers log them (under no_grad): (loss, max metric, min metric)."""
+    logits = hidden @ weight.T  # [B, T, V] bf16
+    with torch.no_grad():
+        kept, count = mask > 0, mask.sum().clamp(min=1.0)
+        top = torch.where(kept, logits.amax(-1).float(), 0.0).sum() / count
+        low = torch.where(kept, logits.amin(-1).float(), 0.0).sum() / count
+    logp = _naive_logprobs_of(logits, token_ids, p.temperature, softcap)
+    return dapo_loss(logp, old_logp, ref_logp, advantages, mask, p), top, low
 
 
 def _import(name: str):

@@ -20,7 +20,7 @@ from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 
-from bench.dapo import Params, _args, _import, _resetting, compact, naive_loss
+from bench.dapo import Params, _args, _import, _resetting, compact, naive_loss, naive_loss_with_logit_metrics
 from bench.peers import (_cce, _liger, _liger_cute, _liger_cute_check, _quack, _trl_chunked, _trl_chunked_fp32,
                          _verl_torch, _verl_triton)
 from bench.shapes import StepInputs
@@ -151,7 +151,11 @@ def _naive_eager(x, p):
     yield step
 
 
-def _compiled_naive(enable_pass: bool):
+def _compiled_naive(enable_pass: bool, metrics: bool = False):
+    """naive_loss under torch.compile, with the pass or not; metrics: the logits' min / max
+    logged beside it (naive_loss_with_logit_metrics: the pass's extrema op, one GEMM more)."""
+    user_fn = naive_loss_with_logit_metrics if metrics else naive_loss
+
     @contextlib.contextmanager
     def build(x, p):
         with _resetting(), (_no_compile_caches() if enable_pass else contextlib.nullcontext()):
@@ -160,10 +164,11 @@ def _compiled_naive(enable_pass: bool):
                 cg.enable_naive_logprob_fusion()
             try:
                 # dynamic=False: one static graph per shape, the best case for the naive code.
-                fn = torch.compile(naive_loss, dynamic=False)
+                fn = torch.compile(user_fn, dynamic=False)
 
                 def step():
                     loss = fn(*_args(x), p, x.softcap)
+                    loss = loss[0] if metrics else loss
                     loss.backward()
                     return loss.detach()
                 yield step
@@ -270,6 +275,8 @@ PROVIDERS: dict[str, Provider] = {
                  accepts=_cg_packed, sequence_level=_any_inputs),
         Provider("naive_compile+pass", _need_cg("enable_naive_logprob_fusion"), _compiled_naive(True),
                  pass_provider=True),
+        Provider("naive_compile+pass+metrics", _need_cg("enable_naive_logprob_fusion"),
+                 _compiled_naive(True, metrics=True), pass_provider=True),
         # the lm_head precision settings (docs/losses-and-metrics.md, "lm_head precision"): logits rounded to bf16 as
         # trl_chunked computes them, and fp32 operands against TRL's cast_lm_head_to_fp32
         Provider("compiled_grpo_round", _need_cg("grpo_loss"), _compiled_grpo(False, round_logits=True),
