@@ -3,6 +3,8 @@ the [N, V] logits. Every module, by layer (start at op.py; each module's docstri
 
   the op and its autograd
     op.py              the triton_op pair, its autograd and the public `linear_logprobs`
+    extrema.py         `linear_logits_extrema`: each row's min / max logit (the pass's logits
+                       metrics), one forward GEMM in vocab chunks, every device
   the CPU body (every non-CUDA device)
     cpu.py             the chunked pure-PyTorch forward and backward
   the recompute path on CUDA (the composable op: logits recomputed in the backward)
